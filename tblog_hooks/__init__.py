@@ -1,0 +1,11 @@
+"""tblog_hooks: activation, gradient and parameter statistics of a PyTorch model in TensorBoard,
+computed on the device and written every N optimizer steps."""
+
+from __future__ import annotations
+
+from .errors import HookLoggerError
+from .logger import HookLogger
+from .selection import Selector
+
+__version__ = "0.1.0"
+__all__ = ["HookLogger", "HookLoggerError", "Selector", "__version__"]

@@ -1,0 +1,195 @@
+"""What the hooks record during one logged step, kept on the device until the step ends.
+
+The hooks (see ``hooks.py``) call into a :class:`Collector`. It never reads a tensor value
+on the host; :meth:`Collector.finish` packs everything recorded into one float64 tensor
+plus a :class:`Layout` that says what each number is.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
+
+from . import stats
+
+ACTIVATION, GRADIENT, PARAM, PARAM_GRAD = "activation", "gradient", "param", "param_grad"
+
+
+@dataclass
+class Layout:
+    """Host-side description of a packed step: which module/parameter each number belongs to."""
+
+    activations: list[tuple[str, int, int]] = field(default_factory=list)  # name, numel, channels
+    gradients: list[str] = field(default_factory=list)
+    params: list[str] = field(default_factory=list)
+    hists: list[tuple[str, str]] = field(default_factory=list)  # kind, name
+
+
+@dataclass
+class Options:
+    activations: bool = True
+    gradients: bool = True
+    parameters: bool = True
+    histograms: bool = True
+
+
+class Collector:
+    """Per-step buffer of device results, fed by the hooks; holds no module or model."""
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self.active = False
+        self.disabled: set[str] = set()
+        self._act_floats: list[Tensor] = []
+        self._act_counts: list[Tensor] = []
+        self._grad_norms: list[Tensor] = []
+        self._grad_nonfinite: list[Tensor] = []
+        self._samples: list[tuple[tuple[str, str], Tensor, float]] = []
+        self._param_norms: dict[str, Tensor] = {}
+        self._param_samples: dict[str, list[tuple[tuple[str, str], Tensor, float]]] = {}
+        self._tensor_handles: list[RemovableHandle] = []
+        self.layout = Layout()
+
+    # -- called from hooks ---------------------------------------------------------------
+    def on_output(self, name: str, output: object) -> None:
+        """Forward hook body: statistics of the output now, a gradient hook for later."""
+        if name in self.disabled:
+            return
+        try:
+            leaves, _ = tree_flatten(output)
+            tensors = [t for t in leaves if stats.loggable(t)]
+            if not tensors:
+                return
+            if self.options.activations:
+                for t in tensors:
+                    floats, counts = stats.activation_row(t)
+                    self._act_floats.append(floats)
+                    self._act_counts.append(counts)
+                    self.layout.activations.append((name, t.numel(), stats.channels(t)))
+                    self._add_sample(ACTIVATION, name, t)
+            if self.options.gradients and torch.is_grad_enabled():
+                for t in tensors:
+                    if t.requires_grad:
+                        self._tensor_handles.append(t.register_hook(_GradientHook(self, name)))
+        except Exception as error:  # the logger must never stop training
+            self.fail(name, error)
+
+    def on_output_grad(self, name: str, grad: Tensor) -> None:
+        if name in self.disabled or not stats.loggable(grad):
+            return
+        try:
+            norm, nonfinite = stats.gradient_row(grad)
+            self._grad_norms.append(norm)
+            self._grad_nonfinite.append(nonfinite)
+            self.layout.gradients.append(name)
+            self._add_sample(GRADIENT, name, grad)
+        except Exception as error:
+            self.fail(name, error)
+
+    def on_params(self, named: list[tuple[str, Tensor]]) -> None:
+        """Record gradient norms (and histograms) of parameters whose ``.grad`` is final."""
+        named = [(key, p) for key, p in named if key not in self.disabled and p.grad is not None]
+        if not named:
+            return
+        try:
+            grads = [p.grad for _, p in named if p.grad is not None]
+            norms = torch._foreach_norm(grads)
+            for (key, p), grad, norm in zip(named, grads, norms):
+                self._param_norms[key] = norm
+                if self.options.histograms:
+                    self._param_samples[key] = [_sampled(PARAM_GRAD, key, grad), _sampled(PARAM, key, p)]
+        except Exception as error:
+            self.fail(named[0][0] if len(named) == 1 else "parameters", error)
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def _add_sample(self, kind: str, name: str, t: Tensor) -> None:
+        if self.options.histograms:
+            self._samples.append(_sampled(kind, name, t))
+
+    def fail(self, name: str, error: BaseException) -> None:
+        """Report a failure once and stop logging ``name``; training carries on."""
+        if name not in self.disabled:
+            self.disabled.add(name)
+            warnings.warn(
+                f"tblog_hooks: logging for {name!r} failed and is switched off: {type(error).__name__}: {error}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def remove_tensor_hooks(self) -> None:
+        for handle in self._tensor_handles:
+            handle.remove()
+        self._tensor_handles.clear()
+
+    def finish(self) -> tuple[Tensor, Layout] | None:
+        """Pack everything recorded this step into one float64 tensor; reset the buffer.
+
+        Order: activation float rows, activation count rows, gradient norms, gradient
+        non-finite counts, parameter-gradient norms, histogram rows (see ``Layout``)."""
+        self.remove_tensor_hooks()
+        layout, self.layout = self.layout, Layout()
+        groups = [self._act_floats, self._act_counts, self._grad_norms, self._grad_nonfinite]
+        self._act_floats, self._act_counts, self._grad_norms, self._grad_nonfinite = [], [], [], []
+        samples = self._samples + [s for pair in self._param_samples.values() for s in pair]
+        self._samples, self._param_samples = [], {}
+        norms, self._param_norms = self._param_norms, {}
+        layout.params = list(norms)
+        groups.append(list(norms.values()))
+        firsts = [g[0] for g in groups if g] + [s for _, s, _ in samples[:1]]
+        if not firsts:
+            return None
+        device = firsts[0].device
+        parts = [torch.stack(_gather(g, device)).to(torch.float64).reshape(-1) for g in groups if g]
+        if samples:
+            merged = _merge_samples(samples)
+            layout.hists = list(merged)
+            tensors = _gather([s for s, _ in merged.values()], device)
+            parts.append(stats.histograms(tensors, [w for _, w in merged.values()]).reshape(-1))
+        return torch.cat(parts), layout
+
+
+def _sampled(kind: str, name: str, t: Tensor) -> tuple[tuple[str, str], Tensor, float]:
+    """A histogram sample of ``t`` and how many elements each sampled element stands for."""
+    s = stats.sample(t)
+    return (kind, name), s, t.numel() / s.numel()
+
+
+def _merge_samples(
+    samples: list[tuple[tuple[str, str], Tensor, float]],
+) -> dict[tuple[str, str], tuple[Tensor, float]]:
+    """One sample per tag: calls of the same module in one step are pooled (re-sampled
+    to the cap if needed), each element then standing for ``total elements / length``."""
+    grouped: dict[tuple[str, str], list[tuple[Tensor, float]]] = {}
+    for key, s, weight in samples:
+        grouped.setdefault(key, []).append((s, weight))
+    merged = {}
+    for key, parts in grouped.items():
+        if len(parts) == 1:
+            merged[key] = parts[0]
+            continue
+        represented = sum(s.numel() * w for s, w in parts)
+        pooled = stats.sample(torch.cat([s for s, _ in parts]))
+        merged[key] = (pooled, represented / pooled.numel())
+    return merged
+
+
+def _gather(tensors: list[Tensor], device: torch.device) -> list[Tensor]:
+    """Move results of a model spread over several devices to one (a no-op on one device)."""
+    return [t.to(device, non_blocking=True) for t in tensors]
+
+
+class _GradientHook:
+    """Tensor hook on a module output: records the gradient, never changes it."""
+
+    __slots__ = ("collector", "name")
+
+    def __init__(self, collector: Collector, name: str) -> None:
+        self.collector, self.name = collector, name
+
+    def __call__(self, grad: Tensor) -> None:
+        self.collector.on_output_grad(self.name, grad)

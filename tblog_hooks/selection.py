@@ -1,0 +1,104 @@
+"""Select the submodules to watch: by exact name, glob, type or predicate.
+
+Selectors are resolved once, at construction; every selector that matches nothing
+is reported in one error together with the closest real module names.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Callable, Sequence
+from typing import Union
+
+from torch import nn
+
+from .errors import HookLoggerError
+
+#: One way to pick modules: a dotted name from ``model.named_modules()``, a glob
+#: pattern over those names, an ``nn.Module`` subclass, or ``(name, module) -> bool``.
+Selector = Union[str, type[nn.Module], Callable[[str, nn.Module], bool]]
+
+ROOT_NAME = "root"
+_GLOB_CHARS = frozenset("*?[")
+
+
+def default_selection(name: str, module: nn.Module) -> bool:
+    """Leaf modules that own parameters: the layers whose weights training changes."""
+    has_children = next(module.children(), None) is not None
+    return not has_children and next(module.parameters(recurse=False), None) is not None
+
+
+def select_modules(model: nn.Module, selectors: Selector | Sequence[Selector] | None) -> dict[str, nn.Module]:
+    """Resolve ``selectors`` against ``model`` into ``{display name: module}`` in model order.
+
+    >>> select_modules(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), "0")
+    {'0': Linear(in_features=2, out_features=2, bias=True)}
+    """
+    if selectors is None:
+        rules: list[Selector] = [default_selection]
+    elif isinstance(selectors, (str, type)) or callable(selectors):
+        rules = [selectors]
+    else:
+        rules = list(selectors)
+    for rule in rules:
+        _check_rule(rule)
+
+    named = [(name, module) for name, module in model.named_modules()]
+    matched: set[int] = set()
+    unmatched: list[Selector] = []
+    for rule in rules:
+        hits = {i for i, (name, module) in enumerate(named) if _matches(rule, name, module)}
+        if not hits and not _is_predicate(rule):
+            unmatched.append(rule)
+        matched |= hits
+    if unmatched:
+        raise HookLoggerError(_unmatched_message(unmatched, [name for name, _ in named]))
+    if not matched:
+        raise HookLoggerError(
+            "modules= selected no module of the model; pass names from "
+            "model.named_modules(), glob patterns, nn.Module subclasses or predicates"
+            + ("" if selectors is not None else " (the default picks leaf modules that own parameters)")
+        )
+    return {(named[i][0] or ROOT_NAME): named[i][1] for i in sorted(matched)}
+
+
+def _is_predicate(rule: Selector) -> bool:
+    return not isinstance(rule, (str, type))
+
+
+def _check_rule(rule: object) -> None:
+    if isinstance(rule, str):
+        return
+    if isinstance(rule, type):
+        if issubclass(rule, nn.Module):
+            return
+    elif callable(rule):
+        return
+    raise HookLoggerError(
+        f"modules= got {rule!r}; each selector must be a module name or glob pattern (str), "
+        "an nn.Module subclass, or a predicate (name, module) -> bool"
+    )
+
+
+def _matches(rule: Selector, name: str, module: nn.Module) -> bool:
+    if isinstance(rule, str):
+        if _GLOB_CHARS.isdisjoint(rule):
+            return name == rule
+        return fnmatch.fnmatchcase(name, rule)
+    if isinstance(rule, type):
+        return isinstance(module, rule)
+    return bool(rule(name, module))
+
+
+def _unmatched_message(unmatched: list[Selector], names: list[str]) -> str:
+    lines = ["modules= has selectors that match no module of the model:"]
+    for rule in unmatched:
+        if isinstance(rule, str):
+            close = difflib.get_close_matches(rule, [n for n in names if n], n=5, cutoff=0.5)
+            hint = f"closest names: {', '.join(close)}" if close else "no similar name"
+            lines.append(f"  {rule!r} ({hint})")
+        else:
+            lines.append(f"  {getattr(rule, '__name__', rule)} (no module of this type)")
+    lines.append("Names come from model.named_modules(); patterns use fnmatch ('layer1.*', '*.conv2').")
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""Turn one logged step's numbers (on the host) into TensorBoard scalars and histograms.
+
+Several records of the same module in one step (a module called more than once, or
+several forward/backward passes per optimizer step) are merged here: counts and sums
+add up, minima and maxima combine, so the statistics cover every call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import stats
+from .collect import ACTIVATION, GRADIENT, PARAM_GRAD, Layout
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A histogram in TensorBoard's terms: ``limits[i]`` is the right edge of bucket ``i``."""
+
+    min: float
+    max: float
+    num: float
+    sum: float
+    sum_squares: float
+    limits: list[float]
+    counts: list[float]
+
+
+@dataclass
+class StepSummary:
+    """Everything one logged step writes: ``{tag: value}`` and ``{tag: Histogram}``."""
+
+    step: int
+    scalars: dict[str, float]
+    histograms: dict[str, Histogram]
+
+
+def tag(kind: str, *parts: str) -> str:
+    return "/".join((kind, *parts))
+
+
+def summarize(step: int, values: np.ndarray, layout: Layout) -> StepSummary:
+    """Decode the packed array of one step (see ``Collector.finish``) into tags."""
+    sizes = [
+        len(layout.activations) * 4,
+        len(layout.activations) * 3,
+        len(layout.gradients),
+        len(layout.gradients),
+        len(layout.params),
+    ]
+    act_floats, act_counts, grad_norms, grad_nonfinite, param_norms, hists = np.split(values, np.cumsum(sizes))
+
+    scalars: dict[str, float] = {}
+    for name, moments in _merge_activations(layout, act_floats.reshape(-1, 4), act_counts.reshape(-1, 3)).items():
+        scalars.update({tag(ACTIVATION, stat, name): value for stat, value in moments.items()})
+    squares: dict[str, float] = {}
+    nonfinite: dict[str, float] = {}
+    for name, norm, bad in zip(layout.gradients, grad_norms, grad_nonfinite):
+        squares[name] = squares.get(name, 0.0) + float(norm) ** 2
+        nonfinite[name] = nonfinite.get(name, 0.0) + float(bad)
+    for name, square in squares.items():
+        scalars[tag(GRADIENT, "norm", name)] = math.sqrt(square)
+        scalars[tag(GRADIENT, "nonfinite", name)] = nonfinite[name]
+    for key, norm in zip(layout.params, param_norms):
+        scalars[tag(PARAM_GRAD, "norm", key)] = float(norm)
+    if layout.params:
+        scalars[tag(PARAM_GRAD, "global_norm")] = math.sqrt(float(np.sum(np.square(param_norms))))
+
+    histograms = {}
+    for (kind, name), row in zip(layout.hists, hists.reshape(-1, stats.HIST_WIDTH)):
+        histogram = _histogram(row)
+        if histogram is not None:
+            histograms[tag(kind, name)] = histogram
+    return StepSummary(step, scalars, histograms)
+
+
+def _merge_activations(layout: Layout, floats: np.ndarray, counts: np.ndarray) -> dict[str, dict[str, float]]:
+    """Pool every call of a module in the step (Chan et al.'s parallel variance)."""
+    pooled: dict[str, list[float]] = {}  # name -> [n, mean, m2, min, max, nonzero, nonfinite, dead, channels]
+    for (name, n, chans), (mean, centred, lo, hi), (nonzero, bad, dead) in zip(layout.activations, floats, counts):
+        m2 = centred * centred
+        acc = pooled.get(name)
+        if acc is None:
+            pooled[name] = [float(n), mean, m2, lo, hi, nonzero, bad, dead, float(chans)]
+            continue
+        total = acc[0] + n
+        delta = mean - acc[1]
+        acc[2] += m2 + delta * delta * acc[0] * n / total
+        acc[1] += delta * n / total
+        acc[0] = total
+        acc[3], acc[4] = min(acc[3], lo), max(acc[4], hi)
+        for i, value in ((5, nonzero), (6, bad), (7, dead), (8, chans)):
+            acc[i] += value
+    out = {}
+    for name, (count, mean, m2, lo, hi, nonzero, bad, dead, channel_total) in pooled.items():
+        moments = {
+            "mean": mean,
+            "std": math.sqrt(m2 / (count - 1)) if count > 1 else 0.0,  # unbiased, as torch.std
+            "min": lo,
+            "max": hi,
+            "zero_frac": (count - nonzero) / count,
+            "nonfinite": bad,
+        }
+        if channel_total:
+            moments["dead_frac"] = dead / channel_total
+        out[name] = {stat: float(value) for stat, value in moments.items()}
+    return out
+
+
+def _histogram(row: np.ndarray) -> Histogram | None:
+    counts = row[4:]
+    filled = np.flatnonzero(counts)
+    if filled.size == 0:
+        return None  # no finite element
+    first, last = int(filled[0]), int(filled[-1]) + 1
+    edges = row[stats.H_LO] + row[stats.H_SPAN] * np.arange(stats.BINS + 1) / stats.BINS
+    centres = (edges[:-1] + edges[1:]) / 2
+    kept = counts[first:last]
+    return Histogram(
+        min=float(row[stats.H_MIN]),
+        max=float(row[stats.H_MAX]),
+        num=float(kept.sum()),
+        sum=float(kept @ centres[first:last]),
+        sum_squares=float(kept @ np.square(centres[first:last])),
+        limits=edges[first + 1 : last + 1].tolist(),
+        counts=kept.tolist(),
+    )

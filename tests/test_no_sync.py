@@ -1,0 +1,76 @@
+"""No hook reads a tensor value on the host.
+
+Two independent witnesses: a ``TorchFunctionMode`` (sees the forward hooks' torch calls)
+and patched ``Tensor`` methods (also see tensor and parameter hooks inside backward,
+which torch function modes do not reach), counting host reads made from this package.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import tblog_hooks
+from tblog_hooks import HookLogger
+
+_PACKAGE = str(Path(tblog_hooks.__file__).parent)
+_HOST_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
+
+
+class SeenOps(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.seen.add(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def host_reads_from_package(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    reads: list[str] = []
+    for name in _HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _name=name, _original=original, **kwargs):  # type: ignore[no-untyped-def]
+            if sys._getframe(1).f_code.co_filename.startswith(_PACKAGE):
+                reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    try:
+        yield reads
+    finally:
+        monkeypatch.undo()
+
+
+def test_hooks_of_a_logged_step_never_read_values_on_the_host(tmp_path, monkeypatch) -> None:
+    model = torchvision.models.resnet18(num_classes=4)
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([0, 3])
+    with HookLogger(model, log_dir=tmp_path, every=1) as hooks:
+        mode = SeenOps()
+        with host_reads_from_package(monkeypatch) as reads, mode:
+            nn.functional.cross_entropy(model(x), y).backward()
+        hooks.step()
+    assert {"aminmax", "count_nonzero", "linalg_vector_norm", "register_hook"} <= mode.seen
+    assert reads == []
+
+
+def test_the_witness_catches_a_host_read_in_a_backward_hook(monkeypatch) -> None:
+    # A hook whose code claims to live in the package, reading a value as a careless hook would.
+    namespace: dict[str, object] = {}
+    exec(compile("def hook(grad):\n    grad.sum().item()\n", f"{_PACKAGE}/probe.py", "exec"), namespace)
+    t = torch.ones(3, requires_grad=True)
+    t.register_hook(namespace["hook"])  # type: ignore[arg-type]
+    with host_reads_from_package(monkeypatch) as reads:
+        (t * 2).sum().backward()
+    assert reads == ["item"]
