@@ -61,7 +61,7 @@ class Collector:
         if name in self.disabled:
             return
         try:
-            leaves, _ = tree_flatten(output)
+            leaves = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
             tensors = [t for t in leaves if stats.loggable(t)]
             if not tensors:
                 return
@@ -180,6 +180,8 @@ def _merge_samples(
 
 def _gather(tensors: list[Tensor], device: torch.device) -> list[Tensor]:
     """Move results of a model spread over several devices to one (a no-op on one device)."""
+    if all(t.device == device for t in tensors):
+        return tensors
     return [t.to(device, non_blocking=True) for t in tensors]
 
 

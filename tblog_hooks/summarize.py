@@ -69,11 +69,7 @@ def summarize(step: int, values: np.ndarray, layout: Layout) -> StepSummary:
     if layout.params:
         scalars[tag(PARAM_GRAD, "global_norm")] = math.sqrt(float(np.sum(np.square(param_norms))))
 
-    histograms = {}
-    for (kind, name), row in zip(layout.hists, hists.reshape(-1, stats.HIST_WIDTH)):
-        histogram = _histogram(row)
-        if histogram is not None:
-            histograms[tag(kind, name)] = histogram
+    histograms = _histograms(layout.hists, hists.reshape(-1, stats.HIST_WIDTH))
     return StepSummary(step, scalars, histograms)
 
 
@@ -110,21 +106,30 @@ def _merge_activations(layout: Layout, floats: np.ndarray, counts: np.ndarray) -
     return out
 
 
-def _histogram(row: np.ndarray) -> Histogram | None:
-    counts = row[4:]
-    filled = np.flatnonzero(counts)
-    if filled.size == 0:
-        return None  # no finite element
-    first, last = int(filled[0]), int(filled[-1]) + 1
-    edges = row[stats.H_LO] + row[stats.H_SPAN] * np.arange(stats.BINS + 1) / stats.BINS
-    centres = (edges[:-1] + edges[1:]) / 2
-    kept = counts[first:last]
-    return Histogram(
-        min=float(row[stats.H_MIN]),
-        max=float(row[stats.H_MAX]),
-        num=float(kept.sum()),
-        sum=float(kept @ centres[first:last]),
-        sum_squares=float(kept @ np.square(centres[first:last])),
-        limits=edges[first + 1 : last + 1].tolist(),
-        counts=kept.tolist(),
-    )
+def _histograms(keys: list[tuple[str, str]], rows: np.ndarray) -> dict[str, Histogram]:
+    """Histograms with empty leading and trailing buckets trimmed; all-empty ones dropped."""
+    counts = rows[:, 4:]
+    steps = np.arange(stats.BINS + 1) / stats.BINS
+    edges = rows[:, stats.H_LO, None] + rows[:, stats.H_SPAN, None] * steps
+    centres = (edges[:, :-1] + edges[:, 1:]) / 2
+    filled = counts > 0
+    first = filled.argmax(axis=1)
+    last = stats.BINS - filled[:, ::-1].argmax(axis=1)
+    totals = counts.sum(axis=1)
+    sums = (counts * centres).sum(axis=1)
+    squares = (counts * centres * centres).sum(axis=1)
+    out = {}
+    for i, (kind, name) in enumerate(keys):
+        if totals[i] == 0:
+            continue  # no finite element
+        a, b = first[i], last[i]
+        out[tag(kind, name)] = Histogram(
+            min=float(rows[i, stats.H_MIN]),
+            max=float(rows[i, stats.H_MAX]),
+            num=float(totals[i]),
+            sum=float(sums[i]),
+            sum_squares=float(squares[i]),
+            limits=edges[i, a + 1 : b + 1].tolist(),
+            counts=counts[i, a:b].tolist(),
+        )
+    return out

@@ -1,0 +1,324 @@
+"""Overhead of tblog_hooks against no hooks, hand-written hooks and wandb.watch, side by side.
+
+Every configuration trains its own copy of the same model on the same batch in this process,
+interleaved in short blocks (A B C A B C ...), so drift in the machine hits all alike. Step-time
+medians are reported as ratios to the no-hook baseline:
+
+- logged / non-logged: median time of steps that log / do not log;
+- every=N amortised: (logged + (N - 1) * non-logged) / N, over the baseline;
+- RSS growth: measured in a fresh subprocess per configuration over ``--rss-steps`` steps.
+
+    python scripts/bench.py                        # both workloads, CPU, Markdown table
+    python scripts/bench.py --workload w2 --steps 120 --json bench.json
+    python scripts/bench.py --device cuda --batch 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torchvision
+from torch import nn
+from torch.utils.tensorboard import SummaryWriter
+
+from tblog_hooks import HookLogger
+from tblog_hooks.demo import pick_device
+
+CONFIGS = ("none", "tblog", "manual", "wandb")
+
+
+# -- workloads ---------------------------------------------------------------------------------
+def make_workload(name: str, batch: int | None, device: torch.device) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """W1: stock ResNet-18, 16x3x64x64. W2: 16 x [Linear(512, 512) + Sigmoid] + head, batch 256."""
+    torch.manual_seed(0)
+    if name == "w1":
+        model: nn.Module = torchvision.models.resnet18(num_classes=10)
+        x = torch.randn(batch or 16, 3, 64, 64)
+    elif name == "w2":
+        layers: list[nn.Module] = []
+        for _ in range(16):
+            layers += [nn.Linear(512, 512), nn.Sigmoid()]
+        model = nn.Sequential(*layers, nn.Linear(512, 10))
+        x = torch.randn(batch or 256, 512)
+    else:
+        raise SystemExit(f"unknown workload {name!r}; use w1 or w2")
+    y = torch.randint(0, 10, (x.shape[0],))
+    return model.to(device), x.to(device), y.to(device)
+
+
+# -- configurations ----------------------------------------------------------------------------
+@dataclass
+class Config:
+    """One way of watching the model: ``logs(step)`` says whether step ``step`` logs."""
+
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    after_backward: Callable[[int], None] = lambda step: None
+    after_step: Callable[[], None] = lambda: None
+    logs: Callable[[int], bool] = lambda step: False
+    close: Callable[[], None] = lambda: None
+    timings: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
+
+
+def config_none(model: nn.Module, every: int, log_dir: str) -> Config:
+    return Config("none", model, torch.optim.SGD(model.parameters(), lr=0.01))
+
+
+def config_tblog(model: nn.Module, every: int, log_dir: str) -> Config:
+    hooks = HookLogger(model, log_dir=log_dir, every=every)
+    return Config(
+        "tblog",
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        after_step=hooks.step,
+        logs=lambda step: step % every == 0,
+        close=hooks.close,
+    )
+
+
+def config_manual(model: nn.Module, every: int, log_dir: str) -> Config:
+    """The usual hand-written approach: host copies, numpy histograms and .item() per module."""
+    writer = SummaryWriter(log_dir)
+    state = {"on": True, "step": 0}
+    leaves = [(n, m) for n, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
+
+    def forward_hook(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: object, out: torch.Tensor) -> None:
+            if not state["on"]:
+                return
+            writer.add_histogram(f"activation/{name}", out.detach().cpu().numpy(), state["step"])
+            if out.requires_grad:
+                out.register_hook(lambda g: writer.add_scalar(f"gradient/norm/{name}", g.norm().item(), state["step"]))
+
+        return hook
+
+    handles = [m.register_forward_hook(forward_hook(n)) for n, m in leaves]
+
+    def after_backward(step: int) -> None:
+        if state["on"]:
+            for name, p in model.named_parameters():
+                if p.grad is not None:
+                    writer.add_histogram(f"param_grad/{name}", p.grad.detach().cpu().numpy(), step)
+
+    def after_step() -> None:
+        state["step"] += 1
+        state["on"] = state["step"] % every == 0
+
+    def close() -> None:
+        for h in handles:
+            h.remove()
+        writer.close()
+
+    return Config(
+        "manual",
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        after_backward=after_backward,
+        after_step=after_step,
+        logs=lambda step: step % every == 0,
+        close=close,
+    )
+
+
+def config_wandb(model: nn.Module, every: int, log_dir: str) -> Config:
+    """``wandb.watch(log="all")`` in offline mode: it never touches the network."""
+    import wandb
+
+    os.environ["WANDB_SILENT"] = "true"
+    run = wandb.init(mode="offline", dir=log_dir, project="bench", settings=wandb.Settings(console="off"))
+    wandb.watch(model, log="all", log_freq=every)
+    # wandb counts backward calls per parameter hook; with one backward per step, step k logs
+    # when (k + 1) % every == 0.
+    return Config(
+        "wandb",
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        logs=lambda step: (step + 1) % every == 0,
+        close=lambda: (wandb.unwatch(model), run.finish()),
+    )
+
+
+MAKERS = {"none": config_none, "tblog": config_tblog, "manual": config_manual, "wandb": config_wandb}
+
+
+def available(name: str) -> bool:
+    if name != "wandb":
+        return True
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        print("wandb is not installed (pip install -e '.[bench]'): skipping wandb.watch", file=sys.stderr)
+        return False
+    return True
+
+
+# -- measurement -------------------------------------------------------------------------------
+def train_step(cfg: Config, step: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    loss = nn.functional.cross_entropy(cfg.model(x), y)
+    loss.backward()
+    cfg.after_backward(step)
+    cfg.optimizer.step()
+    cfg.optimizer.zero_grad()
+    cfg.after_step()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(workload: str, names: list[str], args: argparse.Namespace, device: torch.device) -> dict[str, dict]:
+    base, x, y = make_workload(workload, args.batch, device)
+    with tempfile.TemporaryDirectory() as tmp:
+        configs = [MAKERS[n](copy.deepcopy(base), args.every, os.path.join(tmp, n)) for n in names]
+        steps = {c.name: 0 for c in configs}
+        for c in configs:  # warm-up, not timed
+            for _ in range(args.warmup):
+                train_step(c, steps[c.name], x, y)
+                steps[c.name] += 1
+        sync(device)
+        for _ in range(max(1, args.steps // args.block)):
+            for c in configs:
+                for _ in range(args.block):
+                    step = steps[c.name]
+                    start = time.perf_counter()
+                    train_step(c, step, x, y)
+                    sync(device)
+                    c.timings[c.logs(step)].append(time.perf_counter() - start)
+                    steps[c.name] += 1
+        for c in configs:
+            c.close()
+    baseline = statistics.median(configs[0].timings[False])
+    results: dict[str, dict] = {}
+    for c in configs:
+        plain = statistics.median(c.timings[False])
+        logged = statistics.median(c.timings[True]) if c.timings[True] else plain
+        results[c.name] = {
+            "baseline_ms": baseline * 1e3,
+            "non_logged": plain / baseline,
+            "logged": logged / baseline,
+            "every10": (logged + 9 * plain) / 10 / baseline,
+            "every100": (logged + 99 * plain) / 100 / baseline,
+            "samples": {"logged": len(c.timings[True]), "non_logged": len(c.timings[False])},
+        }
+    return results
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def rss_child(workload: str, name: str, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+    """Run one configuration for ``--rss-steps`` steps; RSS growth after a short warm-up."""
+    model, x, y = make_workload(workload, args.batch, device)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = MAKERS[name](model, args.every, tmp)
+        for step in range(20):
+            train_step(cfg, step, x, y)
+        start, peak_start = rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        for step in range(20, 20 + args.rss_steps):
+            train_step(cfg, step, x, y)
+        end, peak = rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        cfg.close()
+    return {"rss_growth_mb": end - start, "peak_growth_mb": peak - peak_start}
+
+
+def rss(workload: str, name: str, args: argparse.Namespace) -> dict[str, float]:
+    cmd = [sys.executable, __file__, "--rss-child", f"{workload}:{name}", "--every", str(args.every),
+           "--rss-steps", str(args.rss_steps), "--device", args.device]  # fmt: skip
+    if args.batch:
+        cmd += ["--batch", str(args.batch)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# -- report ------------------------------------------------------------------------------------
+def table(results: dict[str, dict[str, dict]]) -> str:
+    lines = [
+        "| workload | config | baseline ms/step | non-logged | logged | every=10 | every=100 | RSS growth MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for workload, by_config in results.items():
+        for name, r in by_config.items():
+            growth = f"{r['rss_growth_mb']:+.1f}" if "rss_growth_mb" in r else "-"
+            lines.append(
+                f"| {workload} | {name} | {r['baseline_ms']:.1f} | {r['non_logged']:.3f}x | {r['logged']:.2f}x "
+                f"| {r['every10']:.3f}x | {r['every100']:.3f}x | {growth} |"
+            )
+    return "\n".join(lines)
+
+
+def environment(device: torch.device) -> str:
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return (
+        f"{machine}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"python {platform.python_version()}"
+    )
+
+
+@contextlib.contextmanager
+def quiet_warnings() -> Iterator[None]:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default="w1,w2", help="w1 (ResNet-18), w2 (deep sigmoid MLP), or both")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per configuration (default 100)")
+    parser.add_argument("--block", type=int, default=10, help="steps per interleaved block (default 10)")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--every", type=int, default=5, help="log every N steps while timing (default 5)")
+    parser.add_argument("--batch", type=int, default=None, help="batch size (default 16 for w1, 256 for w2)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu")
+    parser.add_argument("--rss-steps", type=int, default=0, help="also measure RSS over this many steps")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--rss-child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    device = pick_device(args.device)
+
+    if args.rss_child:
+        workload, name = args.rss_child.split(":")
+        with quiet_warnings():
+            print(json.dumps(rss_child(workload, name, args, device)))
+        return
+
+    names = [n for n in args.configs.split(",") if available(n)]
+    if names[0] != "none":
+        names.insert(0, "none")
+    results: dict[str, dict[str, dict]] = {}
+    for workload in args.workload.split(","):
+        with quiet_warnings():
+            results[workload] = measure(workload, names, args, device)
+        if args.rss_steps:
+            for name in names:
+                results[workload][name].update(rss(workload, name, args))
+    print(f"\n{environment(device)}; {args.steps} timed steps per configuration, logging every {args.every}\n")
+    print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": environment(device), "args": vars(args), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
