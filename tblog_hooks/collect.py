@@ -28,6 +28,7 @@ class Layout:
     gradients: list[str] = field(default_factory=list)
     params: list[str] = field(default_factory=list)
     hists: list[tuple[str, str]] = field(default_factory=list)  # kind, name
+    hist_weights: list[float] = field(default_factory=list)  # elements each sampled element stands for
 
 
 @dataclass
@@ -148,8 +149,8 @@ class Collector:
         if samples:
             merged = _merge_samples(samples)
             layout.hists = list(merged)
-            tensors = _gather([s for s, _ in merged.values()], device)
-            parts.append(stats.histograms(tensors, [w for _, w in merged.values()]).reshape(-1))
+            layout.hist_weights = [w for _, w in merged.values()]
+            parts.append(stats.histograms(_gather([s for s, _ in merged.values()], device)).reshape(-1))
         return torch.cat(parts), layout
 
 

@@ -22,6 +22,7 @@ from .summarize import StepSummary, summarize
 from .transfer import Transfer
 from .write import use_fast_checksum, write
 
+_PACKING = "<packing of logged steps>"
 _OPTIONS = (
     "log_dir", "writer", "modules", "every", "activations", "gradients", "parameters",
     "histograms", "optimizer",
@@ -171,6 +172,8 @@ class HookLogger:
 
     # -- internals ----------------------------------------------------------------------------
     def _begin_logged_step(self) -> None:
+        if _PACKING in self._collector.disabled:
+            return
         self._collector.active = True
         if not self._use_optimizer:
             for key, p in self._params:
@@ -179,9 +182,12 @@ class HookLogger:
     def _end_logged_step(self) -> None:
         self._collector.active = False
         self._step_handles.remove_all()
-        packed = self._collector.finish()
-        if packed is not None:
-            self._pending.append((self._step, Transfer(packed[0]), packed[1]))
+        try:
+            packed = self._collector.finish()
+            if packed is not None:
+                self._pending.append((self._step, Transfer(packed[0]), packed[1]))
+        except Exception as error:  # e.g. histc under torch.use_deterministic_algorithms on CUDA
+            self._collector.fail(_PACKING, error)
 
     def _write(self, *, wait: bool) -> None:
         """Write finished transfers in step order; with ``wait``, all of them."""

@@ -101,9 +101,8 @@ def sample(x: Tensor, cap: int = SAMPLE_CAP) -> Tensor:
     return picked.to(dtype, copy=True)
 
 
-def histograms(samples: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
-    """Histograms of all ``samples`` in a handful of ops; each element of sample ``i``
-    counts ``weights[i]``.
+def histograms(samples: Sequence[Tensor]) -> Tensor:
+    """Histograms of all ``samples`` in a handful of ops, with no host-device copy.
 
     Returns float64 rows ``[lo, span, min, max, counts...]``: bucket ``b`` covers
     ``lo + span * (b, b + 1] / BINS``; ``min``/``max`` are the finite extremes (inf/-inf
@@ -126,7 +125,5 @@ def histograms(samples: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
     offset = torch.arange(count, device=padded.device, dtype=dtype).mul_(BINS).add_(0.5).unsqueeze(1)
     position = (padded - start).mul_(scale).floor_().add_(offset)
     counts = torch.histc(position, bins=count * BINS, min=0, max=count * BINS).view(count, BINS)
-    weight = torch.tensor(list(weights), dtype=torch.float64, device=padded.device)
-    counts = counts.to(torch.float64) * weight.unsqueeze(1)
     head = torch.cat([start, span, lo, hi], dim=1).to(torch.float64)
-    return torch.cat([head, counts], dim=1)
+    return torch.cat([head, counts.to(torch.float64)], dim=1)

@@ -69,7 +69,7 @@ def summarize(step: int, values: np.ndarray, layout: Layout) -> StepSummary:
     if layout.params:
         scalars[tag(PARAM_GRAD, "global_norm")] = math.sqrt(float(np.sum(np.square(param_norms))))
 
-    histograms = _histograms(layout.hists, hists.reshape(-1, stats.HIST_WIDTH))
+    histograms = _histograms(layout.hists, layout.hist_weights, hists.reshape(-1, stats.HIST_WIDTH))
     return StepSummary(step, scalars, histograms)
 
 
@@ -106,9 +106,10 @@ def _merge_activations(layout: Layout, floats: np.ndarray, counts: np.ndarray) -
     return out
 
 
-def _histograms(keys: list[tuple[str, str]], rows: np.ndarray) -> dict[str, Histogram]:
-    """Histograms with empty leading and trailing buckets trimmed; all-empty ones dropped."""
-    counts = rows[:, 4:]
+def _histograms(keys: list[tuple[str, str]], weights: list[float], rows: np.ndarray) -> dict[str, Histogram]:
+    """Histograms with empty leading and trailing buckets trimmed; all-empty ones dropped.
+    Counts of subsampled tensors are scaled by ``weights`` to stand for every element."""
+    counts = rows[:, 4:] * np.asarray(weights)[:, None]
     steps = np.arange(stats.BINS + 1) / stats.BINS
     edges = rows[:, stats.H_LO, None] + rows[:, stats.H_SPAN, None] * steps
     centres = (edges[:, :-1] + edges[:, 1:]) / 2

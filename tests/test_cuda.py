@@ -1,0 +1,72 @@
+"""CUDA: same numbers as on the CPU, and no host-device synchronisation in a logged step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torchvision
+from conftest import read_run
+from torch import nn
+
+from tblog_hooks import HookLogger
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _train(model: nn.Module, hooks: HookLogger, x: torch.Tensor, y: torch.Tensor, steps: int = 3) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        hooks.step()
+
+
+def test_cuda_values_match_cpu(tmp_path) -> None:
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = torchvision.models.resnet18(num_classes=10)
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    runs = {}
+    for device in ("cpu", "cuda"):
+        m = copy.deepcopy(model).to(device)
+        with HookLogger(m, log_dir=tmp_path / device, every=1) as hooks:
+            _train(m, hooks, x.to(device), y.to(device), steps=1)
+        runs[device] = read_run(tmp_path / device)
+    cpu, gpu = runs["cpu"], runs["cuda"]
+    assert set(cpu.scalars) == set(gpu.scalars)
+    for tag in cpu.scalars:
+        assert gpu.scalar(tag, 0) == pytest.approx(cpu.scalar(tag, 0), rel=1e-3, abs=1e-5), tag
+    for tag in cpu.histograms:
+        assert gpu.histograms[tag][0].num == pytest.approx(cpu.histograms[tag][0].num, rel=1e-6), tag
+
+
+def test_logged_step_never_synchronises(tmp_path) -> None:
+    model = torchvision.models.resnet18(num_classes=10).cuda()
+    x, y = torch.randn(8, 3, 64, 64, device="cuda"), torch.randint(0, 10, (8,), device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with HookLogger(model, log_dir=tmp_path, every=2, optimizer=opt) as hooks:
+        _train(model, hooks, x, y, steps=2)  # warm up allocators and cuDNN outside the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(4):  # two logged, two not; step() packs and starts the async copy
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                hooks.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert sorted(read_run(tmp_path).scalars["param_grad/global_norm"]) == [0, 2, 4]
+
+
+def test_pending_copies_are_written_at_close(tmp_path) -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)).cuda()
+    x, y = torch.randn(32, 64, device="cuda"), torch.randint(0, 4, (32,), device="cuda")
+    with HookLogger(model, log_dir=tmp_path, every=1) as hooks:
+        _train(model, hooks, x, y, steps=5)
+    assert sorted(read_run(tmp_path).scalars["activation/mean/0"]) == [0, 1, 2, 3, 4]
