@@ -53,7 +53,7 @@ def activation_row(x: Tensor) -> tuple[Tensor, Tensor]:
     x = x.detach()
     dtype = _acc_dtype(x)
     mean = x.mean(dtype=dtype)
-    centred = torch.linalg.vector_norm(x - mean, dtype=dtype)
+    centred = torch.linalg.vector_norm(x.to(dtype) - mean, dtype=dtype)  # a 16-bit x - mean rounds each term
     lo, hi = torch.aminmax(x)
     floats = torch.stack([mean, centred, lo.to(dtype), hi.to(dtype)])
     if x.dim() >= 2:
