@@ -114,10 +114,11 @@ class Collector:
 
     # -- bookkeeping -----------------------------------------------------------------------
     def _watch_gradient(self, name: str, t: Tensor) -> None:
-        handle = t.register_hook(_GradientHook(self, name))
-        # A compiled forward cannot hand the handle out; its hook dies with the step's graph.
+        # Inside torch.compile a hook that writes to the collector breaks the graph at every
+        # module (dynamo cannot trace the mutation, and a disabled hook is a break too), so
+        # compiled forwards record activations and leave output gradients out.
         if not torch.compiler.is_compiling():
-            self._tensor_handles.append(handle)
+            self._tensor_handles.append(t.register_hook(_GradientHook(self, name)))
 
     def _add_sample(self, kind: str, name: str, t: Tensor) -> None:
         if self.options.histograms:
