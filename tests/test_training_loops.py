@@ -167,3 +167,25 @@ def test_copies_of_the_model_never_log_and_hold_no_logger(tmp_path) -> None:
     assert not any(m._forward_hooks for m in model.modules())
     copied = [hook for copy_ in (ema, twin) for m in copy_.modules() for hook in m._forward_hooks.values()]
     assert copied and all(hook is inert_hook for hook in copied)
+
+
+def test_rnn_cell_called_every_time_step_pools_all_calls(tmp_path) -> None:
+    cell = nn.RNNCell(5, 7)
+    model = nn.ModuleDict({"cell": cell})
+    xs = torch.randn(6, 3, 5)  # six time steps, batch of three
+    with HookLogger(model, log_dir=tmp_path, every=1, modules=["cell"]) as hooks:
+        h = torch.zeros(3, 7)
+        states = []
+        for x in xs:
+            h = cell(x, h)
+            h.retain_grad()
+            states.append(h)
+        h.square().sum().backward()
+        hooks.step()
+    outputs = torch.stack([s.detach() for s in states]).double()
+    grad_norm = float(torch.stack([s.grad for s in states]).double().norm())  # each call's output gradient
+    scalars = _scalars(tmp_path)
+    assert scalars["activation/mean/cell"] == pytest.approx(float(outputs.mean()), rel=1e-5)
+    assert scalars["activation/std/cell"] == pytest.approx(float(outputs.std()), rel=1e-5)
+    assert scalars["gradient/norm/cell"] == pytest.approx(grad_norm, rel=1e-5)
+    assert read_run(tmp_path).histograms["activation/cell"][0].num == outputs.numel()
