@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import read_run
 from torch import nn
+from torch.utils.tensorboard import SummaryWriter
 
 from tblog_hooks import HookLogger
 
@@ -48,7 +49,9 @@ def _worker(rank: int, root: str) -> None:
         for layer in (model[0], model[2], model):
             fully_shard(layer)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with HookLogger(model, log_dir=f"{root}/fsdp{rank}", every=1, optimizer=opt) as hooks:
+        # Rank 1 writes too when handed a writer of its own.
+        where = {"log_dir": f"{root}/fsdp0"} if rank == 0 else {"writer": SummaryWriter(f"{root}/given1")}
+        with HookLogger(model, every=1, optimizer=opt, **where) as hooks:  # type: ignore[arg-type]
             _train(model, hooks, opt, rank)
         dist.barrier()  # neither rank tears the store down while the other still uses it
     finally:
@@ -74,12 +77,13 @@ def _reference() -> dict[str, float]:
 
 def test_ddp_and_fsdp2_on_two_cpu_processes(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(str(tmp_path),), nprocs=WORLD)
-    assert not (tmp_path / "ddp1").exists() and not (tmp_path / "fsdp1").exists()  # only rank 0 writes
+    assert not (tmp_path / "ddp1").exists()  # only rank 0 writes by default
     expected = _reference()
-    ddp, fsdp = read_run(tmp_path / "ddp0"), read_run(tmp_path / "fsdp0")
+    ddp, fsdp, given = (read_run(tmp_path / name) for name in ("ddp0", "fsdp0", "given1"))
     for tag, value in expected.items():
         assert ddp.scalar(tag, 0) == pytest.approx(value, rel=1e-5), tag  # reduce_ranks: pooled over ranks
         if tag.startswith("param_grad"):
             assert fsdp.scalar(tag, 0) == pytest.approx(value, rel=1e-5), tag  # shards' norms combined
+            assert given.scalar(tag, 0) == pytest.approx(value, rel=1e-5), tag  # on every rank
     assert ddp.histograms["activation/0"][0].num == 4 * 12  # histograms are rank 0's
     assert set(fsdp.scalars["param_grad/global_norm"]) == {0, 1}
