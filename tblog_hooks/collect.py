@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from . import stats
+from .distributed import local_shard
 from .passes import PassFilter
 
 ACTIVATION, GRADIENT, PARAM, PARAM_GRAD = "activation", "gradient", "param", "param_grad"
@@ -103,12 +103,12 @@ class Collector:
         if not named:
             return
         try:
-            grads = [_local(p.grad) for _, p in named if p.grad is not None]
+            grads = [local_shard(p.grad) for _, p in named if p.grad is not None]
             norms = torch._foreach_norm(grads)
             for (key, p), grad, norm in zip(named, grads, norms):
                 self._param_norms[key] = norm
                 if self.options.histograms:
-                    self._param_samples[key] = [_sampled(PARAM_GRAD, key, grad), _sampled(PARAM, key, _local(p))]
+                    self._param_samples[key] = [_sampled(PARAM_GRAD, key, grad), _sampled(PARAM, key, local_shard(p))]
         except Exception as error:
             self.fail(named[0][0] if len(named) == 1 else "parameters", error)
 
@@ -164,12 +164,6 @@ class Collector:
             tensors = _gather([s for s, _ in merged.values()], device)
             parts.append(stats.histograms(tensors, [w for _, w in merged.values()]).reshape(-1))
         return torch.cat(parts), layout
-
-
-def _local(t: Tensor) -> Tensor:
-    """This rank's shard of an FSDP2 (``DTensor``) parameter or gradient; other tensors as they are.
-    Norms of shards are combined across ranks with one all-reduce per logged step."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _sampled(kind: str, name: str, t: Tensor) -> tuple[tuple[str, str], Tensor, float]:

@@ -14,13 +14,19 @@ logged step as usual; then, on all ranks together, at most two collectives per l
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .collect import Layout
+if TYPE_CHECKING:
+    from typing import TypeGuard
+
+    from torch.distributed.tensor import DTensor
+
+    from .collect import Layout  # collect.py imports this module
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -28,6 +34,22 @@ def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def is_sharded(t: object) -> TypeGuard[DTensor]:
+    """Whether ``t`` is a ``DTensor`` (an FSDP2 parameter or gradient); never in a torch built
+    without distributed support."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local_shard(t: Tensor) -> Tensor:
+    """This rank's shard of an FSDP2 parameter or gradient; other tensors as they are.
+    Norms of shards are combined across ranks with one all-reduce per logged step."""
+    return t.to_local() if is_sharded(t) else t
 
 
 class Ranks:

@@ -13,12 +13,11 @@ from typing import NoReturn
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.utils.tensorboard import SummaryWriter
 
 from . import amp
 from .collect import Collector, Layout, Options
-from .distributed import Ranks, merge_ranks
+from .distributed import Ranks, is_sharded, merge_ranks
 from .errors import HookLoggerError
 from .hooks import ForwardHook, Handles, OptimizerHook, ParamGradHook
 from .selection import Selector, select_modules
@@ -103,7 +102,7 @@ class HookLogger:
                     if p.requires_grad and id(p) not in seen:
                         seen.add(id(p))
                         self._params.append((f"{name}.{pname}", p))
-        sharded = {key for key, p in self._params if isinstance(p, DTensor)}
+        sharded = {key for key, p in self._params if is_sharded(p)}
         if optimizer is None and (sharded or (distributed and self._params)):
             raise HookLoggerError(
                 f"parameter gradients of a {'FSDP2' if sharded else 'DistributedDataParallel'} model are final only "

@@ -12,7 +12,7 @@ from conftest import read_run
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from tblog_hooks import HookLogger
+from tblog_hooks import HookLogger, HookLoggerError
 
 WORLD = 2
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -41,6 +41,8 @@ def _worker(rank: int, root: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=WORLD)
     try:
         ddp = nn.parallel.DistributedDataParallel(_model())
+        with pytest.raises(HookLoggerError, match="pass optimizer="):  # .grad is averaged only by then
+            HookLogger(ddp, log_dir=f"{root}/never")
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         with HookLogger(ddp, log_dir=f"{root}/ddp{rank}", every=1, optimizer=opt, reduce_ranks=True) as hooks:
             _train(ddp, hooks, opt, rank)
@@ -77,7 +79,7 @@ def _reference() -> dict[str, float]:
 
 def test_ddp_and_fsdp2_on_two_cpu_processes(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(str(tmp_path),), nprocs=WORLD)
-    assert not (tmp_path / "ddp1").exists()  # only rank 0 writes by default
+    assert not (tmp_path / "ddp1").exists() and not (tmp_path / "never").exists()  # only rank 0 writes
     expected = _reference()
     ddp, fsdp, given = (read_run(tmp_path / name) for name in ("ddp0", "fsdp0", "given1"))
     for tag, value in expected.items():

@@ -98,18 +98,22 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.square().mean()
 
 
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
 @pytest.mark.parametrize("with_optimizer", [False, True])
 @pytest.mark.parametrize("update_before_step", [True, False])
 def test_grad_scaler_gradients_are_unscaled_and_skipped_steps_reported(
-    tmp_path, with_optimizer: bool, update_before_step: bool
+    tmp_path, device: str, with_optimizer: bool, update_before_step: bool
 ) -> None:
-    model, reference = _mlp(), _mlp()
+    model, reference = _mlp().to(device), _mlp().to(device)
     reference.load_state_dict(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     # The scale doubles after every good step, so each step uses a different one.
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
-    xs = [torch.randn(8, 6) for _ in range(3)]
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=1)
+    xs = [torch.randn(8, 6, device=device) for _ in range(3)]
     expected: dict[int, dict[str, float]] = {}
     optimizer = opt if with_optimizer else None
     with HookLogger(model, log_dir=tmp_path, every=1, modules=["4"], scaler=scaler, optimizer=optimizer) as hooks:
