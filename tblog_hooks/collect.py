@@ -67,7 +67,9 @@ class Collector:
             return
         try:
             counted = self.passes.classify(name, training)
-            leaves, _ = tree_flatten(output) if any(counted) else ([], None)
+            if not any(counted):
+                return
+            leaves, _ = tree_flatten(output)
             tensors = [t for t in leaves if stats.loggable(t)]
             if not tensors:
                 return

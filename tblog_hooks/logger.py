@@ -105,8 +105,8 @@ class HookLogger:
         sharded = {key for key, p in self._params if is_sharded(p)}
         if optimizer is None and (sharded or (distributed and self._params)):
             raise HookLoggerError(
-                f"parameter gradients of a {'FSDP2' if sharded else 'DistributedDataParallel'} model are final only "
-                "when the optimizer steps: pass optimizer=your_optimizer (or parameters=False)"
+                f"got optimizer=None for a {'FSDP2' if sharded else 'DistributedDataParallel'} model, whose parameter "
+                "gradients are final only when the optimizer steps: pass optimizer=your_optimizer, or parameters=False"
             )
         self._use_optimizer = optimizer is not None
         self._amp = amp.ScaleWatch(scaler) if scaler is not None and scaler.is_enabled() else None
@@ -174,8 +174,8 @@ class HookLogger:
             try:
                 if self._writer is not None:
                     self._writer.flush()
-                if self._owns_writer and self._writer is not None:
-                    self._writer.close()
+                    if self._owns_writer:
+                        self._writer.close()
             except Exception as error:  # never raise out of close() over a broken writer
                 self._warn_write_failure(error)
 
@@ -221,6 +221,7 @@ class HookLogger:
                 values = self._ranks.combine(values, layout)
             except Exception as error:  # a broken process group must not stop training here
                 self._collector.fail("ranks", error)
+                self._participates = False  # this rank logs no more
                 return
         if self._writer is not None:
             self._pending.append((self._step, Transfer(values), layout, tail is not None))
