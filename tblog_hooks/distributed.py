@@ -88,7 +88,8 @@ def merge_ranks(values: np.ndarray, layout: Layout) -> tuple[np.ndarray, Layout]
     ranks = values.shape[0]
     sizes = _record_sizes(layout)
     bounds = np.cumsum(sizes)
-    records = [np.concatenate([np.split(row, bounds)[g] for row in values]) for g in range(len(sizes))]
+    parts = [np.split(row[: bounds[-1]], bounds[:-1]) for row in values]  # per rank: the groups
+    records = [np.concatenate(group) for group in zip(*parts)]  # per group: all ranks
     merged = np.concatenate([*records, values[0, bounds[-1] :]])
     return merged, dataclasses.replace(
         layout, activations=layout.activations * ranks, gradients=layout.gradients * ranks

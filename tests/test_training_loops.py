@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torchvision
 from conftest import read_run
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
@@ -193,3 +194,19 @@ def test_rnn_cell_called_every_time_step_pools_all_calls(tmp_path) -> None:
     assert scalars["activation/std/cell"] == pytest.approx(float(outputs.std()), rel=1e-5)
     assert scalars["gradient/norm/cell"] == pytest.approx(grad_norm, rel=1e-5)
     assert read_run(tmp_path).histograms["activation/cell"][0].num == outputs.numel()
+
+
+def test_resnet_reused_relu_pools_both_calls(tmp_path) -> None:
+    model = torchvision.models.resnet18(num_classes=4)
+    block = model.layer1[0]
+    seen: list[torch.Tensor] = []
+    block.relu.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))  # reference
+    with HookLogger(model, log_dir=tmp_path, every=1, modules=["layer1.0.relu"], gradients=False) as hooks:
+        model(torch.randn(2, 3, 32, 32)).sum().backward()
+        hooks.step()
+    assert len(seen) == 2  # BasicBlock calls its one ReLU twice
+    both = torch.cat([t.reshape(-1) for t in seen]).double()
+    scalars = _scalars(tmp_path)
+    assert scalars["activation/mean/layer1.0.relu"] == pytest.approx(float(both.mean()), rel=1e-5)
+    assert scalars["activation/zero_frac/layer1.0.relu"] == pytest.approx(float((both == 0).double().mean()))
+    assert read_run(tmp_path).histograms["activation/layer1.0.relu"][0].num == pytest.approx(both.numel())
