@@ -16,6 +16,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from . import stats
+from .distributed import local_shard
+from .passes import PassFilter
 
 ACTIVATION, GRADIENT, PARAM, PARAM_GRAD = "activation", "gradient", "param", "param_grad"
 
@@ -37,6 +39,7 @@ class Options:
     gradients: bool = True
     parameters: bool = True
     histograms: bool = True
+    eval_passes: bool = False
 
 
 class Collector:
@@ -45,6 +48,7 @@ class Collector:
     def __init__(self, options: Options) -> None:
         self.options = options
         self.active = False
+        self.passes = PassFilter(eval_passes=options.eval_passes)
         self.disabled: set[str] = set()
         self._act_floats: list[Tensor] = []
         self._act_counts: list[Tensor] = []
@@ -57,26 +61,30 @@ class Collector:
         self.layout = Layout()
 
     # -- called from hooks ---------------------------------------------------------------
-    def on_output(self, name: str, output: object) -> None:
-        """Forward hook body: statistics of the output now, a gradient hook for later."""
+    def on_output(self, name: str, output: object, training: bool) -> None:
+        """Forward hook body: statistics of the output now, a gradient hook for later
+        (of training passes only, see ``passes.py``)."""
         if name in self.disabled:
             return
         try:
+            counted = self.passes.classify(name, training)
+            if not any(counted):
+                return
             leaves = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
             tensors = [t for t in leaves if stats.loggable(t)]
             if not tensors:
                 return
-            if self.options.activations:
+            if self.options.activations and counted.activations:
                 for t in tensors:
                     floats, counts = stats.activation_row(t)
                     self._act_floats.append(floats)
                     self._act_counts.append(counts)
                     self.layout.activations.append((name, t.numel(), stats.channels(t)))
                     self._add_sample(ACTIVATION, name, t)
-            if self.options.gradients and torch.is_grad_enabled():
+            if self.options.gradients and counted.gradients:
                 for t in tensors:
                     if t.requires_grad:
-                        self._tensor_handles.append(t.register_hook(_GradientHook(self, name)))
+                        self._watch_gradient(name, t)
         except Exception as error:  # the logger must never stop training
             self.fail(name, error)
 
@@ -98,16 +106,23 @@ class Collector:
         if not named:
             return
         try:
-            grads = [p.grad for _, p in named if p.grad is not None]
+            grads = [local_shard(p.grad) for _, p in named if p.grad is not None]
             norms = torch._foreach_norm(grads)
             for (key, p), grad, norm in zip(named, grads, norms):
                 self._param_norms[key] = norm
                 if self.options.histograms:
-                    self._param_samples[key] = [_sampled(PARAM_GRAD, key, grad), _sampled(PARAM, key, p)]
+                    self._param_samples[key] = [_sampled(PARAM_GRAD, key, grad), _sampled(PARAM, key, local_shard(p))]
         except Exception as error:
             self.fail(named[0][0] if len(named) == 1 else "parameters", error)
 
     # -- bookkeeping -----------------------------------------------------------------------
+    def _watch_gradient(self, name: str, t: Tensor) -> None:
+        # Inside torch.compile a hook that writes to the collector breaks the graph at every
+        # module (dynamo cannot trace the mutation, and a disabled hook is a break too), so
+        # compiled forwards record activations and leave output gradients out.
+        if not torch.compiler.is_compiling():
+            self._tensor_handles.append(t.register_hook(_GradientHook(self, name)))
+
     def _add_sample(self, kind: str, name: str, t: Tensor) -> None:
         if self.options.histograms:
             self._samples.append(_sampled(kind, name, t))

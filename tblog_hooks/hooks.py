@@ -8,6 +8,7 @@ a copy of ours: copies never log into this logger.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
@@ -20,6 +21,11 @@ def inert_hook(*args: Any, **kwargs: Any) -> None:
     """What a copied model's hook becomes: it does nothing."""
 
 
+def _inert() -> Callable[..., None]:
+    # Rebuilds a copied hook as ``inert_hook`` itself (``__reduce__`` calls what it returns).
+    return inert_hook
+
+
 class _Hook:
     __slots__ = ("collector", "name")
 
@@ -27,7 +33,7 @@ class _Hook:
         self.collector, self.name = collector, name
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
-        return inert_hook, ()
+        return _inert, ()
 
 
 class ForwardHook(_Hook):
@@ -37,7 +43,7 @@ class ForwardHook(_Hook):
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.collector.active:
-            self.collector.on_output(self.name, output)
+            self.collector.on_output(self.name, output, module.training)
 
 
 class ParamGradHook(_Hook):

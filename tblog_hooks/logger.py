@@ -10,11 +10,14 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import NoReturn
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils.tensorboard import SummaryWriter
 
+from . import amp
 from .collect import Collector, Layout, Options
+from .distributed import Ranks, is_sharded, merge_ranks
 from .errors import HookLoggerError
 from .hooks import ForwardHook, Handles, OptimizerHook, ParamGradHook
 from .selection import Selector, select_modules
@@ -22,10 +25,9 @@ from .summarize import StepSummary, summarize
 from .transfer import Transfer
 from .write import use_fast_checksum, write
 
-_PACKING = "<packing of logged steps>"
 _OPTIONS = (
     "log_dir", "writer", "modules", "every", "activations", "gradients", "parameters",
-    "histograms", "optimizer",
+    "histograms", "optimizer", "scaler", "eval_passes", "reduce_ranks",
 )  # fmt: skip
 
 
@@ -56,12 +58,17 @@ class HookLogger:
         parameters: bool = True,
         histograms: bool = True,
         optimizer: torch.optim.Optimizer | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        eval_passes: bool = False,
+        reduce_ranks: bool = False,
         **unknown: NoReturn,
     ) -> None:
         if unknown:
             raise HookLoggerError(_unknown_options(unknown))
         if not isinstance(model, nn.Module):
             raise HookLoggerError(f"model must be an nn.Module, got {type(model).__name__}")
+        _check_not_compiled(model)
+        distributed = isinstance(model, nn.parallel.DistributedDataParallel)
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -74,13 +81,15 @@ class HookLogger:
             )
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise HookLoggerError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise HookLoggerError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
 
         selected = select_modules(model, modules)
         self.every = every
-        self._collector = Collector(Options(activations, gradients, parameters, histograms))
+        self._collector = Collector(Options(activations, gradients, parameters, histograms, eval_passes))
         self._handles = Handles()  # live until close()
         self._step_handles = Handles()  # live during one logged step
-        self._pending: deque[tuple[int, Transfer, Layout]] = deque()
+        self._pending: deque[tuple[int, Transfer, Layout, bool]] = deque()  # step, transfer, layout, AMP tail
         self._step = 0
         self._closed = False
         self._write_failed = False
@@ -93,9 +102,22 @@ class HookLogger:
                     if p.requires_grad and id(p) not in seen:
                         seen.add(id(p))
                         self._params.append((f"{name}.{pname}", p))
+        sharded = {key for key, p in self._params if is_sharded(p)}
+        if optimizer is None and (sharded or (distributed and self._params)):
+            raise HookLoggerError(
+                f"got optimizer=None for a {'FSDP2' if sharded else 'DistributedDataParallel'} model, whose parameter "
+                "gradients are final only when the optimizer steps: pass optimizer=your_optimizer, or parameters=False"
+            )
         self._use_optimizer = optimizer is not None
+        self._amp = amp.ScaleWatch(scaler) if scaler is not None and scaler.is_enabled() else None
+        self._ranks = Ranks(reduce=reduce_ranks, sharded=sharded)
 
-        self._writer, self._owns_writer = writer or _make_writer(log_dir), writer is None
+        # Rank 0 writes; another rank only into a writer it was given.
+        self._writer: SummaryWriter | None = writer
+        self._owns_writer = writer is None and self._ranks.rank == 0
+        if self._owns_writer:
+            self._writer = _make_writer(log_dir)
+        self._participates = self._writer is not None or self._ranks.needed
         use_fast_checksum()
         for name, module in selected.items():
             self._handles.add(module.register_forward_hook(ForwardHook(self._collector, name)))
@@ -115,7 +137,8 @@ class HookLogger:
         return self._step
 
     @property
-    def writer(self) -> SummaryWriter:
+    def writer(self) -> SummaryWriter | None:
+        """Where this process writes; ``None`` on a rank other than 0 given no ``writer=``."""
         return self._writer
 
     @property
@@ -149,9 +172,10 @@ class HookLogger:
             self._collector.remove_tensor_hooks()
             self._params = []
             try:
-                self._writer.flush()
-                if self._owns_writer:
-                    self._writer.close()
+                if self._writer is not None:
+                    self._writer.flush()
+                    if self._owns_writer:
+                        self._writer.close()
             except Exception as error:  # never raise out of close() over a broken writer
                 self._warn_write_failure(error)
 
@@ -167,39 +191,62 @@ class HookLogger:
         state = "closed" if self._closed else f"step={self._step}"
         return (
             f"HookLogger({len(self._module_names)} modules, {len(self._params)} parameters, "
-            f"every={self.every}, {state}, log_dir={self._writer.log_dir!r})"
+            f"every={self.every}, {state}, log_dir={self._writer.log_dir if self._writer else None!r})"
         )
 
     # -- internals ----------------------------------------------------------------------------
     def _begin_logged_step(self) -> None:
-        if _PACKING in self._collector.disabled:
+        if not self._participates:
             return
         self._collector.active = True
+        if self._amp is not None:
+            self._amp.begin()
         if not self._use_optimizer:
             for key, p in self._params:
                 self._step_handles.add(p.register_post_accumulate_grad_hook(ParamGradHook(self._collector, key)))
 
     def _end_logged_step(self) -> None:
         self._collector.active = False
+        self._collector.passes.reset()
         self._step_handles.remove_all()
         try:
             packed = self._collector.finish()
-            if packed is not None:
-                self._pending.append((self._step, Transfer(packed[0]), packed[1]))
-        except Exception as error:  # e.g. histc under torch.use_deterministic_algorithms on CUDA
-            self._collector.fail(_PACKING, error)
+            if packed is None:
+                return
+            values, layout = packed
+            tail = self._amp.finish() if self._amp is not None else None
+            if tail is not None:
+                values = torch.cat([values, tail.to(values.device)])
+            if self._ranks.needed:
+                values = self._ranks.combine(values, layout)
+            if self._writer is not None:
+                self._pending.append((self._step, Transfer(values), layout, tail is not None))
+        except Exception as error:  # e.g. histc under deterministic CUDA, a broken process group
+            self._collector.fail("logged steps", error)
+            self._participates = False  # this rank logs no more; training goes on
 
     def _write(self, *, wait: bool) -> None:
         """Write finished transfers in step order; with ``wait``, all of them."""
         while self._pending and (wait or self._pending[0][1].ready()):
-            step, transfer, layout = self._pending.popleft()
-            if self._write_failed:
+            step, transfer, layout, scaled = self._pending.popleft()
+            if self._write_failed or self._writer is None:
                 continue
             try:
-                write(self._writer, summarize(step, transfer.result(), layout))
+                write(self._writer, self._summarize(step, transfer.result(), layout, scaled))
             except Exception as error:
                 self._write_failed = True
                 self._warn_write_failure(error)
+
+    def _summarize(self, step: int, values: np.ndarray, layout: Layout, scaled: bool) -> StepSummary:
+        """Host side of a logged step: pool the ranks' records, split off and apply the AMP tail."""
+        if values.ndim == 2:
+            values, layout = merge_ranks(values, layout)
+        if not scaled:
+            return summarize(step, values, layout)
+        summary = summarize(step, values[: -amp.WIDTH], layout)
+        scale, skipped = values[-amp.WIDTH :]
+        amp.unscale(summary, float(scale), bool(skipped), param_grads_scaled=not self._use_optimizer)
+        return summary
 
     def _warn_write_failure(self, error: BaseException) -> None:
         warnings.warn(
@@ -215,6 +262,19 @@ def _make_writer(log_dir: str | os.PathLike[str] | None) -> SummaryWriter:
         return SummaryWriter(log_dir=None if log_dir is None else os.fspath(log_dir))
     except OSError as error:
         raise HookLoggerError(f"cannot write TensorBoard events to log_dir={log_dir!r}: {error}") from None
+
+
+def _check_not_compiled(model: nn.Module) -> None:
+    """Hooks added to a compiled model are not seen by code it already compiled."""
+    compiled = (
+        isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+        or getattr(model, "_compiled_call_impl", None) is not None
+    )
+    if compiled:
+        raise HookLoggerError(
+            f"model is already compiled ({type(model).__name__}); hooks added now would be ignored by the compiled "
+            "code: create the HookLogger first, then call torch.compile(model) or model.compile()"
+        )
 
 
 def _unknown_options(unknown: Mapping[str, object]) -> str:

@@ -54,8 +54,10 @@ def activation_row(x: Tensor) -> tuple[Tensor, Tensor]:
     dtype = _acc_dtype(x)
     mean = x.mean(dtype=dtype)
     # Centre on the mean, or on 0 when the mean is not finite, so that below exactly the
-    # non-finite elements of x turn into NaN.
-    centred = x - torch.nan_to_num(mean, nan=0.0, posinf=0.0, neginf=0.0)
+    # non-finite elements of x turn into NaN. 16-bit inputs are centred in float32: a 16-bit
+    # x - mean would round each term.
+    pivot = torch.nan_to_num(mean, nan=0.0, posinf=0.0, neginf=0.0)
+    centred = x - pivot if x.dtype == dtype else x.to(dtype).sub_(pivot)
     norm = torch.linalg.vector_norm(centred, dtype=dtype)
     lo, hi = torch.aminmax(x)
     if x.dim() >= 2:

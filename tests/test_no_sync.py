@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
+from conftest import read_run
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -74,3 +75,28 @@ def test_the_witness_catches_a_host_read_in_a_backward_hook(monkeypatch) -> None
     with host_reads_from_package(monkeypatch) as reads:
         (t * 2).sum().backward()
     assert reads == ["item"]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_amp_checkpointing_and_eval_passes_never_read_values_on_the_host(tmp_path, monkeypatch, reentrant) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(4, 8, requires_grad=True)
+    with HookLogger(model, log_dir=tmp_path, every=1, scaler=scaler) as hooks:
+        for _ in range(2):
+            with host_reads_from_package(monkeypatch) as reads:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = checkpoint(model, x, use_reentrant=reentrant)
+                scaler.scale(out.float().square().mean()).backward()
+                with torch.no_grad():
+                    model(x)
+            assert reads == []
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            hooks.step()
+    run = read_run(tmp_path)  # the hooks did their work in those passes
+    assert set(run.scalars["activation/mean/0"]) == set(run.scalars["gradient/norm/2"]) == {0, 1}

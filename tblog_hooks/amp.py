@@ -1,0 +1,81 @@
+"""Gradients under ``GradScaler``: unscaled on the host, and skipped steps reported as such.
+
+During backward every gradient is multiplied by the scaler's loss scale. The scale in use
+and whether the scaler skipped the step (inf/nan found) are read from the scaler's own
+device tensors, packed into the logged step's one transfer, and applied in
+:func:`unscale`: norms and histogram edges are divided by the scale; on a skipped step
+gradient norms and histograms are dropped (they would be garbage) and
+``amp/skipped_step`` says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from .collect import GRADIENT, PARAM_GRAD
+from .summarize import Histogram, StepSummary, tag
+
+#: Numbers this module appends to a logged step's packed tensor: loss scale, skipped (0/1).
+WIDTH = 2
+
+
+class ScaleWatch:
+    """Reads one enabled ``GradScaler``'s scale around a logged step, on its device, never on the host."""
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+        self._before: Tensor | None = None
+
+    def begin(self) -> None:
+        """At the start of a logged step: the scale its backward passes will use."""
+        scale = self.scaler._get_scale_async()
+        self._before = None if scale is None else scale.detach().clone()
+
+    def finish(self) -> Tensor | None:
+        """``[scale used by the step's backward, 1.0 if the scaler skipped the step]``."""
+        scale = self.scaler._get_scale_async()
+        if scale is None:  # the scaler was not used in this step
+            return None
+        found = [
+            f for state in self.scaler._per_optimizer_states.values() for f in state["found_inf_per_device"].values()
+        ]
+        if found:  # step() ran but update() has not: the current scale is the one backward used
+            used, skipped = scale, torch.stack([f.to(scale.device) for f in found]).sum() > 0
+        else:  # update() ran: it lowers the scale exactly when it skipped the step
+            before = self._before if self._before is not None else torch.full_like(scale, self.scaler._init_scale)
+            used, skipped = before, scale < before
+        return torch.stack([used.to(torch.float64), skipped.to(torch.float64)])
+
+
+def unscale(summary: StepSummary, scale: float, skipped: bool, *, param_grads_scaled: bool) -> None:
+    """Divide the step's gradient norms and histograms by ``scale``, or drop them if ``skipped``
+    (non-finite counts stay: they show where the overflow came from)."""
+    summary.scalars[tag("amp", "loss_scale")] = scale
+    summary.scalars[tag("amp", "skipped_step")] = float(skipped)
+    kinds = (GRADIENT, PARAM_GRAD) if param_grads_scaled or skipped else (GRADIENT,)
+    prefixes = tuple(tag(kind, "") for kind in kinds)
+    nonfinite = tag(GRADIENT, "nonfinite", "")
+    for key in [k for k in summary.scalars if k.startswith(prefixes) and not k.startswith(nonfinite)]:
+        if skipped:
+            del summary.scalars[key]
+        else:
+            summary.scalars[key] /= scale
+    for key in [k for k in summary.histograms if k.startswith(prefixes)]:
+        if skipped:
+            del summary.histograms[key]
+        else:
+            summary.histograms[key] = _divided(summary.histograms[key], scale)
+
+
+def _divided(h: Histogram, scale: float) -> Histogram:
+    return dataclasses.replace(
+        h,
+        min=h.min / scale,
+        max=h.max / scale,
+        sum=h.sum / scale,
+        sum_squares=h.sum_squares / scale**2,
+        limits=[limit / scale for limit in h.limits],
+    )

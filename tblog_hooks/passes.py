@@ -1,0 +1,59 @@
+"""Which forward calls of a logged step count: training passes, once each.
+
+A forward hook also fires for evaluation passes (``model.eval()`` or ``torch.no_grad()``)
+and again when activation checkpointing recomputes a region inside backward. The rule,
+per call of a watched module:
+
+- a call in training mode with gradients enabled, outside backward, is a training pass:
+  its activations are recorded and its output gradient is watched;
+- a call inside backward is a checkpoint recompute. It stands in for an earlier call of the
+  same module that ran in training mode without gradients (``use_reentrant=True`` runs the
+  first pass under ``no_grad``), so it is counted if such a call is still unmatched, and
+  skipped otherwise (``use_reentrant=False`` already counted the first pass);
+- any other call (eval mode, or ``no_grad`` that no recompute matches) is an evaluation
+  pass, recorded only with ``eval_passes=True`` — then a matching recompute adds its output
+  gradient but not its activations again.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import NamedTuple
+
+import torch
+
+
+class Counted(NamedTuple):
+    """What to record for one forward call."""
+
+    activations: bool
+    gradients: bool
+
+
+_SKIP = Counted(False, False)
+_TRAINING = Counted(True, True)
+
+
+class PassFilter:
+    """Classifies forward calls of one logged step; :meth:`reset` at the end of the step."""
+
+    def __init__(self, *, eval_passes: bool) -> None:
+        self.eval_passes = eval_passes
+        self._unmatched: Counter[str] = Counter()  # training-mode no_grad calls, per module
+
+    def classify(self, name: str, training: bool) -> Counted:
+        # Compiled forwards are never recomputes seen by module hooks; skip the private call
+        # there so tracing it cannot break the graph.
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+            if self._unmatched[name] == 0:
+                return _SKIP
+            self._unmatched[name] -= 1
+            return Counted(not self.eval_passes, True)
+        if training and torch.is_grad_enabled():
+            return _TRAINING
+        if training:
+            self._unmatched[name] += 1
+        return Counted(self.eval_passes, False)
+
+    def reset(self) -> None:
+        self._unmatched.clear()
