@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Union
 
 from torch import nn
@@ -37,8 +37,8 @@ def select_modules(model: nn.Module, selectors: Selector | Sequence[Selector] | 
     """
     if selectors is None:
         rules: list[Selector] = [default_selection]
-    elif isinstance(selectors, (str, type)) or callable(selectors):
-        rules = [selectors]
+    elif isinstance(selectors, (str, type)) or callable(selectors) or not isinstance(selectors, Iterable):
+        rules = [selectors]  # one selector; _check_rule rejects what is not one
     else:
         rules = list(selectors)
     for rule in rules:

@@ -32,12 +32,17 @@ H_LO, H_SPAN, H_MIN, H_MAX = range(4)
 HIST_WIDTH = 4 + BINS
 
 
+#: Floating dtypes the reductions support (float8 types have no mean, aminmax or promotion).
+FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
 def loggable(x: object) -> bool:
     """Dense, non-empty, real floating-point tensors; everything else is skipped, not an error."""
     return (
         isinstance(x, Tensor)
         and x.layout == torch.strided
-        and x.is_floating_point()
+        and not x.is_nested
+        and x.dtype in FLOAT_DTYPES
         and x.device.type != "meta"
         and x.numel() > 0
     )

@@ -39,7 +39,26 @@ class StepSummary:
 
 
 def tag(kind: str, *parts: str) -> str:
-    return "/".join((kind, *parts))
+    """``kind/part/...``; module and parameter names are user data, so each part is escaped
+    (see :func:`escape`) and ``/`` only ever separates the parts."""
+    return "/".join((kind, *map(escape, parts)))
+
+
+def escape(name: str) -> str:
+    """Percent-encode ``%``, ``/`` and unprintable characters (as UTF-8 bytes, as in URLs);
+    other characters, unicode and spaces included, stay as they are.
+    ``urllib.parse.unquote(escaped, errors="surrogatepass")`` gives the name back.
+
+    >>> escape("blocks.a/b 50%")
+    'blocks.a%2Fb 50%25'
+    """
+    if name.isprintable() and "/" not in name and "%" not in name:
+        return name
+    return "".join(c if c.isprintable() and c not in "%/" else _percent(c) for c in name)
+
+
+def _percent(char: str) -> str:
+    return "".join(f"%{byte:02X}" for byte in char.encode("utf-8", "surrogatepass"))
 
 
 def summarize(step: int, values: np.ndarray, layout: Layout) -> StepSummary:
