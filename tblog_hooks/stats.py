@@ -58,7 +58,8 @@ def activation_row(x: Tensor) -> tuple[Tensor, Tensor]:
     x = x.detach()
     dtype = _acc_dtype(x)
     mean = x.mean(dtype=dtype)
-    centred = torch.linalg.vector_norm(x - mean, dtype=dtype)
+    # mean as a 1-element (not 0-dim) tensor, so the difference is taken in float32, not in float16/bfloat16
+    centred = torch.linalg.vector_norm(x - mean.reshape(1), dtype=dtype)
     lo, hi = torch.aminmax(x)
     floats = torch.stack([mean, centred, lo.to(dtype), hi.to(dtype)])
     if x.dim() >= 2:
@@ -115,16 +116,18 @@ def histograms(samples: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
     finite = torch.isfinite(padded)
     lo = torch.where(finite, padded, math.inf).amin(dim=1, keepdim=True)
     hi = torch.where(finite, padded, -math.inf).amax(dim=1, keepdim=True)
-    span = hi - lo
-    wide = span > 0  # false for constant samples and for samples with no finite element
+    # Halves: the span of a range reaching both ends of the dtype (-3e38..3e38 in float32) overflows.
+    half_span = hi / 2 - lo / 2
+    wide = half_span > 0  # false for constant samples and for samples with no finite element
     start = torch.where(wide, lo, torch.where(torch.isfinite(lo), lo - 0.5, 0.0))
-    span = torch.where(wide, span, 1.0)
-    bucket = ((padded - start) / span * BINS).floor_().clamp_(0, BINS - 1)
+    half_span = torch.where(wide, half_span, 0.5)
+    bucket = ((padded / 2 - start / 2) / half_span * BINS).floor_().clamp_(0, BINS - 1)
     # One histc over all rows: row r's bucket b is the integer r * BINS + b; non-finite -> -1.
     offset = torch.arange(count, device=padded.device, dtype=dtype).mul_(BINS).unsqueeze(1)
     flat = torch.where(finite, bucket + offset, -1.0).add_(0.5)
     counts = torch.histc(flat, bins=count * BINS, min=0, max=count * BINS).view(count, BINS)
     weight = torch.tensor(list(weights), dtype=torch.float64, device=padded.device)
     counts = counts.to(torch.float64) * weight.unsqueeze(1)
-    head = torch.cat([start, span, lo, hi], dim=1).to(torch.float64)
+    head = torch.cat([start, half_span, lo, hi], dim=1).to(torch.float64)
+    head[:, H_SPAN] *= 2
     return torch.cat([head, counts], dim=1)

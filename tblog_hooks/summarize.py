@@ -73,7 +73,9 @@ def summarize(step: int, values: np.ndarray, layout: Layout) -> StepSummary:
     act_floats, act_counts, grad_norms, grad_nonfinite, param_norms, hists = np.split(values, np.cumsum(sizes))
 
     scalars: dict[str, float] = {}
-    for name, moments in _merge_activations(layout, act_floats.reshape(-1, 4), act_counts.reshape(-1, 3)).items():
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf activations are data, not warnings
+        pooled = _merge_activations(layout, act_floats.reshape(-1, 4), act_counts.reshape(-1, 3))
+    for name, moments in pooled.items():
         scalars.update({tag(ACTIVATION, stat, name): value for stat, value in moments.items()})
     squares: dict[str, float] = {}
     nonfinite: dict[str, float] = {}
@@ -110,7 +112,7 @@ def _merge_activations(layout: Layout, floats: np.ndarray, counts: np.ndarray) -
         acc[2] += m2 + delta * delta * acc[0] * n / total
         acc[1] += delta * n / total
         acc[0] = total
-        acc[3], acc[4] = min(acc[3], lo), max(acc[4], hi)
+        acc[3], acc[4] = np.minimum(acc[3], lo), np.maximum(acc[4], hi)  # NaN propagates, as in torch.aminmax
         for i, value in ((5, nonzero), (6, bad), (7, dead), (8, chans)):
             acc[i] += value
     out = {}
