@@ -121,7 +121,7 @@ def histograms(samples: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
     wide = half_span > 0  # false for constant samples and for samples with no finite element
     start = torch.where(wide, lo, torch.where(torch.isfinite(lo), lo - 0.5, 0.0))
     half_span = torch.where(wide, half_span, 0.5)
-    bucket = ((padded / 2 - start / 2) / half_span * BINS).floor_().clamp_(0, BINS - 1)
+    bucket = padded.mul(0.5).sub_(start / 2).div_(half_span).mul_(BINS).floor_().clamp_(0, BINS - 1)
     # One histc over all rows: row r's bucket b is the integer r * BINS + b; non-finite -> -1.
     offset = torch.arange(count, device=padded.device, dtype=dtype).mul_(BINS).unsqueeze(1)
     flat = torch.where(finite, bucket + offset, -1.0).add_(0.5)
