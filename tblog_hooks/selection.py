@@ -60,7 +60,13 @@ def select_modules(model: nn.Module, selectors: Selector | Sequence[Selector] | 
             "model.named_modules(), glob patterns, nn.Module subclasses or predicates"
             + ("" if selectors is not None else " (the default picks leaf modules that own parameters)")
         )
-    return {(named[i][0] or ROOT_NAME): named[i][1] for i in sorted(matched)}
+    selected = {(named[i][0] or ROOT_NAME): named[i][1] for i in sorted(matched)}
+    if len(selected) < len(matched):
+        raise HookLoggerError(
+            f"modules= selects both the model itself (shown as {ROOT_NAME!r}) and its submodule named "
+            f"{ROOT_NAME!r}, whose tags would be the same; select only one of them"
+        )
+    return selected
 
 
 def _is_predicate(rule: Selector) -> bool:

@@ -24,10 +24,13 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _census() -> dict[str, int]:
+def _census(model: nn.Module) -> dict[str, int]:
     gc.collect()
     objects = gc.get_objects()
+    hook_dicts = [d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks)]
+    hook_dicts += [p._post_accumulate_grad_hooks or {} for p in model.parameters()]
     return {
+        "hooks on the model": sum(map(len, hook_dicts)),
         "threads": threading.active_count(),
         "os threads": len(os.listdir("/proc/self/task")),
         "open files": len(os.listdir("/proc/self/fd")),
@@ -60,16 +63,16 @@ def test_thousands_of_logged_steps_leak_nothing(tmp_path, one_thread: None) -> N
             opt.zero_grad()
             hooks.step()
 
-    without_logger = _census()
+    without_logger = _census(model)
     hooks = HookLogger(model, log_dir=tmp_path, every=1)
     train(WARMUP)
-    before, rss_before = _census(), _rss_mib()
+    before, rss_before = _census(model), _rss_mib()
     train(STEPS)
-    after, rss_after = _census(), _rss_mib()
+    after, rss_after = _census(model), _rss_mib()
     assert after == before
     assert rss_after - rss_before < 10, (rss_before, rss_after)  # MiB; a kept histogram row per step is ~30
     hooks.close()
-    closed = _census()
-    for key in ("threads", "os threads", "open files", "tensors", "hook handles"):
+    closed = _census(model)
+    for key in ("hooks on the model", "threads", "os threads", "open files", "tensors", "hook handles"):
         assert closed[key] == without_logger[key], key
     assert len(read_run(tmp_path).scalars["activation/mean/0"]) == WARMUP + STEPS
