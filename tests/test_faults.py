@@ -114,20 +114,26 @@ def test_output_type_the_statistics_cannot_handle(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("where", "expected"),
+    ("where", "expected", "logged"),
     [
-        ("gradient_row", "logging for '0' failed"),  # in a tensor hook inside backward
-        ("sample", "logging for '0' failed"),  # in the forward hook, after the statistics
-        ("histograms", "packing step 0 failed"),  # when the step is packed, in step()
+        # In a tensor hook inside backward: step 0's activations were recorded before it.
+        ("gradient_row", "logging for '0' failed", {0}),
+        # In the forward hook, after the statistics row of step 0.
+        ("sample", "logging for '0' failed", {0}),
+        # When step() packs the step: all logging stops, nothing is written.
+        ("histograms", "packing step 0 failed", set()),
     ],
 )
-def test_fault_in_a_statistic_is_reported_once(tmp_path, monkeypatch, where: str, expected: str) -> None:
+def test_fault_in_a_statistic_is_reported_once(tmp_path, monkeypatch, where: str, expected: str, logged: set) -> None:
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError(f"injected fault in {where}")
 
     monkeypatch.setattr(stats, where, broken)
     messages = _run_with_logger(tmp_path, modules=["0"], parameters=False)
     assert len(messages) == 1 and expected in messages[0] and f"injected fault in {where}" in messages[0]
+    run = read_run(tmp_path)
+    assert set(run.scalars.get("activation/mean/0", {})) == logged
+    assert "gradient/norm/0" not in run.scalars
 
 
 def test_fault_reading_parameter_gradients_is_reported_once(tmp_path, monkeypatch) -> None:
