@@ -184,7 +184,8 @@ class HookLogger:
         self._collector.active = True
         if not self._use_optimizer:
             for key, p in self._params:
-                self._step_handles.add(p.register_post_accumulate_grad_hook(ParamGradHook(self._collector, key)))
+                if p.requires_grad:  # a layer frozen mid-training has no gradient (and takes no hook)
+                    self._step_handles.add(p.register_post_accumulate_grad_hook(ParamGradHook(self._collector, key)))
 
     def _end_logged_step(self) -> None:
         self._collector.active = False

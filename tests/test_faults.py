@@ -150,6 +150,27 @@ def test_fault_reading_parameter_gradients_is_reported_once(tmp_path, monkeypatc
     assert not any(tag.startswith("param") for tag in [*run.scalars, *run.histograms])
 
 
+@pytest.mark.parametrize("optimizer", [False, True])
+def test_freezing_and_unfreezing_a_layer_mid_training(tmp_path, optimizer: bool) -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with _logger_warnings() as messages:
+        hooks = HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt if optimizer else None)
+        for step in range(3):
+            model[0].requires_grad_(step != 1)  # frozen for step 1 only
+            model(torch.randn(5, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step()
+        hooks.close()
+    assert messages == []
+    run = read_run(tmp_path)
+    # Without optimizer=, gradients are hooked when a logged step begins (in the step() before it):
+    # step 2 began while layer 0 was still frozen.
+    assert set(run.scalars["param_grad/norm/0.weight"]) == ({0, 2} if optimizer else {0})
+    assert set(run.scalars["param_grad/norm/2.weight"]) == {0, 1, 2}
+
+
 class FailingWriter(SummaryWriter):
     """A user's writer whose flush fails, as on a lost network file system."""
 
