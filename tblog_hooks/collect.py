@@ -77,9 +77,10 @@ class Collector:
             if self.options.activations and counted.activations:
                 for t in tensors:
                     floats, counts = stats.activation_row(t)
+                    entry = (name, t.numel(), stats.channels(t))  # before appending: rows and layout stay aligned
                     self._act_floats.append(floats)
                     self._act_counts.append(counts)
-                    self.layout.activations.append((name, t.numel(), stats.channels(t)))
+                    self.layout.activations.append(entry)
                     self._add_sample(ACTIVATION, name, t)
             if self.options.gradients and counted.gradients:
                 for t in tensors:
@@ -89,9 +90,11 @@ class Collector:
             self.fail(name, error)
 
     def on_output_grad(self, name: str, grad: Tensor) -> None:
-        if name in self.disabled or not stats.loggable(grad):
+        if name in self.disabled:
             return
         try:
+            if not stats.loggable(grad):
+                return
             norm, nonfinite = stats.gradient_row(grad)
             self._grad_norms.append(norm)
             self._grad_nonfinite.append(nonfinite)
@@ -102,10 +105,10 @@ class Collector:
 
     def on_params(self, named: list[tuple[str, Tensor]]) -> None:
         """Record gradient norms (and histograms) of parameters whose ``.grad`` is final."""
-        named = [(key, p) for key, p in named if key not in self.disabled and p.grad is not None]
-        if not named:
-            return
         try:
+            named = [(key, p) for key, p in named if key not in self.disabled and stats.loggable(p.grad)]
+            if not named:
+                return
             grads = [local_shard(p.grad) for _, p in named if p.grad is not None]
             norms = torch._foreach_norm(grads)
             for (key, p), grad, norm in zip(named, grads, norms):
@@ -114,6 +117,7 @@ class Collector:
                     self._param_samples[key] = [_sampled(PARAM_GRAD, key, grad), _sampled(PARAM, key, local_shard(p))]
         except Exception as error:
             self.fail(named[0][0] if len(named) == 1 else "parameters", error)
+            self.disabled.update(key for key, _ in named)
 
     # -- bookkeeping -----------------------------------------------------------------------
     def _watch_gradient(self, name: str, t: Tensor) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import tempfile
 import warnings
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -75,6 +76,11 @@ class HookLogger:
             raise HookLoggerError(f"every must be a positive int (log every N optimizer steps), got {every!r}")
         if writer is not None and log_dir is not None:
             raise HookLoggerError("pass either log_dir (the logger makes and closes a writer) or writer, not both")
+        if not (activations or gradients or parameters):
+            raise HookLoggerError(
+                "activations, gradients and parameters are all False, so nothing would be logged; "
+                "leave at least one of them True"
+            )
         if writer is not None and not isinstance(writer, SummaryWriter):
             raise HookLoggerError(
                 f"writer must be a torch.utils.tensorboard.SummaryWriter, got {type(writer).__name__}"
@@ -92,7 +98,6 @@ class HookLogger:
         self._pending: deque[tuple[int, Transfer, Layout, bool]] = deque()  # step, transfer, layout, AMP tail
         self._step = 0
         self._closed = False
-        self._write_failed = False
         self._module_names = tuple(selected)
         self._params: list[tuple[str, Tensor]] = []
         if parameters:
@@ -117,7 +122,8 @@ class HookLogger:
         self._owns_writer = writer is None and self._ranks.rank == 0
         if self._owns_writer:
             self._writer = _make_writer(log_dir)
-        self._participates = self._writer is not None or self._ranks.needed
+        # Off: a rank that neither writes nor takes part in collectives; later, set once by _switch_off.
+        self._off = self._writer is None and not self._ranks.needed
         use_fast_checksum()
         for name, module in selected.items():
             self._handles.add(module.register_forward_hook(ForwardHook(self._collector, name)))
@@ -177,9 +183,11 @@ class HookLogger:
                     if self._owns_writer:
                         self._writer.close()
             except Exception as error:  # never raise out of close() over a broken writer
-                self._warn_write_failure(error)
+                self._switch_off("writing to TensorBoard", error)
 
     def __enter__(self) -> HookLogger:
+        if self._closed:
+            raise HookLoggerError("with-block entered on a closed HookLogger; create a new HookLogger to log again")
         return self
 
     def __exit__(
@@ -196,14 +204,15 @@ class HookLogger:
 
     # -- internals ----------------------------------------------------------------------------
     def _begin_logged_step(self) -> None:
-        if not self._participates:
+        if self._off:
             return
         self._collector.active = True
         if self._amp is not None:
             self._amp.begin()
         if not self._use_optimizer:
             for key, p in self._params:
-                self._step_handles.add(p.register_post_accumulate_grad_hook(ParamGradHook(self._collector, key)))
+                if p.requires_grad:  # a layer frozen mid-training has no gradient (and takes no hook)
+                    self._step_handles.add(p.register_post_accumulate_grad_hook(ParamGradHook(self._collector, key)))
 
     def _end_logged_step(self) -> None:
         self._collector.active = False
@@ -222,20 +231,18 @@ class HookLogger:
             if self._writer is not None:
                 self._pending.append((self._step, Transfer(values), layout, tail is not None))
         except Exception as error:  # e.g. histc under deterministic CUDA, a broken process group
-            self._collector.fail("logged steps", error)
-            self._participates = False  # this rank logs no more; training goes on
+            self._switch_off(f"packing step {self._step}", error)
 
     def _write(self, *, wait: bool) -> None:
         """Write finished transfers in step order; with ``wait``, all of them."""
         while self._pending and (wait or self._pending[0][1].ready()):
             step, transfer, layout, scaled = self._pending.popleft()
-            if self._write_failed or self._writer is None:
+            if self._off or self._writer is None:
                 continue
             try:
                 write(self._writer, self._summarize(step, transfer.result(), layout, scaled))
-            except Exception as error:
-                self._write_failed = True
-                self._warn_write_failure(error)
+            except Exception as error:  # disk full, permission lost, a broken writer
+                self._switch_off(f"writing step {step} to TensorBoard", error)
 
     def _summarize(self, step: int, values: np.ndarray, layout: Layout, scaled: bool) -> StepSummary:
         """Host side of a logged step: pool the ranks' records, split off and apply the AMP tail."""
@@ -248,20 +255,33 @@ class HookLogger:
         amp.unscale(summary, float(scale), bool(skipped), param_grads_scaled=not self._use_optimizer)
         return summary
 
-    def _warn_write_failure(self, error: BaseException) -> None:
+    def _switch_off(self, what: str, error: BaseException) -> None:
+        """Stop all logging after a failure outside the hooks, warning once; training continues."""
+        self._collector.active = False
+        if self._off:
+            return
+        self._off = True
         warnings.warn(
-            f"tblog_hooks: writing to TensorBoard failed and is switched off "
-            f"(training continues): {type(error).__name__}: {error}",
+            f"tblog_hooks: {what} failed, so logging is switched off (training continues; "
+            f"log_dir={self._writer.log_dir if self._writer else None!r}): {type(error).__name__}: {error}",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
 def _make_writer(log_dir: str | os.PathLike[str] | None) -> SummaryWriter:
     try:
+        if log_dir is not None and "://" not in os.fspath(log_dir):  # remote URLs are the writer's business
+            # Probe first: a SummaryWriter that fails to create its file leaves its writer thread behind.
+            os.makedirs(log_dir, exist_ok=True)
+            with tempfile.TemporaryFile(dir=log_dir):
+                pass
         return SummaryWriter(log_dir=None if log_dir is None else os.fspath(log_dir))
     except OSError as error:
-        raise HookLoggerError(f"cannot write TensorBoard events to log_dir={log_dir!r}: {error}") from None
+        raise HookLoggerError(
+            f"log_dir={log_dir!r} must be a directory this process can create files in: "
+            f"{type(error).__name__}: {error}; pass a writable path, or writer=SummaryWriter(...)"
+        ) from None
 
 
 def _check_not_compiled(model: nn.Module) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Union
 
 from torch import nn
@@ -37,8 +37,8 @@ def select_modules(model: nn.Module, selectors: Selector | Sequence[Selector] | 
     """
     if selectors is None:
         rules: list[Selector] = [default_selection]
-    elif isinstance(selectors, (str, type)) or callable(selectors):
-        rules = [selectors]
+    elif isinstance(selectors, (str, type)) or callable(selectors) or not isinstance(selectors, Iterable):
+        rules = [selectors]  # one selector; _check_rule rejects what is not one
     else:
         rules = list(selectors)
     for rule in rules:
@@ -60,7 +60,13 @@ def select_modules(model: nn.Module, selectors: Selector | Sequence[Selector] | 
             "model.named_modules(), glob patterns, nn.Module subclasses or predicates"
             + ("" if selectors is not None else " (the default picks leaf modules that own parameters)")
         )
-    return {(named[i][0] or ROOT_NAME): named[i][1] for i in sorted(matched)}
+    selected = {(named[i][0] or ROOT_NAME): named[i][1] for i in sorted(matched)}
+    if len(selected) < len(matched):
+        raise HookLoggerError(
+            f"modules= selects both the model itself (shown as {ROOT_NAME!r}) and its submodule named "
+            f"{ROOT_NAME!r}, whose tags would be the same; select only one of them"
+        )
+    return selected
 
 
 def _is_predicate(rule: Selector) -> bool:

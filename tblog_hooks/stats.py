@@ -32,12 +32,17 @@ H_LO, H_SPAN, H_MIN, H_MAX = range(4)
 HIST_WIDTH = 4 + BINS
 
 
+#: Floating dtypes the reductions support (float8 types have no mean, aminmax or promotion).
+FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
 def loggable(x: object) -> bool:
     """Dense, non-empty, real floating-point tensors; everything else is skipped, not an error."""
     return (
         isinstance(x, Tensor)
         and x.layout == torch.strided
-        and x.is_floating_point()
+        and not x.is_nested
+        and x.dtype in FLOAT_DTYPES
         and x.device.type != "meta"
         and x.numel() > 0
     )
@@ -53,11 +58,8 @@ def activation_row(x: Tensor) -> tuple[Tensor, Tensor]:
     x = x.detach()
     dtype = _acc_dtype(x)
     mean = x.mean(dtype=dtype)
-    # Centre on the mean, or on 0 when the mean is not finite, so that below exactly the
-    # non-finite elements of x turn into NaN. 16-bit inputs are centred in float32: a 16-bit
-    # x - mean would round each term.
-    pivot = torch.nan_to_num(mean, nan=0.0, posinf=0.0, neginf=0.0)
-    centred = x - pivot if x.dtype == dtype else x.to(dtype).sub_(pivot)
+    # 16-bit inputs are centred in float32: a 16-bit x - mean would round each term.
+    centred = x - mean if x.dtype == dtype else x.to(dtype).sub_(mean)
     norm = torch.linalg.vector_norm(centred, dtype=dtype)
     lo, hi = torch.aminmax(x)
     if x.dim() >= 2:
@@ -66,8 +68,7 @@ def activation_row(x: Tensor) -> tuple[Tensor, Tensor]:
         dead = (peak.amax(dim=0) <= 0).sum()
     else:
         dead = torch.zeros((), dtype=torch.int64, device=x.device)
-    nonfinite = torch.count_nonzero(centred.mul_(0))  # finite * 0 is 0; inf * 0 and nan * 0 are nan
-    return torch.stack([mean, norm, lo, hi]), torch.stack([torch.count_nonzero(x), nonfinite, dead])
+    return torch.stack([mean, norm, lo, hi]), torch.stack([torch.count_nonzero(x), _nonfinite(x), dead])
 
 
 def gradient_row(g: Tensor) -> tuple[Tensor, Tensor]:
@@ -116,16 +117,18 @@ def histograms(samples: Sequence[Tensor]) -> Tensor:
     inf = math.inf
     lo = torch.nan_to_num(padded, nan=inf, posinf=inf, neginf=inf).amin(dim=1, keepdim=True)
     hi = torch.nan_to_num(padded, nan=-inf, posinf=-inf, neginf=-inf).amax(dim=1, keepdim=True)
-    span = hi - lo
-    wide = span > 0  # false for constant samples and for samples with no finite element
+    # Halves: the span of a range reaching both ends of the dtype (-3e38..3e38 in float32) overflows.
+    half_span = hi / 2 - lo / 2
+    wide = half_span > 0  # false for constant samples and for samples with no finite element
     start = torch.where(wide, lo, torch.where(torch.isfinite(lo), lo - 0.5, 0.0))
-    span = torch.where(wide, span, 1.0)
+    half_span = torch.where(wide, half_span, 0.5)
     # Row r's bucket b becomes the number r * BINS + b + 0.5, so that one histc over all rows
     # counts every row at once. The scale stops just short of BINS, so the maximum lands in
     # the last bucket; NaN and +-inf fall outside histc's range and are not counted.
-    scale = (BINS * (1 - 2**-16)) / span
+    # Divide, then scale: BINS / half_span overflows for tiny (subnormal) spans.
     offset = torch.arange(count, device=padded.device, dtype=dtype).mul_(BINS).add_(0.5).unsqueeze(1)
-    position = (padded - start).mul_(scale).floor_().add_(offset)
+    position = padded.mul(0.5).sub_(start / 2).div_(half_span).mul_(BINS * (1 - 2**-16)).floor_().add_(offset)
     counts = torch.histc(position, bins=count * BINS, min=0, max=count * BINS).view(count, BINS)
-    head = torch.cat([start, span, lo, hi], dim=1).to(torch.float64)
+    head = torch.cat([start, half_span, lo, hi], dim=1).to(torch.float64)
+    head[:, H_SPAN] *= 2
     return torch.cat([head, counts.to(torch.float64)], dim=1)

@@ -39,7 +39,26 @@ class StepSummary:
 
 
 def tag(kind: str, *parts: str) -> str:
-    return "/".join((kind, *parts))
+    """``kind/part/...``; module and parameter names are user data, so each part is escaped
+    (see :func:`escape`) and ``/`` only ever separates the parts."""
+    return "/".join((kind, *map(escape, parts)))
+
+
+def escape(name: str) -> str:
+    """Percent-encode ``%``, ``/`` and unprintable characters (as UTF-8 bytes, as in URLs);
+    other characters, unicode and spaces included, stay as they are.
+    ``urllib.parse.unquote(escaped, errors="surrogatepass")`` gives the name back.
+
+    >>> escape("blocks.a/b 50%")
+    'blocks.a%2Fb 50%25'
+    """
+    if name.isprintable() and "/" not in name and "%" not in name:
+        return name
+    return "".join(c if c.isprintable() and c not in "%/" else _percent(c) for c in name)
+
+
+def _percent(char: str) -> str:
+    return "".join(f"%{byte:02X}" for byte in char.encode("utf-8", "surrogatepass"))
 
 
 def summarize(step: int, values: np.ndarray, layout: Layout) -> StepSummary:
@@ -54,7 +73,9 @@ def summarize(step: int, values: np.ndarray, layout: Layout) -> StepSummary:
     act_floats, act_counts, grad_norms, grad_nonfinite, param_norms, hists = np.split(values, np.cumsum(sizes))
 
     scalars: dict[str, float] = {}
-    for name, moments in _merge_activations(layout, act_floats.reshape(-1, 4), act_counts.reshape(-1, 3)).items():
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf activations are data, not warnings
+        pooled = _merge_activations(layout, act_floats.reshape(-1, 4), act_counts.reshape(-1, 3))
+    for name, moments in pooled.items():
         scalars.update({tag(ACTIVATION, stat, name): value for stat, value in moments.items()})
     squares: dict[str, float] = {}
     nonfinite: dict[str, float] = {}
@@ -87,7 +108,7 @@ def _merge_activations(layout: Layout, floats: np.ndarray, counts: np.ndarray) -
         acc[2] += m2 + delta * delta * acc[0] * n / total
         acc[1] += delta * n / total
         acc[0] = total
-        acc[3], acc[4] = min(acc[3], lo), max(acc[4], hi)
+        acc[3], acc[4] = np.minimum(acc[3], lo), np.maximum(acc[4], hi)  # NaN propagates, as in torch.aminmax
         for i, value in ((5, nonzero), (6, bad), (7, dead), (8, chans)):
             acc[i] += value
     out = {}
@@ -124,13 +145,24 @@ def _histograms(keys: list[tuple[str, str]], weights: list[float], rows: np.ndar
         if totals[i] == 0:
             continue  # no finite element
         a, b = first[i], last[i]
+        limits = edges[i, a + 1 : b + 1]
+        if np.any(np.diff(limits) <= 0):  # a span below float resolution at this magnitude
+            limits = _strictly_increasing(limits)
         out[tag(kind, name)] = Histogram(
             min=float(rows[i, stats.H_MIN]),
             max=float(rows[i, stats.H_MAX]),
             num=float(totals[i]),
             sum=float(sums[i]),
             sum_squares=float(squares[i]),
-            limits=edges[i, a + 1 : b + 1].tolist(),
+            limits=limits.tolist(),
             counts=counts[i, a:b].tolist(),
         )
+    return out
+
+
+def _strictly_increasing(limits: np.ndarray) -> np.ndarray:
+    """Nudge equal neighbours apart by one ulp: TensorBoard needs increasing bucket edges."""
+    out = limits.copy()
+    for i in range(1, out.size):
+        out[i] = max(out[i], np.nextafter(out[i - 1], np.inf))
     return out

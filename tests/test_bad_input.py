@@ -1,0 +1,110 @@
+"""Bad input is one clear ``HookLoggerError`` at construction (or at misuse), naming what is valid."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.tensorboard import SummaryWriter
+
+from tblog_hooks import HookLogger, HookLoggerError
+
+
+def _model() -> nn.Sequential:
+    return nn.Sequential(OrderedDict(encoder=nn.Linear(4, 8), act=nn.ReLU(), decoder=nn.Linear(8, 2)))
+
+
+def _error(*args: object, **kwargs: object) -> str:
+    with pytest.raises(HookLoggerError) as info:
+        HookLogger(*args, **kwargs)  # type: ignore[arg-type]
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragments"),
+    [
+        ({"every": 0}, ["every must be a positive int", "0"]),
+        ({"every": 2.5}, ["every must be a positive int", "2.5"]),
+        ({"every": True}, ["every must be a positive int", "True"]),
+        ({"modules": "encodr"}, ["'encodr' (closest names: encoder, decoder)"]),
+        ({"modules": ["decoder", "lyaer*"]}, ["'lyaer*'", "no similar name", "fnmatch"]),
+        ({"modules": nn.Conv2d}, ["Conv2d (no module of this type)"]),
+        ({"modules": []}, ["selected no module", "glob patterns"]),
+        ({"modules": lambda name, m: False}, ["selected no module", "predicates"]),
+        ({"modules": 3}, ["modules= got 3", "nn.Module subclass"]),
+        ({"evry": 10}, ["unknown option(s) 'evry' (did you mean 'every'?)", "valid options: log_dir"]),
+        ({"activations": False, "gradients": False, "parameters": False}, ["nothing would be logged"]),
+        ({"optimizer": "sgd"}, ["optimizer must be a torch.optim.Optimizer", "str"]),
+    ],
+)
+def test_bad_option_names_the_value_and_what_is_valid(tmp_path, kwargs: dict, fragments: list[str]) -> None:
+    message = _error(_model(), log_dir=tmp_path, **kwargs)
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    assert not list(tmp_path.iterdir())  # rejected before any file is written
+
+
+def test_not_a_module() -> None:
+    message = _error(lambda x: x)
+    assert "model must be an nn.Module" in message and "function" in message
+
+
+def test_default_selection_on_a_model_without_parameters_is_empty(tmp_path) -> None:
+    message = _error(nn.Sequential(nn.ReLU(), nn.Tanh()), log_dir=tmp_path)
+    assert "selected no module" in message and "leaf modules that own parameters" in message
+
+
+def test_model_and_a_submodule_named_root_cannot_share_the_name(tmp_path) -> None:
+    model = nn.ModuleDict({"root": nn.Linear(2, 2)})
+    message = _error(model, log_dir=tmp_path, modules=["", "root"])
+    assert "both the model itself (shown as 'root') and its submodule named 'root'" in message
+    with HookLogger(model, log_dir=tmp_path, modules="root") as hooks:
+        assert hooks.module_names == ("root",)
+
+
+def test_writer_and_log_dir_together(tmp_path) -> None:
+    writer = SummaryWriter(tmp_path / "mine")
+    try:
+        message = _error(_model(), writer=writer, log_dir=tmp_path / "other")
+        assert "either log_dir" in message and "not both" in message
+        assert "writer must be a torch.utils.tensorboard.SummaryWriter, got str" in _error(_model(), writer="runs")
+    finally:
+        writer.close()
+
+
+def _unwritable_dirs(tmp_path) -> list[str]:
+    (tmp_path / "file").write_text("")
+    dirs = [str(tmp_path / "file"), str(tmp_path / "file" / "run")]  # a file in the way
+    if sys.platform == "linux":
+        dirs += ["/proc/self/run", "/sys/kernel"]  # cannot be created / no files inside, even for root
+    return dirs
+
+
+def test_unwritable_log_dir_fails_before_a_writer_thread_starts(tmp_path) -> None:
+    threads = threading.active_count()
+    for log_dir in _unwritable_dirs(tmp_path):
+        message = _error(_model(), log_dir=log_dir)
+        assert f"log_dir={log_dir!r} must be a directory this process can create files in" in message
+        assert "writer=SummaryWriter(...)" in message
+    assert threading.active_count() == threads  # a failed SummaryWriter would leave its thread running
+
+
+def test_step_and_with_after_close_are_errors_and_hooks_are_inert(tmp_path) -> None:
+    model = _model()
+    hooks = HookLogger(model, log_dir=tmp_path, every=1)
+    model(torch.randn(3, 4)).sum().backward()
+    hooks.step()
+    hooks.close()
+    with pytest.raises(HookLoggerError, match=r"step\(\) called after close\(\); create a new HookLogger"):
+        hooks.step()
+    with pytest.raises(HookLoggerError, match="closed HookLogger; create a new HookLogger"), hooks:
+        pass
+    # The model keeps training after close(): no hook of the logger runs, nothing is written.
+    files = sorted(p.stat().st_size for p in tmp_path.iterdir())
+    model(torch.randn(3, 4)).sum().backward()
+    assert sorted(p.stat().st_size for p in tmp_path.iterdir()) == files
+    assert hooks.global_step == 1 and hooks.closed

@@ -1,0 +1,151 @@
+"""Property tests: device statistics, histograms and the host-side merge against NumPy references,
+on random tensors with NaN, Inf, subnormals, extremes and float16/bfloat16/float32/float64."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import array_shapes
+
+from tblog_hooks import stats
+from tblog_hooks.collect import Collector, Options
+from tblog_hooks.summarize import summarize
+
+SETTINGS = settings(max_examples=100, deadline=None, database=None)
+NONFINITE = st.sampled_from([math.nan, math.inf, -math.inf])
+# Float32 and wider accumulation keeps mean and std finite and accurate within these magnitudes
+# (the sum of squares of n values must stay below the accumulation type's maximum).
+BOUNDS = {torch.float16: 65504.0, torch.bfloat16: 1e15, torch.float32: 1e15, torch.float64: 1e150}
+# Histogram edges stay finite over the whole float16/bfloat16/float32 range; float64 to +-8e307.
+EXTREME = {torch.float16: 65504.0, torch.bfloat16: 3.38e38, torch.float32: 3.4e38, torch.float64: 8e307}
+DTYPES = st.sampled_from(sorted(BOUNDS, key=str))
+
+
+@st.composite
+def tensors(draw: st.DrawFn, *, extreme: bool = False) -> torch.Tensor:
+    """A tensor of 0 to 3 dims; values within the accurate range, or anywhere in the dtype's range."""
+    dtype = draw(DTYPES)
+    bound = (EXTREME if extreme else BOUNDS)[dtype]
+    shape = draw(array_shapes(min_dims=0, max_dims=3, min_side=1, max_side=7))
+    finite = st.floats(-bound, bound, width=16 if dtype == torch.float16 else 64)
+    special = st.sampled_from([0.0, -0.0, 1e-40, -5e-324, bound, -bound])
+    values = draw(st.lists(st.one_of(finite, special, NONFINITE), min_size=math.prod(shape), max_size=math.prod(shape)))
+    return torch.tensor(values, dtype=torch.float64).reshape(shape).to(dtype)
+
+
+def _reference(x: torch.Tensor) -> np.ndarray:
+    return x.double().numpy()  # the tensor's own (rounded) values, in float64
+
+
+def _tolerance(a: np.ndarray, dtype: torch.dtype) -> float:
+    """Rounding bound of a float32 (or float64) accumulation over ``a``; squares of values
+    below sqrt(tiny) (~1e-19 in float32) underflow, so norms that small may read as 0."""
+    info = np.finfo(np.float64 if dtype == torch.float64 else np.float32)
+    return 4 * a.size * float(info.eps) * float(np.abs(a).max(initial=0.0)) + 2 * a.size * math.sqrt(info.tiny)
+
+
+@SETTINGS
+@given(tensors())
+def test_activation_row(x: torch.Tensor) -> None:
+    floats, counts = (t.double().numpy() for t in stats.activation_row(x))
+    a = _reference(x)
+    nonzero, nonfinite, dead = counts
+    assert nonzero == np.count_nonzero(a) and nonfinite == np.count_nonzero(~np.isfinite(a))
+    if a.ndim >= 2:
+        assert dead == np.count_nonzero(a.max(axis=tuple(d for d in range(a.ndim) if d != 1)) <= 0)
+    else:
+        assert dead == 0
+    np.testing.assert_array_equal(floats[[stats.MIN, stats.MAX]], [a.min(), a.max()])  # NaN propagates
+    if np.isfinite(a).all():
+        tol = _tolerance(a, x.dtype)
+        assert abs(floats[stats.MEAN] - a.mean()) <= tol
+        assert abs(floats[stats.CENTRED_NORM] - np.linalg.norm(a - a.mean())) <= tol * 4
+    else:
+        assert not np.isfinite(floats[stats.MEAN])
+
+
+@SETTINGS
+@given(tensors(extreme=True))
+def test_activation_row_counts_and_extremes_are_exact_anywhere_in_range(x: torch.Tensor) -> None:
+    floats, counts = (t.double().numpy() for t in stats.activation_row(x))
+    a = _reference(x)
+    assert counts[stats.NONZERO] == np.count_nonzero(a)
+    assert counts[stats.NONFINITE] == np.count_nonzero(~np.isfinite(a))
+    np.testing.assert_array_equal(floats[[stats.MIN, stats.MAX]], [a.min(), a.max()])
+
+
+@SETTINGS
+@given(tensors())
+def test_gradient_row(g: torch.Tensor) -> None:
+    norm, nonfinite = (float(t) for t in stats.gradient_row(g))
+    a = _reference(g)
+    assert nonfinite == np.count_nonzero(~np.isfinite(a))
+    expected = np.linalg.norm(a.reshape(-1))
+    if np.isnan(a).any():
+        assert math.isnan(norm)
+    elif np.isinf(a).any():
+        assert norm == math.inf
+    else:
+        assert abs(norm - expected) <= 4 * _tolerance(a, g.dtype) + 1e-6 * expected
+
+
+def _check_histogram_row(row: np.ndarray, a: np.ndarray, weight: float) -> None:
+    start, span, lo, hi = row[[stats.H_LO, stats.H_SPAN, stats.H_MIN, stats.H_MAX]]
+    counts = row[stats.HIST_WIDTH - stats.BINS :]
+    finite = a[np.isfinite(a)]
+    assert math.isfinite(start) and math.isfinite(span) and span > 0  # bucket edges are always finite
+    assert counts.sum() == pytest.approx(weight * finite.size, rel=1e-12)
+    if finite.size == 0:
+        assert (lo, hi) == (math.inf, -math.inf)
+        return
+    assert (lo, hi) == (finite.min(), finite.max())
+    # Bucket b holds [start + span*b/BINS, start + span*(b+1)/BINS); the top edge is in the last bucket.
+    # np.float64 arithmetic: elements within rounding of an edge may land in either neighbour.
+    position = (finite / 2 - start / 2) / (span / 2) * stats.BINS  # halves: no overflow near the range ends
+    expected = np.bincount(np.clip(np.floor(position), 0, stats.BINS - 1).astype(int), minlength=stats.BINS)
+    near_edge = np.count_nonzero(np.abs(position - np.round(position)) < 1e-3)
+    assert np.abs(counts / weight - expected).sum() <= 2 * near_edge
+    assert start <= lo and hi <= start + span * (1 + 1e-6)
+
+
+@SETTINGS
+@given(st.lists(tensors(extreme=True), min_size=1, max_size=4), st.data())
+def test_histograms(xs: list[torch.Tensor], data: st.DataObject) -> None:
+    samples = [stats.sample(x, cap=data.draw(st.sampled_from([7, 64, stats.SAMPLE_CAP]))) for x in xs]
+    rows = stats.histograms(samples).numpy()  # counts of sampled elements; weights apply on the host
+    assert rows.shape == (len(xs), stats.HIST_WIDTH)
+    for row, s in zip(rows, samples):
+        _check_histogram_row(row, _reference(s), 1.0)
+
+
+@SETTINGS
+@given(st.lists(tensors(), min_size=1, max_size=4))
+def test_pooled_calls_match_the_concatenation(parts: list[torch.Tensor]) -> None:
+    """Several calls of one module in a step (packed by Collector.finish, merged by summarize)."""
+    collector = Collector(Options(gradients=False, parameters=False))
+    for x in parts:
+        collector.on_output("m", x, training=True)
+    packed, layout = collector.finish()  # type: ignore[misc]
+    summary = summarize(0, packed.numpy(), layout)
+    a = np.concatenate([_reference(x).reshape(-1) for x in parts])
+    scalars = summary.scalars
+    assert scalars["activation/nonfinite/m"] == np.count_nonzero(~np.isfinite(a))
+    assert scalars["activation/zero_frac/m"] == (a.size - np.count_nonzero(a)) / a.size
+    np.testing.assert_array_equal([scalars["activation/min/m"], scalars["activation/max/m"]], [a.min(), a.max()])
+    if np.isfinite(a).all():
+        tol = max(_tolerance(_reference(x), x.dtype) for x in parts)
+        assert abs(scalars["activation/mean/m"] - a.mean()) <= tol
+        std = a.std(ddof=1) if a.size > 1 else 0.0
+        assert abs(scalars["activation/std/m"] - std) <= 4 * tol + 1e-6 * std
+    finite = np.isfinite(a)
+    if finite.any():
+        histogram = summary.histograms["activation/m"]
+        assert histogram.num == finite.sum() and (histogram.min, histogram.max) == (a[finite].min(), a[finite].max())
+        assert np.all(np.diff(histogram.limits) > 0) and np.all(np.isfinite(histogram.limits))
+    else:
+        assert "activation/m" not in summary.histograms
