@@ -15,16 +15,18 @@ from torch import Tensor, nn
 from torch.utils.tensorboard import SummaryWriter
 
 from .collect import Collector, Layout, Options
+from .diagnose import Diagnostics
 from .errors import HookLoggerError
-from .hooks import ForwardHook, Handles, OptimizerHook, ParamGradHook
+from .health import Finding, Thresholds
+from .hooks import ForwardHook, ForwardPreHook, Handles, OptimizerHook, OptimizerPostHook, ParamGradHook
 from .selection import Selector, select_modules
 from .summarize import StepSummary, summarize
 from .transfer import Transfer
-from .write import use_fast_checksum, write
+from .write import use_fast_checksum
 
 _OPTIONS = (
     "log_dir", "writer", "modules", "every", "activations", "gradients", "parameters",
-    "histograms", "optimizer",
+    "histograms", "optimizer", "inputs", "feature_maps", "health",
 )  # fmt: skip
 
 
@@ -55,6 +57,9 @@ class HookLogger:
         parameters: bool = True,
         histograms: bool = True,
         optimizer: torch.optim.Optimizer | None = None,
+        inputs: bool = False,
+        feature_maps: Selector | Sequence[Selector] | None = None,
+        health: Thresholds | None = Thresholds(),  # noqa: B008 (immutable)
         **unknown: NoReturn,
     ) -> None:
         if unknown:
@@ -73,10 +78,24 @@ class HookLogger:
             )
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise HookLoggerError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if health is not None and not isinstance(health, Thresholds):
+            raise HookLoggerError(
+                f"health must be a tblog_hooks.Thresholds (or None to switch findings off), got {health!r}"
+            )
 
         selected = select_modules(model, modules)
+        try:
+            mapped = {} if feature_maps is None else select_modules(model, feature_maps)
+        except HookLoggerError as error:
+            raise HookLoggerError(f"feature_maps= (same selectors as modules=): {error}") from None
+        if set(mapped) - set(selected):
+            raise HookLoggerError(
+                f"feature_maps= selects modules that are not watched: {sorted(set(mapped) - set(selected))!r}; "
+                "add them to modules= as well"
+            )
         self.every = every
-        self._collector = Collector(Options(activations, gradients, parameters, histograms))
+        options = Options(activations, gradients, parameters, histograms, inputs, frozenset(mapped))
+        self._collector = Collector(options)
         self._handles = Handles()  # live until close()
         self._step_handles = Handles()  # live during one logged step
         self._pending: deque[tuple[int, Transfer, Layout]] = deque()
@@ -84,6 +103,7 @@ class HookLogger:
         self._closed = False
         self._write_failed = False
         self._module_names = tuple(selected)
+        self._diagnostics = Diagnostics(self._module_names, self._collector.forward_order, health)
         self._params: list[tuple[str, Tensor]] = []
         if parameters:
             seen: set[int] = set()
@@ -97,9 +117,11 @@ class HookLogger:
         self._writer, self._owns_writer = writer or _make_writer(log_dir), writer is None
         use_fast_checksum()
         for name, module in selected.items():
+            self._handles.add(module.register_forward_pre_hook(ForwardPreHook(self._collector, name), with_kwargs=True))
             self._handles.add(module.register_forward_hook(ForwardHook(self._collector, name)))
         if optimizer is not None and self._params:
             self._handles.add(optimizer.register_step_pre_hook(OptimizerHook(self._collector, self._params)))
+            self._handles.add(optimizer.register_step_post_hook(OptimizerPostHook(self._collector)))
         self._begin_logged_step()
 
     # -- public API -------------------------------------------------------------------------
@@ -120,6 +142,20 @@ class HookLogger:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def findings(self) -> list[Finding]:
+        """Every finding that started so far, in order (empty with ``health=None``)."""
+        health = self._diagnostics.health
+        return [] if health is None else list(health.started)
+
+    def summary(self) -> dict[str, float]:
+        """Numbers for a progress bar (``tqdm.set_postfix(**hooks.summary())``) from the latest
+        *written* step: ``grad_norm`` (global parameter-gradient norm), ``min_layer_grad``
+        (smallest output-gradient norm of a watched module), ``findings`` (how many hold now).
+        On the CPU a logged step is written by its ``step()``; on CUDA once its copy to the
+        host has completed, at a later ``step()`` or ``close()``."""
+        return self._diagnostics.summary()
 
     def step(self) -> None:
         """Mark the end of one optimizer step; logs it if its index is a multiple of ``every``."""
@@ -190,7 +226,7 @@ class HookLogger:
             if self._write_failed:
                 continue
             try:
-                write(self._writer, summarize(step, transfer.result(), layout))
+                self._diagnostics.write(self._writer, summarize(step, transfer.result(), layout))
             except Exception as error:
                 self._write_failed = True
                 self._warn_write_failure(error)
