@@ -105,10 +105,10 @@ def custom_scalars_layout(scalars: Mapping[str, float], order: Sequence[str]) ->
         if quantity:
             charts.setdefault(quantity, []).append(tag)
 
-    def position(tag: str) -> tuple[int, str]:
+    def position(tag: str) -> int:  # sorted() is stable: parameters of a module keep their order
         item = tag.rpartition("/")[2]
         owner = max((m for m in rank if item == m or item.startswith(m + ".")), key=len, default=None)
-        return (len(rank) if owner is None else rank[owner], item)
+        return len(rank) if owner is None else rank[owner]
 
     return {
         "tblog_hooks": {

@@ -30,7 +30,8 @@ class Thresholds:
     vanishing_ratio: float = 1e-4
     #: ``exploding_gradient``: the largest output-gradient norm is above this ...
     exploding_norm: float = 1e3
-    #: ... or above this multiple of the median of the largest norms of earlier logged steps.
+    #: ... or above this multiple of the median of the largest norms of earlier logged steps
+    #: (those without this finding).
     exploding_growth: float = 100.0
     #: ``dead_units``: this fraction of a module's channels (dim 1) is never positive across
     #: the batch (the last watched module in forward order, usually the output layer, is skipped).
@@ -69,7 +70,7 @@ class Health:
         self.thresholds = thresholds
         self.active: dict[tuple[str, str], Finding] = {}  # (kind, module or "" for the model) -> finding
         self.started: list[Finding] = []
-        self._largest: list[float] = []  # largest output-gradient norm of each earlier logged step
+        self._largest: list[float] = []  # largest output-gradient norm of earlier steps without exploding
 
     def update(self, step: int, scalars: Mapping[str, float], order: Sequence[str]) -> list[Finding]:
         """Findings of one logged step's scalars (``order``: watched modules in forward order);
@@ -119,13 +120,14 @@ class Health:
                     )
                     found[(VANISHING, m)] = Finding(VANISHING, m, step, v / largest, message)
         typical = statistics.median(self._largest) if self._largest else math.nan
-        self._largest.append(largest)
         reason = None
         if largest > t.exploding_norm:
             reason = f"above {t.exploding_norm:g}"
         elif typical > 0 and largest > t.exploding_growth * typical:
             reason = f"{largest / typical:.3g} times the median of earlier logged steps ({typical:.3g})"
-        if reason is not None:
+        if reason is None:
+            self._largest.append(largest)  # the typical scale is that of steps without this finding
+        else:
             message = f"largest output-gradient norm ({top}: {largest:.3g}) is {reason}"
             found[(EXPLODING, "")] = Finding(EXPLODING, top, step, largest, message)
         return found

@@ -53,15 +53,22 @@ def host_reads_from_package(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[st
         monkeypatch.undo()
 
 
-def test_hooks_of_a_logged_step_never_read_values_on_the_host(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("extras", [False, True])
+def test_hooks_of_a_logged_step_never_read_values_on_the_host(tmp_path, monkeypatch, extras: bool) -> None:
     model = torchvision.models.resnet18(num_classes=4)
     x, y = torch.randn(2, 3, 32, 32), torch.tensor([0, 3])
-    with HookLogger(model, log_dir=tmp_path, every=1) as hooks:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # extras: input statistics, feature maps and the optimizer's hooks (update ratio) as well.
+    options = {"optimizer": opt, "inputs": True, "feature_maps": "layer1.0.conv1"} if extras else {}
+    with HookLogger(model, log_dir=tmp_path, every=1, **options) as hooks:  # type: ignore[arg-type]
         mode = SeenOps()
         with host_reads_from_package(monkeypatch) as reads, mode:
             nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
         hooks.step()
     assert {"aminmax", "count_nonzero", "linalg_vector_norm", "register_hook"} <= mode.seen
+    if extras:
+        assert {"_foreach_sub_", "nan_to_num_"} <= mode.seen  # the update ratio and feature map ran
     assert reads == []
 
 
