@@ -98,8 +98,8 @@ class Collector:
     def on_input(self, name: str, inputs: object) -> None:
         """Forward pre-hook body: the inputs' non-finite count (to tell where NaN/Inf start),
         or with ``inputs=True`` the same statistics as for outputs."""
-        if name in self.disabled:
-            return
+        if name in self.disabled or not (self.options.activations or self.options.inputs):
+            return  # without output counts the input count tells nothing
         try:
             for t in _loggable_leaves(inputs):
                 if self.options.inputs:

@@ -3,17 +3,20 @@ feature-map grids (assembled on the device). Only torch/torchvision, no plotting
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import zlib
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 import torchvision
 from torch import Tensor
 
-#: Most channels a feature-map grid shows (the first ones).
-MAX_FEATURE_CHANNELS = 64
+#: Most channels a feature-map grid shows (the first ones), and the largest side of a tile:
+#: larger maps are average-pooled down, which keeps the grid's share of the transfer small.
+MAX_FEATURE_CHANNELS, MAX_FEATURE_SIDE = 64, 64
 #: Most logged steps (the latest ones) a heatmap shows.
 MAX_COLUMNS = 240
 
@@ -43,13 +46,16 @@ ZERO, NONFINITE = (0, 0, 0), (255, 0, 0)  # a gradient of exactly zero; NaN/Inf
 
 def feature_grid(x: Tensor) -> Tensor:
     """One sample's channels (``C x H x W``, or more dims: first slice; ``C x L``: one row
-    each) as a grey ``1 x H x W`` grid in [0, 1], each channel scaled to its own range.
-    Stays on the device."""
+    each) as a grey ``1 x H x W`` grid in [0, 1], each channel scaled to its own range and
+    pooled to at most ``MAX_FEATURE_SIDE`` pixels a side. Stays on the device."""
     while x.dim() > 3:
         x = x[:, 0]
     if x.dim() == 2:
         x = x.unsqueeze(1)
     x = x[:MAX_FEATURE_CHANNELS].float()
+    x = torch.nn.functional.adaptive_avg_pool2d(
+        x, (min(x.shape[1], MAX_FEATURE_SIDE), min(x.shape[2], MAX_FEATURE_SIDE))
+    )
     lo = x.amin(dim=(1, 2), keepdim=True)
     span = (x.amax(dim=(1, 2), keepdim=True) - lo).clamp_min(1e-12)
     x = ((x - lo) / span).nan_to_num_(0.0, 0.0, 0.0)
@@ -116,14 +122,16 @@ def png(image: np.ndarray) -> bytes:
     ``torchvision.io.encode_png`` is deprecated since torchvision 0.29."""
     channels, height, width = image.shape
     rows = np.ascontiguousarray(image.transpose(1, 2, 0)).reshape(height, width * channels)
-    raw = np.concatenate([np.zeros((height, 1), dtype=np.uint8), rows], axis=1).tobytes()  # filter 0 per row
+    up = rows.copy()
+    up[1:] -= rows[:-1]  # PNG filter "Up" (2): repeated rows, most of a heatmap, become zeros
+    raw = np.concatenate([np.full((height, 1), 2, dtype=np.uint8), up], axis=1).tobytes()
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     colour_type = {1: 0, 3: 2}[channels]  # grey, RGB
     header = struct.pack(">IIBBBBB", width, height, 8, colour_type, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
 
 
 def _colour(t: np.ndarray) -> np.ndarray:
@@ -141,9 +149,13 @@ def _fit(text: str, limit: int) -> str:
 
 def _text(image: np.ndarray, x: int, y: int, text: str) -> None:
     """Draw ``text`` with its top-left corner at (x, y); characters outside the font show as ``?``."""
-    for k, char in enumerate(text.lower()):
-        glyph = _GLYPHS.get(char, _GLYPHS["?"])
-        for i, ink in enumerate(glyph):
-            if ink == "#":
-                row, col = y + (i // 3) * _SCALE, x + k * _CHAR_W + (i % 3) * _SCALE
-                image[row : row + _SCALE, col : col + _SCALE] = INK
+    mask = np.concatenate([_ink(char) for char in text.lower()], axis=1)[:, :-_SCALE]  # no gap after the last
+    image[y : y + mask.shape[0], x : x + mask.shape[1]][mask] = INK
+
+
+@functools.cache
+def _ink(char: str) -> np.ndarray:
+    """A glyph as a boolean mask, scaled, with its one-column gap on the right."""
+    rows = np.array([c == "#" for c in _GLYPHS.get(char, _GLYPHS["?"])]).reshape(5, 3)
+    rows = np.concatenate([rows, np.zeros((5, 1), dtype=bool)], axis=1)
+    return np.repeat(np.repeat(rows, _SCALE, axis=0), _SCALE, axis=1)

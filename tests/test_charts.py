@@ -16,7 +16,7 @@ from torch import nn
 
 from tblog_hooks import HookLogger
 from tblog_hooks.diagnose import gradient_flow_image
-from tblog_hooks.pictures import BACKGROUND, NONFINITE, ZERO, gradient_flow, png
+from tblog_hooks.pictures import BACKGROUND, NONFINITE, ZERO, feature_grid, gradient_flow, png
 
 PURPLE, YELLOW = (68, 1, 84), (253, 231, 37)  # the ends of the colour scale
 
@@ -98,6 +98,10 @@ def test_feature_map_grid_of_the_first_sample(tmp_path) -> None:
         m = maps[c].double().numpy()
         expected = np.round((m - m.min()) / (m.max() - m.min()) * 255)
         assert np.abs(tile - expected).max() <= 1, c
+
+
+def test_large_feature_maps_are_pooled_to_small_tiles() -> None:
+    assert feature_grid(torch.rand(2, 100, 130)).shape == (1, 64 + 2, 2 * 65 + 1)
 
 
 def test_feature_maps_must_be_watched(tmp_path) -> None:
