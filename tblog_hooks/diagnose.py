@@ -33,7 +33,7 @@ class Diagnostics:
         self._norms: OrderedDict[int, dict[str, float]] = OrderedDict()
         self._written_order: list[str] | None = None
         self._written_table: str | None = None
-        self.latest: StepSummary | None = None
+        self._latest: dict[str, float] = {}  # scalars of the latest written step
 
     def order(self) -> list[str]:
         """Watched modules in forward order; those that never ran last, in model order."""
@@ -62,18 +62,16 @@ class Diagnostics:
             self._written_table = self.health.table()
             writer.add_text(FINDINGS_TAG, self._written_table, summary.step)
         writer.flush()
-        self.latest = summary
+        self._latest = summary.scalars
 
     def summary(self) -> dict[str, float]:
         """Progress-bar numbers of the latest written step (see ``HookLogger.summary``)."""
         out: dict[str, float] = {}
-        if self.latest is not None:
-            scalars = self.latest.scalars
-            if "param_grad/global_norm" in scalars:
-                out["grad_norm"] = scalars["param_grad/global_norm"]
-            norms = gradient_norms(scalars)
-            if norms:
-                out["min_layer_grad"] = min(norms.values())
+        if "param_grad/global_norm" in self._latest:
+            out["grad_norm"] = self._latest["param_grad/global_norm"]
+        norms = gradient_norms(self._latest)
+        if norms:
+            out["min_layer_grad"] = min(norms.values())
         if self.health is not None:
             out["findings"] = len(self.health.active)
         return out

@@ -159,7 +159,8 @@ def _nonfinite_origin(step: int, scalars: Mapping[str, float], order: Sequence[s
         m = bad_out[0]
         return Finding(
             NONFINITE, m, step, scalars[f"activation/nonfinite/{m}"],
-            f"NaN/Inf already in the input of {m}, the first watched module in forward order: check the data",
+            f"NaN/Inf already in the input of {m}, the first module with a non-finite output: "
+            "check the data (or code outside the watched modules)",
         )  # fmt: skip
     for m in reversed(order):
         count = scalars.get(f"gradient/nonfinite/{m}", 0.0)
