@@ -8,6 +8,7 @@ produced, so diagnostics cost no device work.
 from __future__ import annotations
 
 import re
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
@@ -34,6 +35,7 @@ class Diagnostics:
         self._written_order: list[str] | None = None
         self._written_table: str | None = None
         self._latest: dict[str, float] = {}  # scalars of the latest written step
+        self._failed = False
 
     def order(self) -> list[str]:
         """Watched modules in forward order; those that never ran last, in model order."""
@@ -41,18 +43,24 @@ class Diagnostics:
         return list(self._forward_order) + [m for m in self._modules if m not in fired]
 
     def write(self, writer: SummaryWriter, summary: StepSummary) -> None:
-        """Add findings and the heatmap to ``summary``, write it, then the text summaries."""
+        """Add findings and the heatmap to ``summary``, write it, then the text summaries.
+        A failure here is reported once and switches the diagnostics off, not the statistics."""
         order = self.order()
-        if self.health is not None:
-            self.health.update(summary.step, summary.scalars, order)
-            summary.scalars.update(self.health.counts())
-        norms = gradient_norms(summary.scalars)
-        if norms:
-            self._norms[summary.step] = norms
-            while len(self._norms) > pictures.MAX_COLUMNS:
-                self._norms.popitem(last=False)
-            summary.images[FLOW_TAG] = gradient_flow_image(order, self._norms)
+        if not self._failed:
+            try:
+                self._annotate(summary, order)
+            except Exception as error:
+                self._failed = True
+                warnings.warn(
+                    f"tblog_hooks: diagnostics failed and are switched off (statistics are still written): "
+                    f"{type(error).__name__}: {error}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         write(writer, summary)
+        self._latest = summary.scalars
+        if self._failed:
+            return
         if self._written_order is None:
             writer.add_custom_scalars(custom_scalars_layout(summary.scalars, order))
         if order != self._written_order:
@@ -62,7 +70,18 @@ class Diagnostics:
             self._written_table = self.health.table()
             writer.add_text(FINDINGS_TAG, self._written_table, summary.step)
         writer.flush()
-        self._latest = summary.scalars
+
+    def _annotate(self, summary: StepSummary, order: list[str]) -> None:
+        """Findings and ``health/*`` scalars, and the heatmap, into ``summary``."""
+        if self.health is not None:
+            self.health.update(summary.step, summary.scalars, order)
+            summary.scalars.update(self.health.counts())
+        norms = gradient_norms(summary.scalars)
+        if norms:
+            self._norms[summary.step] = norms
+            while len(self._norms) > pictures.MAX_COLUMNS:
+                self._norms.popitem(last=False)
+            summary.images[FLOW_TAG] = gradient_flow_image(order, self._norms)
 
     def summary(self) -> dict[str, float]:
         """Progress-bar numbers of the latest written step (see ``HookLogger.summary``)."""

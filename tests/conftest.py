@@ -47,6 +47,11 @@ def _accumulator(log_dir: str | Path) -> event_accumulator.EventAccumulator:
     return acc
 
 
+def read_tags(log_dir: str | Path) -> dict[str, list[str]]:
+    """Every tag in the run, by kind (``scalars``, ``images``, ``tensors``, ...)."""
+    return _accumulator(log_dir).Tags()
+
+
 def read_text(log_dir: str | Path, tag: str) -> dict[int, str]:
     """Text summaries of ``tag`` (as written by ``add_text``), by step."""
     events = _accumulator(log_dir).Tensors(f"{tag}/text_summary")

@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import read_images, read_layout, read_run
+from conftest import read_images, read_layout, read_run, read_tags
 from PIL import Image
 from torch import nn
 
@@ -80,6 +80,23 @@ def test_heatmap_image_and_custom_scalars_layout_in_the_run(tmp_path) -> None:
     for patterns in charts.values():  # every line of every chart is exactly one logged tag
         for pattern in patterns:
             assert len([t for t in run.scalars if re.search(pattern, t)]) == 1, pattern
+
+
+def test_a_diagnostics_failure_warns_once_and_keeps_the_statistics(tmp_path, monkeypatch) -> None:
+    def broken(*args: object) -> None:
+        raise ZeroDivisionError("in the heatmap")
+
+    monkeypatch.setattr("tblog_hooks.diagnose.gradient_flow_image", broken)
+    model = _nested()
+    warned = pytest.warns(RuntimeWarning, match="diagnostics failed.*in the heatmap")
+    with warned as caught, HookLogger(model, log_dir=tmp_path, every=1) as hooks:
+        for _ in range(2):
+            model(torch.randn(2, 3, 8, 8)).sum().backward()
+            hooks.step()
+    assert len([w for w in caught if "diagnostics" in str(w.message)]) == 1
+    assert set(read_run(tmp_path).scalars["gradient/norm/3"]) == {0, 1}
+    assert "health/gradient_flow" not in read_tags(tmp_path)["images"]
+    assert hooks.summary()["min_layer_grad"] > 0
 
 
 def test_feature_map_grid_of_the_first_sample(tmp_path) -> None:
