@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
+from conftest import read_run, read_tags
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -81,3 +82,25 @@ def test_the_witness_catches_a_host_read_in_a_backward_hook(monkeypatch) -> None
     with host_reads_from_package(monkeypatch) as reads:
         (t * 2).sum().backward()
     assert reads == ["item"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_no_cuda_synchronisation_inside_a_logged_step(tmp_path) -> None:
+    # CUDA's own witness: with sync debug mode "error", any synchronising call raises.
+    model = torchvision.models.resnet18(num_classes=4).cuda()
+    x, y = torch.randn(2, 3, 32, 32, device="cuda"), torch.tensor([0, 3], device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    options = {"optimizer": opt, "inputs": True, "feature_maps": "layer1.0.conv1"}
+    with HookLogger(model, log_dir=tmp_path, every=1, **options) as hooks:  # type: ignore[arg-type]
+        for _ in range(2):  # the first step warms up cuDNN and the optimizer state
+            torch.cuda.set_sync_debug_mode("error" if hooks.global_step else "default")
+            try:
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            hooks.step()
+    run = read_run(tmp_path)
+    assert set(run.scalars["param/update_ratio/conv1.weight"]) == {0, 1}
+    assert "feature_map/layer1.0.conv1" in read_tags(tmp_path)["images"]
