@@ -197,6 +197,16 @@ class Collector:
             handle.remove()
         self._tensor_handles.clear()
 
+    def _take_diagnostics(self, layout: Layout) -> list[list[Tensor]]:
+        """This step's input rows and extras as packing groups (after the core ones); resets them."""
+        groups, extras = [self._input_floats, self._input_counts], self._extras
+        self._input_floats, self._input_counts, self._extras, self._before_update = [], [], {}, None
+        layout.extras = [(tag, tuple(value.shape)) for tag, value in extras.items()]
+        if extras:
+            values = _gather(list(extras.values()), next(iter(extras.values())).device)
+            groups.append([torch.cat([v.reshape(-1).to(torch.float64) for v in values])])
+        return groups
+
     def finish(self) -> tuple[Tensor, Layout] | None:
         """Pack everything recorded this step into one float64 tensor; reset the buffer.
 
@@ -207,18 +217,12 @@ class Collector:
         layout, self.layout = self.layout, Layout()
         groups = [self._act_floats, self._act_counts, self._grad_norms, self._grad_nonfinite]
         self._act_floats, self._act_counts, self._grad_norms, self._grad_nonfinite = [], [], [], []
-        inputs, extras = [self._input_floats, self._input_counts], self._extras
-        self._input_floats, self._input_counts, self._extras, self._before_update = [], [], {}, None
-        layout.extras = [(tag, tuple(value.shape)) for tag, value in extras.items()]
         samples = self._samples + [s for pair in self._param_samples.values() for s in pair]
         self._samples, self._param_samples = [], {}
         norms, self._param_norms = self._param_norms, {}
         layout.params = list(norms)
         groups.append(list(norms.values()))
-        groups += inputs
-        if extras:
-            values = _gather(list(extras.values()), next(iter(extras.values())).device)
-            groups.append([torch.cat([v.reshape(-1).to(torch.float64) for v in values])])
+        groups += self._take_diagnostics(layout)
         firsts = [g[0] for g in groups if g] + [s for _, s, _ in samples[:1]]
         if not firsts:
             return None
