@@ -4,8 +4,9 @@ computed on the device and written every N optimizer steps."""
 from __future__ import annotations
 
 from .errors import HookLoggerError
+from .health import Finding, Thresholds
 from .logger import HookLogger
 from .selection import Selector
 
 __version__ = "0.1.0"
-__all__ = ["HookLogger", "HookLoggerError", "Selector", "__version__"]
+__all__ = ["Finding", "HookLogger", "HookLoggerError", "Selector", "Thresholds", "__version__"]

@@ -11,12 +11,14 @@ gradient norms and histograms are dropped (they would be garbage) and
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch import Tensor
 
-from .collect import GRADIENT, PARAM_GRAD
-from .summarize import Histogram, StepSummary, tag
+from .collect import GRADIENT, GRADIENT_LOG10, PARAM_GRAD
+from .summarize import Histogram, StepSummary
+from .tags import tag
 
 #: Numbers this module appends to a logged step's packed tensor: loss scale, skipped (0/1).
 WIDTH = 2
@@ -51,8 +53,9 @@ class ScaleWatch:
 
 
 def unscale(summary: StepSummary, scale: float, skipped: bool, *, param_grads_scaled: bool) -> None:
-    """Divide the step's gradient norms and histograms by ``scale``, or drop them if ``skipped``
-    (non-finite counts stay: they show where the overflow came from)."""
+    """Divide the step's gradient norms and histograms by ``scale`` (shift log10 histograms by
+    ``log10(scale)``), or drop them if ``skipped`` (non-finite counts stay: they show where the
+    overflow came from)."""
     summary.scalars[tag("amp", "loss_scale")] = scale
     summary.scalars[tag("amp", "skipped_step")] = float(skipped)
     kinds = (GRADIENT, PARAM_GRAD) if param_grads_scaled or skipped else (GRADIENT,)
@@ -63,19 +66,23 @@ def unscale(summary: StepSummary, scale: float, skipped: bool, *, param_grads_sc
             del summary.scalars[key]
         else:
             summary.scalars[key] /= scale
-    for key in [k for k in summary.histograms if k.startswith(prefixes)]:
+    log10 = tag(GRADIENT_LOG10, "")
+    for key in [k for k in summary.histograms if k.startswith((*prefixes, log10))]:
         if skipped:
             del summary.histograms[key]
+        elif key.startswith(log10):
+            summary.histograms[key] = _affine(summary.histograms[key], 1.0, -math.log10(scale))
         else:
-            summary.histograms[key] = _divided(summary.histograms[key], scale)
+            summary.histograms[key] = _affine(summary.histograms[key], 1.0 / scale, 0.0)
 
 
-def _divided(h: Histogram, scale: float) -> Histogram:
+def _affine(h: Histogram, a: float, b: float) -> Histogram:
+    """The histogram of ``a * x + b`` (``a > 0``) from that of ``x``."""
     return dataclasses.replace(
         h,
-        min=h.min / scale,
-        max=h.max / scale,
-        sum=h.sum / scale,
-        sum_squares=h.sum_squares / scale**2,
-        limits=[limit / scale for limit in h.limits],
+        min=a * h.min + b,
+        max=a * h.max + b,
+        sum=a * h.sum + b * h.num,
+        sum_squares=a * a * h.sum_squares + 2 * a * b * h.sum + b * b * h.num,
+        limits=[a * limit + b for limit in h.limits],
     )

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+from .health import KINDS
+
+SCENARIOS = ("healthy", "vanishing", "exploding", "dead-relu", "nan")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -11,17 +18,59 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train a small model with the logger attached and write runs/")
     demo.add_argument("--logdir", default="runs", help="where to write the TensorBoard run (default: runs)")
-    demo.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
+    demo.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default="healthy",
+        help="healthy: ResNet-18 on generated images; the others: a small model showing that problem",
+    )
+    demo.add_argument("--steps", type=int, help="optimizer steps (default: 300 for healthy, else the scenario's)")
     demo.add_argument("--every", type=int, default=10, help="log every N optimizer steps (default: 10)")
     demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    report = commands.add_parser("report", help="per-layer table and findings of runs, from their event files")
+    report.add_argument("run_dir", help="a run directory, or a folder of runs (each is reported)")
+    report.add_argument("--json", action="store_true", help="print one JSON object per run (one per line)")
+    report.add_argument("--png", metavar="PATH", help="write the gradient-flow heatmap (several runs: PATH-RUN.png)")
+    report.add_argument(
+        "--fail-on", metavar="KIND[,KIND]", help=f"exit 1 when a finding of these kinds exists ({', '.join(KINDS)})"
+    )
     args = parser.parse_args(argv)
 
-    if args.command == "demo":
-        from .demo import pick_device, run_demo
+    if args.command == "report":
+        fail_on = set() if args.fail_on is None else {k.strip() for k in args.fail_on.split(",")}
+        if fail_on - set(KINDS):
+            parser.error(f"--fail-on got {sorted(fail_on - set(KINDS))!r}; valid kinds: {', '.join(KINDS)}")
+        return _report(args.run_dir, as_json=args.json, png_path=args.png, fail_on=fail_on)
 
-        run_dir = run_demo(args.logdir, args.steps, args.every, pick_device(args.device))
-        print(f"wrote {run_dir}\nopen it with:  tensorboard --logdir {args.logdir}")
+    from .demo import pick_device, run_demo
+
+    run_dir = run_demo(args.logdir, args.scenario, args.steps, args.every, pick_device(args.device))
+    print(f"wrote {run_dir}\nopen it with:  tensorboard --logdir {args.logdir}\nor:  tblog-hooks report {run_dir}")
     return 0
+
+
+def _report(path: str, *, as_json: bool, png_path: str | None, fail_on: set[str]) -> int:
+    """Exit status: 0, 1 when a ``fail_on`` finding exists, 2 when a run cannot be read."""
+    from . import report
+
+    try:
+        runs = report.find_runs(path)
+        loaded = [report.load(run_dir, str(run_dir.relative_to(path)) if run_dir != Path(path) else run_dir.name)
+                  for run_dir in runs]  # fmt: skip
+        failed = False
+        for run in loaded:
+            print(json.dumps(report.as_json(run)) if as_json else report.as_text(run))
+            failed |= any(f.kind in fail_on for f in report.findings(run))
+            if png_path is not None:
+                target = Path(png_path)
+                if len(loaded) > 1:
+                    target = target.with_name(f"{target.stem}-{run.name.replace('/', '-')}{target.suffix or '.png'}")
+                target.write_bytes(report.flow_png(run))
+                print(f"wrote {target}", file=sys.stderr)
+    except (report.ReportError, OSError) as error:
+        print(f"tblog-hooks report: {error}", file=sys.stderr)
+        return 2
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

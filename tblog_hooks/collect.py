@@ -8,6 +8,7 @@ plus a :class:`Layout` that says what each number is.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -15,11 +16,13 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from . import stats
-from .distributed import local_shard
+from . import pictures, stats
+from .distributed import is_sharded, local_shard
 from .passes import PassFilter
+from .tags import tag
 
 ACTIVATION, GRADIENT, PARAM, PARAM_GRAD = "activation", "gradient", "param", "param_grad"
+INPUT, GRADIENT_LOG10, FEATURE_MAP = "input", "gradient_log10", "feature_map"
 
 
 @dataclass
@@ -31,6 +34,8 @@ class Layout:
     params: list[str] = field(default_factory=list)
     hists: list[tuple[str, str]] = field(default_factory=list)  # kind, name
     hist_weights: list[float] = field(default_factory=list)  # elements each sampled element stands for
+    inputs: list[tuple[str, int, int]] = field(default_factory=list)  # as activations, for inputs=True
+    extras: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # tag, shape
 
 
 @dataclass
@@ -40,6 +45,8 @@ class Options:
     parameters: bool = True
     histograms: bool = True
     eval_passes: bool = False
+    inputs: bool = False
+    feature_maps: frozenset[str] = frozenset()
 
 
 class Collector:
@@ -58,6 +65,12 @@ class Collector:
         self._param_norms: dict[str, Tensor] = {}
         self._param_samples: dict[str, list[tuple[tuple[str, str], Tensor, float]]] = {}
         self._tensor_handles: list[RemovableHandle] = []
+        self._input_floats: list[Tensor] = []
+        self._input_counts: list[Tensor] = []
+        self._extras: dict[str, Tensor] = {}  # tag -> device tensor, packed after the groups
+        self._before_update: tuple[list[tuple[str, Tensor]], Sequence[Tensor], list[Tensor]] | None = None
+        self.forward_order: list[str] = []  # watched modules in the order their forward hooks first fired
+        self._fired: set[str] = set()
         self.layout = Layout()
 
     # -- called from hooks ---------------------------------------------------------------
@@ -66,14 +79,19 @@ class Collector:
         (of training passes only, see ``passes.py``)."""
         if name in self.disabled:
             return
+        if name not in self._fired and not torch.compiler.is_compiling():
+            # Not while compiling: a set that grows would be one more guard and one more graph.
+            self._fired.add(name)
+            self.forward_order.append(name)
         try:
             counted = self.passes.classify(name, training)
             if not any(counted):
                 return
-            leaves = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
-            tensors = [t for t in leaves if stats.loggable(t)]
+            tensors = _loggable_leaves(output)
             if not tensors:
                 return
+            if name in self.options.feature_maps:
+                self._add_feature_map(name, tensors)
             if self.options.activations and counted.activations:
                 for t in tensors:
                     floats, counts = stats.activation_row(t)
@@ -89,6 +107,25 @@ class Collector:
         except Exception as error:  # the logger must never stop training
             self.fail(name, error)
 
+    def on_input(self, name: str, inputs: object, training: bool) -> None:
+        """Forward pre-hook body: the inputs' non-finite count (to tell where NaN/Inf start),
+        or with ``inputs=True`` the same statistics as for outputs."""
+        if name in self.disabled or not (self.options.activations or self.options.inputs):
+            return  # without output counts the input count tells nothing
+        if not self.passes.records_inputs(name, training):
+            return
+        try:
+            for t in _loggable_leaves(inputs):
+                if self.options.inputs:
+                    floats, counts = stats.activation_row(t)
+                    self._input_floats.append(floats)
+                    self._input_counts.append(counts)
+                    self.layout.inputs.append((name, t.numel(), stats.channels(t)))
+                else:
+                    self._add_extra(tag(INPUT, "nonfinite", name), stats.nonfinite(t.detach()))
+        except Exception as error:
+            self.fail(name, error)
+
     def on_output_grad(self, name: str, grad: Tensor) -> None:
         if name in self.disabled:
             return
@@ -99,7 +136,11 @@ class Collector:
             self._grad_norms.append(norm)
             self._grad_nonfinite.append(nonfinite)
             self.layout.gradients.append(name)
-            self._add_sample(GRADIENT, name, grad)
+            if self.options.histograms:
+                key, s, weight = _sampled(GRADIENT, name, grad)
+                self._samples.append((key, s, weight))
+                # Zeros become -inf and, like NaN/Inf, stay out of the histogram.
+                self._samples.append(((GRADIENT_LOG10, name), s.abs().log10_(), weight))
         except Exception as error:
             self.fail(name, error)
 
@@ -119,6 +160,32 @@ class Collector:
             self.fail(named[0][0] if len(named) == 1 else "parameters", error)
             self.disabled.update(key for key, _ in named)
 
+    def before_update(self, named: list[tuple[str, Tensor]]) -> None:
+        """Optimizer step pre-hook: copy the weights (logged steps only) to measure the update.
+        FSDP2-sharded weights are left out: a shard's ratio is not the parameter's."""
+        named = [(key, p) for key, p in named if not is_sharded(p)]
+        if not named:
+            return
+        try:
+            weights = [p.detach() for _, p in named]
+            self._before_update = (named, torch._foreach_norm(weights), [w.clone() for w in weights])
+        except Exception as error:
+            self.fail("update_ratio", error)
+
+    def after_update(self) -> None:
+        """Optimizer step post-hook: ``||W_after - W_before|| / ||W_before||`` per parameter,
+        computed in place in the copy, which is then dropped."""
+        if self._before_update is None:
+            return
+        named, norms, before = self._before_update
+        self._before_update = None
+        try:
+            torch._foreach_sub_(before, [p.detach() for _, p in named])
+            for (key, _), delta, norm in zip(named, torch._foreach_norm(before), norms):
+                self._extras[tag(PARAM, "update_ratio", key)] = delta / norm
+        except Exception as error:
+            self.fail("update_ratio", error)
+
     # -- bookkeeping -----------------------------------------------------------------------
     def _watch_gradient(self, name: str, t: Tensor) -> None:
         # Inside torch.compile a hook that writes to the collector breaks the graph at every
@@ -126,6 +193,18 @@ class Collector:
         # compiled forwards record activations and leave output gradients out.
         if not torch.compiler.is_compiling():
             self._tensor_handles.append(t.register_hook(_GradientHook(self, name)))
+
+    def _add_extra(self, key: str, value: Tensor) -> None:
+        """A device value packed as is; values of a tag recorded more than once add up."""
+        previous = self._extras.get(key)
+        self._extras[key] = value if previous is None else previous + value
+
+    def _add_feature_map(self, name: str, tensors: list[Tensor]) -> None:
+        """Channels of the first sample of the first 3-D-or-more output, first call only."""
+        key = tag(FEATURE_MAP, name)
+        maps = [t for t in tensors if t.dim() >= 3]
+        if maps and key not in self._extras:
+            self._extras[key] = pictures.feature_grid(maps[0].detach()[0])
 
     def _add_sample(self, kind: str, name: str, t: Tensor) -> None:
         if self.options.histograms:
@@ -146,11 +225,22 @@ class Collector:
             handle.remove()
         self._tensor_handles.clear()
 
+    def _take_diagnostics(self, layout: Layout) -> list[list[Tensor]]:
+        """This step's input rows and extras as packing groups (after the core ones); resets them."""
+        groups, extras = [self._input_floats, self._input_counts], self._extras
+        self._input_floats, self._input_counts, self._extras, self._before_update = [], [], {}, None
+        layout.extras = [(key, tuple(value.shape)) for key, value in extras.items()]
+        if extras:
+            values = _gather(list(extras.values()), next(iter(extras.values())).device)
+            groups.append([torch.cat([v.reshape(-1).to(torch.float64) for v in values])])
+        return groups
+
     def finish(self) -> tuple[Tensor, Layout] | None:
         """Pack everything recorded this step into one float64 tensor; reset the buffer.
 
         Order: activation float rows, activation count rows, gradient norms, gradient
-        non-finite counts, parameter-gradient norms, histogram rows (see ``Layout``)."""
+        non-finite counts, parameter-gradient norms, input float rows, input count rows,
+        extras (flattened), histogram rows (see ``Layout``)."""
         self.remove_tensor_hooks()
         layout, self.layout = self.layout, Layout()
         groups = [self._act_floats, self._act_counts, self._grad_norms, self._grad_nonfinite]
@@ -160,6 +250,7 @@ class Collector:
         norms, self._param_norms = self._param_norms, {}
         layout.params = list(norms)
         groups.append(list(norms.values()))
+        groups += self._take_diagnostics(layout)
         firsts = [g[0] for g in groups if g] + [s for _, s, _ in samples[:1]]
         if not firsts:
             return None
@@ -171,6 +262,12 @@ class Collector:
             layout.hist_weights = [w for _, w in merged.values()]
             parts.append(stats.histograms(_gather([s for s, _ in merged.values()], device)).reshape(-1))
         return torch.cat(parts), layout
+
+
+def _loggable_leaves(tree: object) -> list[Tensor]:
+    """The tensors of a (nested) input or output that statistics are taken of."""
+    leaves = [tree] if isinstance(tree, Tensor) else tree_flatten(tree)[0]
+    return [t for t in leaves if stats.loggable(t)]
 
 
 def _sampled(kind: str, name: str, t: Tensor) -> tuple[tuple[str, str], Tensor, float]:

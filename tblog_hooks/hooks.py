@@ -46,6 +46,16 @@ class ForwardHook(_Hook):
             self.collector.on_output(self.name, output, module.training)
 
 
+class ForwardPreHook(_Hook):
+    """``register_forward_pre_hook`` callable (with kwargs): input statistics on logged steps."""
+
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self.collector.active:
+            self.collector.on_input(self.name, (args, kwargs), module.training)
+
+
 class ParamGradHook(_Hook):
     """``register_post_accumulate_grad_hook`` callable: sees each ``.grad`` once accumulated."""
 
@@ -74,7 +84,8 @@ class Handles:
 
 class OptimizerHook:
     """``Optimizer.register_step_pre_hook`` callable: reads ``.grad`` right before the update,
-    i.e. after gradient accumulation, DDP averaging and ``GradScaler.unscale_``."""
+    i.e. after gradient accumulation, DDP averaging and ``GradScaler.unscale_``, and copies
+    the weights to measure the update."""
 
     __slots__ = ("collector", "params")
 
@@ -84,3 +95,17 @@ class OptimizerHook:
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.collector.active:
             self.collector.on_params(self.params)
+            self.collector.before_update(self.params)
+
+
+class OptimizerPostHook:
+    """``Optimizer.register_step_post_hook`` callable: the update-to-weight ratios."""
+
+    __slots__ = ("collector",)
+
+    def __init__(self, collector: Collector) -> None:
+        self.collector = collector
+
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.collector.active:
+            self.collector.after_update()

@@ -18,17 +18,19 @@ from torch.utils.tensorboard import SummaryWriter
 
 from . import amp
 from .collect import Collector, Layout, Options
+from .diagnose import Diagnostics
 from .distributed import Ranks, is_sharded, merge_ranks
 from .errors import HookLoggerError
-from .hooks import ForwardHook, Handles, OptimizerHook, ParamGradHook
+from .health import Finding, Thresholds
+from .hooks import ForwardHook, ForwardPreHook, Handles, OptimizerHook, OptimizerPostHook, ParamGradHook
 from .selection import Selector, select_modules
 from .summarize import StepSummary, summarize
 from .transfer import Transfer
-from .write import use_fast_checksum, write
+from .write import use_fast_checksum
 
 _OPTIONS = (
     "log_dir", "writer", "modules", "every", "activations", "gradients", "parameters",
-    "histograms", "optimizer", "scaler", "eval_passes", "reduce_ranks",
+    "histograms", "optimizer", "scaler", "eval_passes", "reduce_ranks", "inputs", "feature_maps", "health",
 )  # fmt: skip
 
 
@@ -62,6 +64,9 @@ class HookLogger:
         scaler: torch.amp.GradScaler | None = None,
         eval_passes: bool = False,
         reduce_ranks: bool = False,
+        inputs: bool = False,
+        feature_maps: Selector | Sequence[Selector] | None = None,
+        health: Thresholds | None = Thresholds(),  # noqa: B008 (immutable)
         **unknown: NoReturn,
     ) -> None:
         if unknown:
@@ -89,16 +94,39 @@ class HookLogger:
             raise HookLoggerError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise HookLoggerError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        if health is not None and not isinstance(health, Thresholds):
+            raise HookLoggerError(
+                f"health must be a tblog_hooks.Thresholds (or None to switch findings off), got {health!r}"
+            )
 
         selected = select_modules(model, modules)
+        try:
+            mapped = {} if feature_maps is None else select_modules(model, feature_maps)
+        except HookLoggerError as error:
+            raise HookLoggerError(f"feature_maps= (same selectors as modules=): {error}") from None
+        if set(mapped) - set(selected):
+            raise HookLoggerError(
+                f"feature_maps= selects modules that are not watched: {sorted(set(mapped) - set(selected))!r}; "
+                "add them to modules= as well"
+            )
         self.every = every
-        self._collector = Collector(Options(activations, gradients, parameters, histograms, eval_passes))
+        options = Options(
+            activations=activations,
+            gradients=gradients,
+            parameters=parameters,
+            histograms=histograms,
+            eval_passes=eval_passes,
+            inputs=inputs,
+            feature_maps=frozenset(mapped),
+        )
+        self._collector = Collector(options)
         self._handles = Handles()  # live until close()
         self._step_handles = Handles()  # live during one logged step
         self._pending: deque[tuple[int, Transfer, Layout, bool]] = deque()  # step, transfer, layout, AMP tail
         self._step = 0
         self._closed = False
         self._module_names = tuple(selected)
+        self._diagnostics = Diagnostics(self._module_names, self._collector.forward_order, health)
         self._params: list[tuple[str, Tensor]] = []
         if parameters:
             seen: set[int] = set()
@@ -126,9 +154,11 @@ class HookLogger:
         self._off = self._writer is None and not self._ranks.needed
         use_fast_checksum()
         for name, module in selected.items():
+            self._handles.add(module.register_forward_pre_hook(ForwardPreHook(self._collector, name), with_kwargs=True))
             self._handles.add(module.register_forward_hook(ForwardHook(self._collector, name)))
         if optimizer is not None and self._params:
             self._handles.add(optimizer.register_step_pre_hook(OptimizerHook(self._collector, self._params)))
+            self._handles.add(optimizer.register_step_post_hook(OptimizerPostHook(self._collector)))
         self._begin_logged_step()
 
     # -- public API -------------------------------------------------------------------------
@@ -150,6 +180,20 @@ class HookLogger:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def findings(self) -> list[Finding]:
+        """Every finding that started so far, in order (empty with ``health=None``)."""
+        health = self._diagnostics.health
+        return [] if health is None else list(health.started)
+
+    def summary(self) -> dict[str, float]:
+        """Numbers for a progress bar (``tqdm.set_postfix(**hooks.summary())``) from the latest
+        *written* step: ``grad_norm`` (global parameter-gradient norm), ``min_layer_grad``
+        (smallest output-gradient norm of a watched module), ``findings`` (how many hold now).
+        On the CPU a logged step is written by its ``step()``; on CUDA once its copy to the
+        host has completed, at a later ``step()`` or ``close()``."""
+        return self._diagnostics.summary()
 
     def step(self) -> None:
         """Mark the end of one optimizer step; logs it if its index is a multiple of ``every``."""
@@ -240,7 +284,7 @@ class HookLogger:
             if self._off or self._writer is None:
                 continue
             try:
-                write(self._writer, self._summarize(step, transfer.result(), layout, scaled))
+                self._diagnostics.write(self._writer, self._summarize(step, transfer.result(), layout, scaled))
             except Exception as error:  # disk full, permission lost, a broken writer
                 self._switch_off(f"writing step {step} to TensorBoard", error)
 

@@ -55,5 +55,12 @@ class PassFilter:
             self._unmatched[name] += 1
         return Counted(self.eval_passes, False)
 
+    def records_inputs(self, name: str, training: bool) -> bool:
+        """Whether a call's inputs are recorded (forward pre-hooks, before :meth:`classify`
+        sees the call): exactly when its activations will be."""
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+            return self._unmatched[name] > 0 and not self.eval_passes
+        return self.eval_passes or (training and torch.is_grad_enabled())
+
     def reset(self) -> None:
         self._unmatched.clear()

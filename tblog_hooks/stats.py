@@ -77,6 +77,11 @@ def gradient_row(g: Tensor) -> tuple[Tensor, Tensor]:
     return torch.linalg.vector_norm(g, dtype=_acc_dtype(g)), _nonfinite(g)
 
 
+def nonfinite(x: Tensor) -> Tensor:
+    """Count of NaN/Inf elements (int64, on the tensor's device)."""
+    return _nonfinite(x)
+
+
 def _nonfinite(x: Tensor) -> Tensor:
     return torch.count_nonzero(x * 0)  # inf * 0 and nan * 0 are nan, finite * 0 is 0
 

@@ -8,12 +8,13 @@ add up, minima and maxima combine, so the statistics cover every call.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import stats
-from .collect import ACTIVATION, GRADIENT, PARAM_GRAD, Layout
+from .collect import ACTIVATION, GRADIENT, INPUT, PARAM_GRAD, Layout
+from .tags import tag
 
 
 @dataclass(frozen=True)
@@ -31,34 +32,13 @@ class Histogram:
 
 @dataclass
 class StepSummary:
-    """Everything one logged step writes: ``{tag: value}`` and ``{tag: Histogram}``."""
+    """Everything one logged step writes: ``{tag: value}``, ``{tag: Histogram}`` and
+    ``{tag: uint8 image, channels first}``."""
 
     step: int
     scalars: dict[str, float]
     histograms: dict[str, Histogram]
-
-
-def tag(kind: str, *parts: str) -> str:
-    """``kind/part/...``; module and parameter names are user data, so each part is escaped
-    (see :func:`escape`) and ``/`` only ever separates the parts."""
-    return "/".join((kind, *map(escape, parts)))
-
-
-def escape(name: str) -> str:
-    """Percent-encode ``%``, ``/`` and unprintable characters (as UTF-8 bytes, as in URLs);
-    other characters, unicode and spaces included, stay as they are.
-    ``urllib.parse.unquote(escaped, errors="surrogatepass")`` gives the name back.
-
-    >>> escape("blocks.a/b 50%")
-    'blocks.a%2Fb 50%25'
-    """
-    if name.isprintable() and "/" not in name and "%" not in name:
-        return name
-    return "".join(c if c.isprintable() and c not in "%/" else _percent(c) for c in name)
-
-
-def _percent(char: str) -> str:
-    return "".join(f"%{byte:02X}" for byte in char.encode("utf-8", "surrogatepass"))
+    images: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def summarize(step: int, values: np.ndarray, layout: Layout) -> StepSummary:
@@ -69,14 +49,23 @@ def summarize(step: int, values: np.ndarray, layout: Layout) -> StepSummary:
         len(layout.gradients),
         len(layout.gradients),
         len(layout.params),
+        len(layout.inputs) * 4,
+        len(layout.inputs) * 3,
+        sum(math.prod(shape) for _, shape in layout.extras),
     ]
-    act_floats, act_counts, grad_norms, grad_nonfinite, param_norms, hists = np.split(values, np.cumsum(sizes))
+    act_floats, act_counts, grad_norms, grad_nonfinite, param_norms, in_floats, in_counts, extras, hists = np.split(
+        values, np.cumsum(sizes)
+    )
 
     scalars: dict[str, float] = {}
-    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf activations are data, not warnings
-        pooled = _merge_activations(layout, act_floats.reshape(-1, 4), act_counts.reshape(-1, 3))
-    for name, moments in pooled.items():
-        scalars.update({tag(ACTIVATION, stat, name): value for stat, value in moments.items()})
+    for kind, entries, floats, counts in (
+        (ACTIVATION, layout.activations, act_floats, act_counts),
+        (INPUT, layout.inputs, in_floats, in_counts),
+    ):
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf activations are data, not warnings
+            pooled = _merge_activations(entries, floats.reshape(-1, 4), counts.reshape(-1, 3))
+        for name, moments in pooled.items():
+            scalars.update({tag(kind, stat, name): value for stat, value in moments.items()})
     squares: dict[str, float] = {}
     nonfinite: dict[str, float] = {}
     for name, norm, bad in zip(layout.gradients, grad_norms, grad_nonfinite):
@@ -91,13 +80,26 @@ def summarize(step: int, values: np.ndarray, layout: Layout) -> StepSummary:
         scalars[tag(PARAM_GRAD, "global_norm")] = math.sqrt(float(np.sum(np.square(param_norms))))
 
     histograms = _histograms(layout.hists, layout.hist_weights, hists.reshape(-1, stats.HIST_WIDTH))
-    return StepSummary(step, scalars, histograms)
+    images = {}
+    offset = 0
+    for key, shape in layout.extras:
+        size = math.prod(shape)
+        value = extras[offset : offset + size]
+        offset += size
+        if not shape:  # a scalar; left out where undefined (update ratio of an all-zero weight)
+            if math.isfinite(value[0]):
+                scalars[key] = float(value[0])
+        else:  # an image with values in [0, 1]
+            images[key] = np.round(value.reshape(shape) * 255).astype(np.uint8)
+    return StepSummary(step, scalars, histograms, images)
 
 
-def _merge_activations(layout: Layout, floats: np.ndarray, counts: np.ndarray) -> dict[str, dict[str, float]]:
+def _merge_activations(
+    entries: list[tuple[str, int, int]], floats: np.ndarray, counts: np.ndarray
+) -> dict[str, dict[str, float]]:
     """Pool every call of a module in the step (Chan et al.'s parallel variance)."""
     pooled: dict[str, list[float]] = {}  # name -> [n, mean, m2, min, max, nonzero, nonfinite, dead, channels]
-    for (name, n, chans), (mean, centred, lo, hi), (nonzero, bad, dead) in zip(layout.activations, floats, counts):
+    for (name, n, chans), (mean, centred, lo, hi), (nonzero, bad, dead) in zip(entries, floats, counts):
         m2 = centred * centred
         acc = pooled.get(name)
         if acc is None:

@@ -6,14 +6,16 @@ per value: a few hundred values cost one record, one queue slot and one checksum
 
 from __future__ import annotations
 
+import numpy as np
 from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
 from torch.utils.tensorboard import SummaryWriter
 
+from .pictures import png
 from .summarize import StepSummary
 
 
 def to_proto(summary: StepSummary) -> Summary:
-    """The ``Summary`` protobuf ``SummaryWriter.add_scalar``/``add_histogram_raw`` would write."""
+    """The ``Summary`` protobuf ``SummaryWriter.add_scalar``/``add_histogram_raw``/``add_image`` would write."""
     values = [Summary.Value(tag=t, simple_value=v) for t, v in summary.scalars.items()]
     values += [
         Summary.Value(
@@ -30,7 +32,14 @@ def to_proto(summary: StepSummary) -> Summary:
         )
         for t, h in summary.histograms.items()
     ]
+    values += [Summary.Value(tag=t, image=image_proto(image)) for t, image in summary.images.items()]
     return Summary(value=values)
+
+
+def image_proto(image: np.ndarray) -> Summary.Image:
+    """A PNG-encoded TensorBoard image of a uint8 array, channels first (1 or 3)."""
+    channels, height, width = image.shape
+    return Summary.Image(height=height, width=width, colorspace=channels, encoded_image_string=png(image))
 
 
 def write(writer: SummaryWriter, summary: StepSummary) -> None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
 
 
 @dataclass
@@ -33,3 +37,34 @@ def read_run(log_dir: str | Path) -> Run:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+def _accumulator(log_dir: str | Path) -> event_accumulator.EventAccumulator:
+    acc = event_accumulator.EventAccumulator(
+        str(log_dir), size_guidance={event_accumulator.IMAGES: 0, event_accumulator.TENSORS: 0}
+    )
+    acc.Reload()
+    return acc
+
+
+def read_tags(log_dir: str | Path) -> dict[str, list[str]]:
+    """Every tag in the run, by kind (``scalars``, ``images``, ``tensors``, ...)."""
+    return _accumulator(log_dir).Tags()
+
+
+def read_text(log_dir: str | Path, tag: str) -> dict[int, str]:
+    """Text summaries of ``tag`` (as written by ``add_text``), by step."""
+    events = _accumulator(log_dir).Tensors(f"{tag}/text_summary")
+    return {e.step: e.tensor_proto.string_val[0].decode() for e in events}
+
+
+def read_images(log_dir: str | Path, tag: str) -> dict[int, np.ndarray]:
+    """Images of ``tag`` decoded with Pillow (independent of the package's PNG writer), H x W x C."""
+    events = _accumulator(log_dir).Images(tag)
+    return {e.step: np.asarray(Image.open(io.BytesIO(e.encoded_image_string))) for e in events}
+
+
+def read_layout(log_dir: str | Path) -> layout_pb2.Layout:
+    """The custom-scalars layout written with ``add_custom_scalars``."""
+    (event,) = _accumulator(log_dir).Tensors("custom_scalars__config__")
+    return layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])

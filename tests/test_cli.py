@@ -5,11 +5,16 @@ from __future__ import annotations
 from conftest import read_run
 
 from tblog_hooks.cli import main
+from tblog_hooks.health import KINDS
 
 
-def test_demo_writes_a_readable_run(tmp_path, capsys) -> None:
-    assert main(["demo", "--logdir", str(tmp_path), "--steps", "4", "--every", "2", "--device", "cpu"]) == 0
+def test_demo_writes_a_readable_run_without_findings(tmp_path, capsys) -> None:
+    # The healthy demo: stock ResNet-18, default init, FakeData. Diagnostics must stay quiet.
+    assert main(["demo", "--logdir", str(tmp_path), "--steps", "6", "--every", "2", "--device", "cpu"]) == 0
     assert f"tensorboard --logdir {tmp_path}" in capsys.readouterr().out
     run = read_run(tmp_path / "resnet18")
-    assert set(run.scalars["param_grad/global_norm"]) == {0, 2}
+    assert set(run.scalars["param_grad/global_norm"]) == {0, 2, 4}
     assert "activation/layer4.1.conv2" in run.histograms
+    assert all(v == 0 for kind in KINDS for v in run.scalars[f"health/{kind}"].values())
+    assert main(["report", str(tmp_path), "--fail-on", ",".join(KINDS)]) == 0
+    assert "findings: none" in capsys.readouterr().out

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from conftest import read_run
+from conftest import read_run, read_tags
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -54,15 +54,22 @@ def host_reads_from_package(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[st
         monkeypatch.undo()
 
 
-def test_hooks_of_a_logged_step_never_read_values_on_the_host(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("extras", [False, True])
+def test_hooks_of_a_logged_step_never_read_values_on_the_host(tmp_path, monkeypatch, extras: bool) -> None:
     model = torchvision.models.resnet18(num_classes=4)
     x, y = torch.randn(2, 3, 32, 32), torch.tensor([0, 3])
-    with HookLogger(model, log_dir=tmp_path, every=1) as hooks:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # extras: input statistics, feature maps and the optimizer's hooks (update ratio) as well.
+    options = {"optimizer": opt, "inputs": True, "feature_maps": "layer1.0.conv1"} if extras else {}
+    with HookLogger(model, log_dir=tmp_path, every=1, **options) as hooks:  # type: ignore[arg-type]
         mode = SeenOps()
         with host_reads_from_package(monkeypatch) as reads, mode:
             nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
         hooks.step()
     assert {"aminmax", "count_nonzero", "linalg_vector_norm", "register_hook"} <= mode.seen
+    if extras:
+        assert {"_foreach_sub_", "nan_to_num_"} <= mode.seen  # the update ratio and feature map ran
     assert reads == []
 
 
@@ -100,3 +107,25 @@ def test_amp_checkpointing_and_eval_passes_never_read_values_on_the_host(tmp_pat
             hooks.step()
     run = read_run(tmp_path)  # the hooks did their work in those passes
     assert set(run.scalars["activation/mean/0"]) == set(run.scalars["gradient/norm/2"]) == {0, 1}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_no_cuda_synchronisation_inside_a_logged_step(tmp_path) -> None:
+    # CUDA's own witness: with sync debug mode "error", any synchronising call raises.
+    model = torchvision.models.resnet18(num_classes=4).cuda()
+    x, y = torch.randn(2, 3, 32, 32, device="cuda"), torch.tensor([0, 3], device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    options = {"optimizer": opt, "inputs": True, "feature_maps": "layer1.0.conv1"}
+    with HookLogger(model, log_dir=tmp_path, every=1, **options) as hooks:  # type: ignore[arg-type]
+        for _ in range(2):  # the first step warms up cuDNN and the optimizer state
+            torch.cuda.set_sync_debug_mode("error" if hooks.global_step else "default")
+            try:
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            hooks.step()
+    run = read_run(tmp_path)
+    assert set(run.scalars["param/update_ratio/conv1.weight"]) == {0, 1}
+    assert "feature_map/layer1.0.conv1" in read_tags(tmp_path)["images"]

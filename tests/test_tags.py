@@ -10,7 +10,7 @@ from conftest import read_run
 from torch import nn
 
 from tblog_hooks import HookLogger
-from tblog_hooks.summarize import escape
+from tblog_hooks.tags import escape
 
 # ModuleDict keys may hold anything but '.': '/', '%', spaces, unicode, control characters,
 # lone surrogates; "mean/0" would make the histogram tag of one module the scalar tag of "0".
@@ -30,6 +30,7 @@ def test_escape_round_trips_and_leaves_plain_names_alone() -> None:
         assert _decode(escaped) == name
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a name must never switch logging off
 def test_user_data_names_round_trip_through_the_event_reader(tmp_path) -> None:
     model = nn.ModuleDict({name: nn.Linear(3, 2) for name in NAMES})
     x = torch.randn(5, 3)

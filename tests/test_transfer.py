@@ -7,7 +7,7 @@ import torch
 from conftest import read_run
 from torch import nn
 
-from tblog_hooks import HookLogger, logger, transfer
+from tblog_hooks import HookLogger, diagnose, logger, transfer
 
 
 class SlowTransfer(transfer.Transfer):
@@ -22,8 +22,8 @@ class SlowTransfer(transfer.Transfer):
 def test_in_flight_steps_are_written_later_in_order_exactly_once(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(logger, "Transfer", SlowTransfer)
     written: list[int] = []
-    real_write = logger.write
-    monkeypatch.setattr(logger, "write", lambda w, summary: (written.append(summary.step), real_write(w, summary)))
+    real_write = diagnose.write
+    monkeypatch.setattr(diagnose, "write", lambda w, summary: (written.append(summary.step), real_write(w, summary)))
     model = nn.Sequential(nn.Linear(3, 3))
     means = []
     with HookLogger(model, log_dir=tmp_path, every=2) as hooks:

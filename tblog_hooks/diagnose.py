@@ -1,0 +1,149 @@
+"""What the logger adds to each step it writes: health findings and ``health/*`` scalars, the
+gradient-flow heatmap, the custom-scalars layout (once) and the text summaries.
+
+Host-side only: it reads the :class:`~tblog_hooks.summarize.StepSummary` the step already
+produced, so diagnostics cost no device work.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from torch.utils.tensorboard import SummaryWriter
+
+from . import pictures
+from .health import Health, Thresholds
+from .summarize import StepSummary
+from .tags import escape, tag, unescape
+from .write import write
+
+FLOW_TAG, FINDINGS_TAG, ORDER_TAG = "health/gradient_flow", "health/findings", "health/forward_order"
+
+
+class Diagnostics:
+    """Fed every written step, in step order; keeps the last :data:`pictures.MAX_COLUMNS`
+    steps of gradient norms for the heatmap."""
+
+    def __init__(self, modules: Sequence[str], forward_order: list[str], thresholds: Thresholds | None) -> None:
+        self._modules = tuple(modules)
+        self._forward_order = forward_order  # filled by the collector as forward hooks first fire
+        self.health = None if thresholds is None else Health(thresholds)
+        self._norms: OrderedDict[int, dict[str, float]] = OrderedDict()
+        self._written_order: list[str] | None = None
+        self._written_table: str | None = None
+        self._latest: dict[str, float] = {}  # scalars of the latest written step
+        self._failed = False
+
+    def order(self) -> list[str]:
+        """Watched modules in forward order; those that never ran last, in model order."""
+        fired = set(self._forward_order)
+        return list(self._forward_order) + [m for m in self._modules if m not in fired]
+
+    def write(self, writer: SummaryWriter, summary: StepSummary) -> None:
+        """Add findings and the heatmap to ``summary``, write it, then the text summaries.
+        A failure here is reported once and switches the diagnostics off, not the statistics."""
+        order = self.order()
+        if not self._failed:
+            try:
+                self._annotate(summary, order)
+            except Exception as error:
+                self._failed = True
+                warnings.warn(
+                    f"tblog_hooks: diagnostics failed and are switched off (statistics are still written): "
+                    f"{type(error).__name__}: {error}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        write(writer, summary)
+        self._latest = summary.scalars
+        if self._failed:
+            return
+        if self._written_order is None:
+            writer.add_custom_scalars(custom_scalars_layout(summary.scalars, order))
+        if order != self._written_order:
+            writer.add_text(ORDER_TAG, order_markdown(order), summary.step)
+            self._written_order = order
+        if self.health is not None and self.health.table() != self._written_table:
+            self._written_table = self.health.table()
+            # Module names are user data: a lone surrogate could not be encoded as UTF-8.
+            writer.add_text(
+                FINDINGS_TAG, self._written_table.encode("utf-8", "backslashreplace").decode(), summary.step
+            )
+        writer.flush()
+
+    def _annotate(self, summary: StepSummary, order: list[str]) -> None:
+        """Findings and ``health/*`` scalars, and the heatmap, into ``summary``."""
+        if self.health is not None:
+            self.health.update(summary.step, summary.scalars, order)
+            summary.scalars.update(self.health.counts())
+        norms = gradient_norms(summary.scalars)
+        if norms:
+            self._norms[summary.step] = norms
+            while len(self._norms) > pictures.MAX_COLUMNS:
+                self._norms.popitem(last=False)
+            summary.images[FLOW_TAG] = gradient_flow_image(order, self._norms)
+
+    def summary(self) -> dict[str, float]:
+        """Progress-bar numbers of the latest written step (see ``HookLogger.summary``)."""
+        out: dict[str, float] = {}
+        if "param_grad/global_norm" in self._latest:
+            out["grad_norm"] = self._latest["param_grad/global_norm"]
+        norms = gradient_norms(self._latest)
+        if norms:
+            out["min_layer_grad"] = min(norms.values())
+        if self.health is not None:
+            out["findings"] = len(self.health.active)
+        return out
+
+
+def gradient_norms(scalars: Mapping[str, float]) -> dict[str, float]:
+    """``{module: output-gradient norm}`` of one step."""
+    prefix = tag("gradient", "norm", "")
+    return {unescape(t[len(prefix) :]): v for t, v in scalars.items() if t.startswith(prefix)}
+
+
+def gradient_flow_image(order: Sequence[str], norms: Mapping[int, Mapping[str, float]]) -> np.ndarray:
+    """The heatmap of ``{step: {module: norm}}``, rows in ``order`` (modules with a norm only)."""
+    rows = [m for m in order if any(m in by_module for by_module in norms.values())]
+    steps = sorted(norms)
+    shape = (len(rows), len(steps))
+    table = np.array([[norms[s].get(m, np.nan) for s in steps] for m in rows], dtype=np.float64).reshape(shape)
+    logged = np.array([[m in norms[s] for s in steps] for m in rows], dtype=bool).reshape(shape)
+    return pictures.gradient_flow(rows, steps, table, logged)
+
+
+def custom_scalars_layout(scalars: Mapping[str, float], order: Sequence[str]) -> dict[str, dict[str, list[object]]]:
+    """One multi-line chart per quantity (``activation/std``, ``gradient/norm``, ...) holding
+    every watched module or parameter, in forward order."""
+    rank = {m: i for i, m in enumerate(order)}
+    charts: dict[str, list[str]] = {}
+    for key in scalars:
+        quantity = key.rpartition("/")[0]
+        if quantity:
+            charts.setdefault(quantity, []).append(key)
+
+    def position(key: str) -> int:  # sorted() is stable: parameters of a module keep their order
+        item = unescape(key.rpartition("/")[2])
+        owner = max((m for m in rank if item == m or item.startswith(m + ".")), key=len, default=None)
+        return len(rank) if owner is None else rank[owner]
+
+    return {
+        "tblog_hooks": {
+            quantity: ["Multiline", [f"^{re.escape(t)}$" for t in sorted(tags, key=position)]]
+            for quantity, tags in sorted(charts.items())
+        }
+    }
+
+
+def order_markdown(order: Sequence[str]) -> str:
+    """The forward order as a numbered Markdown list of escaped names (``report`` reads it back)."""
+    return "\n".join(f"{i}. `{escape(m)}`" for i, m in enumerate(order, 1))
+
+
+def parse_order(text: str) -> list[str]:
+    """Inverse of :func:`order_markdown`."""
+    return [unescape(m) for m in re.findall(r"^\d+\. `(.*)`$", text, flags=re.MULTILINE)]

@@ -1,0 +1,179 @@
+"""Pictures and the extra statistics: gradient-flow heatmap, custom-scalars layout, feature
+maps, log10 gradient histograms, input statistics and update-to-weight ratios."""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from conftest import read_images, read_layout, read_run, read_tags
+from PIL import Image
+from torch import nn
+
+from tblog_hooks import HookLogger
+from tblog_hooks.diagnose import gradient_flow_image
+from tblog_hooks.pictures import BACKGROUND, NONFINITE, ZERO, feature_grid, gradient_flow, png
+
+PURPLE, YELLOW = (68, 1, 84), (253, 231, 37)  # the ends of the colour scale
+
+
+def _where(image: np.ndarray, colour: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
+    return np.nonzero(np.all(image == colour, axis=-1))
+
+
+def test_png_round_trips_through_pillow() -> None:
+    rng = np.random.default_rng(0)
+    for channels in (1, 3):
+        image = rng.integers(0, 256, size=(channels, 7, 5), dtype=np.uint8)
+        decoded = np.asarray(Image.open(io.BytesIO(png(image))))
+        assert np.array_equal(decoded.reshape(7, 5, channels), image.transpose(1, 2, 0))
+
+
+def test_heatmap_rows_are_modules_columns_steps_colour_log10() -> None:
+    norms = np.array([[1e-3, 0.0], [math.nan, 10.0]])  # rows: modules a, b; columns: steps 0, 5
+    logged = np.array([[True, True], [True, True]])
+    image = gradient_flow(["a", "b"], [0, 5], norms, logged).transpose(1, 2, 0)
+    zero_y, zero_x = _where(image, ZERO)  # a at step 5
+    bad_y, bad_x = _where(image, NONFINITE)  # b at step 0
+    assert zero_y.max() < bad_y.min() and bad_x.max() < zero_x.min()
+    # 1e-3 is the bottom of the scale (row a, step 0), 10 the top (row b, step 5).
+    assert tuple(image[int(zero_y.mean()), int(bad_x.mean())]) == PURPLE
+    assert tuple(image[int(bad_y.mean()), int(zero_x.mean())]) == YELLOW
+    # A cell that was not logged shows the background.
+    unlogged = gradient_flow(["a", "b"], [0, 5], norms, np.array([[True, True], [False, True]]))
+    assert not _where(unlogged.transpose(1, 2, 0), NONFINITE)[0].size
+    assert tuple(unlogged.transpose(1, 2, 0)[int(bad_y.mean()), int(bad_x.mean())]) == BACKGROUND
+
+
+def _nested() -> nn.Module:
+    return nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()),
+        nn.Sequential(nn.Conv2d(4, 6, 3), nn.ReLU()),
+        nn.Flatten(),
+        nn.Linear(6 * 4 * 4, 3),
+    )
+
+
+def test_heatmap_image_and_custom_scalars_layout_in_the_run(tmp_path) -> None:
+    model = _nested()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with HookLogger(model, log_dir=tmp_path, every=2, optimizer=opt) as hooks:
+        for _ in range(5):
+            model(torch.randn(4, 3, 8, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step()
+    order = ["0.0", "1.0", "3"]
+    run = read_run(tmp_path)
+    images = read_images(tmp_path, "health/gradient_flow")
+    assert set(images) == {0, 2, 4}
+    history = {s: {m: run.scalar(f"gradient/norm/{m}", s) for m in order} for s in (0, 2, 4)}
+    assert np.array_equal(images[4], gradient_flow_image(order, history).transpose(1, 2, 0))
+
+    charts = {c.title: list(c.multiline.tag) for cat in read_layout(tmp_path).category for c in cat.chart}
+    assert charts["gradient/norm"] == [f"^{re.escape(f'gradient/norm/{m}')}$" for m in order]
+    assert charts["param_grad/norm"][:2] == ["^param_grad/norm/0\\.0\\.weight$", "^param_grad/norm/0\\.0\\.bias$"]
+    for patterns in charts.values():  # every line of every chart is exactly one logged tag
+        for pattern in patterns:
+            assert len([t for t in run.scalars if re.search(pattern, t)]) == 1, pattern
+
+
+def test_a_diagnostics_failure_warns_once_and_keeps_the_statistics(tmp_path, monkeypatch) -> None:
+    def broken(*args: object) -> None:
+        raise ZeroDivisionError("in the heatmap")
+
+    monkeypatch.setattr("tblog_hooks.diagnose.gradient_flow_image", broken)
+    model = _nested()
+    warned = pytest.warns(RuntimeWarning, match="diagnostics failed.*in the heatmap")
+    with warned as caught, HookLogger(model, log_dir=tmp_path, every=1) as hooks:
+        for _ in range(2):
+            model(torch.randn(2, 3, 8, 8)).sum().backward()
+            hooks.step()
+    assert len([w for w in caught if "diagnostics" in str(w.message)]) == 1
+    assert set(read_run(tmp_path).scalars["gradient/norm/3"]) == {0, 1}
+    assert "health/gradient_flow" not in read_tags(tmp_path)["images"]
+    assert hooks.summary()["min_layer_grad"] > 0
+
+
+def test_feature_map_grid_of_the_first_sample(tmp_path) -> None:
+    model = _nested()
+    with HookLogger(model, log_dir=tmp_path, every=1, feature_maps="1.0") as hooks:
+        x = torch.randn(2, 3, 8, 8)
+        with torch.no_grad():
+            maps = model[1][0](model[0](x))[0]  # 6 channels of 4 x 4
+        model(x).sum().backward()
+        hooks.step()
+    (grid,) = read_images(tmp_path, "feature_map/1.0").values()
+    assert grid.shape == (2 * 5 + 1, 3 * 5 + 1)  # 2 rows x 3 columns of 4 px tiles, 1 px padding; grey
+    for c in range(6):
+        row, col = divmod(c, 3)
+        tile = grid[1 + 5 * row : 5 + 5 * row, 1 + 5 * col : 5 + 5 * col].astype(np.float64)
+        m = maps[c].double().numpy()
+        expected = np.round((m - m.min()) / (m.max() - m.min()) * 255)
+        assert np.abs(tile - expected).max() <= 1, c
+
+
+def test_large_feature_maps_are_pooled_to_small_tiles() -> None:
+    assert feature_grid(torch.rand(2, 100, 130)).shape == (1, 64 + 2, 2 * 65 + 1)
+
+
+def test_feature_maps_must_be_watched(tmp_path) -> None:
+    with pytest.raises(ValueError, match="not watched"):
+        HookLogger(_nested(), log_dir=tmp_path, modules=["0.0"], feature_maps=["1.0"])
+    with pytest.raises(ValueError, match="feature_maps="):
+        HookLogger(_nested(), log_dir=tmp_path, feature_maps=["nope"])
+
+
+def test_log10_gradient_histogram_and_input_statistics(tmp_path) -> None:
+    model = nn.Sequential(nn.Linear(5, 40), nn.Tanh(), nn.Linear(40, 2))
+    with HookLogger(model, log_dir=tmp_path, every=1, inputs=True) as hooks:
+        x = torch.randn(30, 5) * 2
+        hidden = model[0](x)
+        hidden.retain_grad()
+        out = model[2](model[1](hidden))
+        out.square().sum().backward()
+        hooks.step()
+    run = read_run(tmp_path)
+    grad = hidden.grad.double().abs().numpy().ravel()
+    logs = np.log10(grad[grad > 0])
+    hist = run.histograms["gradient_log10/0"][0]
+    assert hist.min == pytest.approx(logs.min(), rel=1e-5)
+    assert hist.max == pytest.approx(logs.max(), rel=1e-5)
+    assert hist.num == logs.size
+    given = model[1](hidden).detach().double()  # the input of module 2
+    assert run.scalar("input/mean/2", 0) == pytest.approx(float(given.mean()), rel=1e-5)
+    assert run.scalar("input/std/2", 0) == pytest.approx(float(given.std()), rel=1e-5)
+    assert run.scalar("input/max/0", 0) == pytest.approx(float(x.max()), rel=1e-6)
+    assert run.scalar("input/nonfinite/0", 0) == 0
+
+
+def test_update_to_weight_ratio(tmp_path) -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[2].bias.zero_()  # ||W|| = 0: the ratio is undefined and left out
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    expected = []
+    with HookLogger(model, log_dir=tmp_path, every=2, optimizer=opt) as hooks:
+        for step in range(3):
+            model(torch.randn(16, 4)).square().mean().backward()
+            global_norm = math.sqrt(sum(float(p.grad.double().norm()) ** 2 for p in model.parameters()))
+            before = {n: p.detach().clone().double() for n, p in model.named_parameters()}
+            opt.step()
+            after = {n: p.detach().double() for n, p in model.named_parameters()}
+            if step % 2 == 0:
+                expected.append({n: float((after[n] - w).norm() / w.norm()) for n, w in before.items()})
+            opt.zero_grad()
+            hooks.step()
+            if step == 0:  # written by this step() on the CPU
+                assert hooks.summary()["grad_norm"] == pytest.approx(global_norm, rel=1e-5)
+    run = read_run(tmp_path)
+    for step, ratios in zip((0, 2), expected):
+        for name, ratio in ratios.items():
+            if name == "2.bias" and step == 0:
+                assert step not in run.scalars.get("param/update_ratio/2.bias", {})
+            else:
+                assert run.scalar(f"param/update_ratio/{name}", step) == pytest.approx(ratio, rel=1e-4), name
