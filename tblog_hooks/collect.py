@@ -7,6 +7,8 @@ plus a :class:`Layout` that says what each number is.
 
 from __future__ import annotations
 
+import math
+import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +39,13 @@ class Layout:
     inputs: list[tuple[str, int, int]] = field(default_factory=list)  # as activations, for inputs=True
     extras: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # tag, shape
 
+    def sizes(self) -> list[int]:
+        """Lengths of the packed groups before the histogram rows, in packing order (see
+        :meth:`Collector.finish`); the first four hold one record per call."""
+        acts, grads, inputs = len(self.activations), len(self.gradients), len(self.inputs)
+        extras = sum(math.prod(shape) for _, shape in self.extras)
+        return [acts * 4, acts * 3, grads, grads, len(self.params), inputs * 4, inputs * 3, extras]
+
 
 @dataclass
 class Options:
@@ -57,6 +66,9 @@ class Collector:
         self.active = False
         self.passes = PassFilter(eval_passes=options.eval_passes)
         self.disabled: set[str] = set()
+        # Hooks can run on several threads at once (backward on one thread per device,
+        # nn.DataParallel replicas): rows and their layout entries are appended together.
+        self._lock = threading.Lock()
         self._act_floats: list[Tensor] = []
         self._act_counts: list[Tensor] = []
         self._grad_norms: list[Tensor] = []
@@ -96,9 +108,10 @@ class Collector:
                 for t in tensors:
                     floats, counts = stats.activation_row(t)
                     entry = (name, t.numel(), stats.channels(t))  # before appending: rows and layout stay aligned
-                    self._act_floats.append(floats)
-                    self._act_counts.append(counts)
-                    self.layout.activations.append(entry)
+                    with self._lock:
+                        self._act_floats.append(floats)
+                        self._act_counts.append(counts)
+                        self.layout.activations.append(entry)
                     self._add_sample(ACTIVATION, name, t)
             if self.options.gradients and counted.gradients:
                 for t in tensors:
@@ -118,9 +131,11 @@ class Collector:
             for t in _loggable_leaves(inputs):
                 if self.options.inputs:
                     floats, counts = stats.activation_row(t)
-                    self._input_floats.append(floats)
-                    self._input_counts.append(counts)
-                    self.layout.inputs.append((name, t.numel(), stats.channels(t)))
+                    entry = (name, t.numel(), stats.channels(t))
+                    with self._lock:
+                        self._input_floats.append(floats)
+                        self._input_counts.append(counts)
+                        self.layout.inputs.append(entry)
                 else:
                     self._add_extra(tag(INPUT, "nonfinite", name), stats.nonfinite(t.detach()))
         except Exception as error:
@@ -133,9 +148,10 @@ class Collector:
             if not stats.loggable(grad):
                 return
             norm, nonfinite = stats.gradient_row(grad)
-            self._grad_norms.append(norm)
-            self._grad_nonfinite.append(nonfinite)
-            self.layout.gradients.append(name)
+            with self._lock:
+                self._grad_norms.append(norm)
+                self._grad_nonfinite.append(nonfinite)
+                self.layout.gradients.append(name)
             if self.options.histograms:
                 key, s, weight = _sampled(GRADIENT, name, grad)
                 self._samples.append((key, s, weight))
@@ -196,8 +212,9 @@ class Collector:
 
     def _add_extra(self, key: str, value: Tensor) -> None:
         """A device value packed as is; values of a tag recorded more than once add up."""
-        previous = self._extras.get(key)
-        self._extras[key] = value if previous is None else previous + value
+        with self._lock:
+            previous = self._extras.get(key)
+            self._extras[key] = value if previous is None else previous + value
 
     def _add_feature_map(self, name: str, tensors: list[Tensor]) -> None:
         """Channels of the first sample of the first 3-D-or-more output, first call only."""

@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
     from .collect import Layout  # collect.py imports this module
 
+#: Groups at the head of a packed step holding one record per call (``Layout.sizes``):
+#: activation float and count rows, gradient norms and non-finite counts; pooled across ranks.
+PER_CALL_GROUPS = 4
+
 
 def rank_and_world() -> tuple[int, int]:
     """This process's rank and the world size (0 and 1 without an initialized process group)."""
@@ -68,7 +72,7 @@ class Ranks:
     def combine(self, packed: Tensor, layout: Layout) -> Tensor:
         """Sum sharded parameter norms, then gather every rank's packed tensor if reducing
         (rows: ranks). Every rank must call this with the same layout."""
-        start = sum(_record_sizes(layout))  # parameter-gradient norms follow the per-call groups
+        start = sum(layout.sizes()[:PER_CALL_GROUPS])  # parameter-gradient norms follow the per-call groups
         mask = [key in self.sharded for key in layout.params]
         if any(mask):
             index = torch.tensor([i for i, m in enumerate(mask) if m], device=packed.device) + start
@@ -86,7 +90,7 @@ def merge_ranks(values: np.ndarray, layout: Layout) -> tuple[np.ndarray, Layout]
     """One packed array from a ``(ranks, n)`` gather: every rank's activation and output-gradient
     records, as if they were further calls on one rank; the rest (parameters, histograms, AMP) of rank 0."""
     ranks = values.shape[0]
-    sizes = _record_sizes(layout)
+    sizes = layout.sizes()[:PER_CALL_GROUPS]
     bounds = np.cumsum(sizes)
     parts = [np.split(row[: bounds[-1]], bounds[:-1]) for row in values]  # per rank: the groups
     records = [np.concatenate(group) for group in zip(*parts)]  # per group: all ranks
@@ -94,10 +98,3 @@ def merge_ranks(values: np.ndarray, layout: Layout) -> tuple[np.ndarray, Layout]
     return merged, dataclasses.replace(
         layout, activations=layout.activations * ranks, gradients=layout.gradients * ranks
     )
-
-
-def _record_sizes(layout: Layout) -> list[int]:
-    """Lengths of the per-call groups at the head of a packed step (see ``Collector.finish``):
-    activation float rows, activation count rows, gradient norms, gradient non-finite counts."""
-    acts, grads = len(layout.activations), len(layout.gradients)
-    return [acts * 4, acts * 3, grads, grads]

@@ -18,7 +18,7 @@ from .collect import Collector
 
 
 def inert_hook(*args: Any, **kwargs: Any) -> None:
-    """What a copied model's hook becomes: it does nothing."""
+    """What a copied model's (or optimizer's) hook becomes: it does nothing."""
 
 
 def _inert() -> Callable[..., None]:
@@ -26,14 +26,21 @@ def _inert() -> Callable[..., None]:
     return inert_hook
 
 
-class _Hook:
+class _Inert:
+    """Copies and pickles of a hook (``copy.deepcopy``, ``AveragedModel``, ``torch.save``)
+    become :func:`inert_hook`: they never log into this logger or copy its state."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _inert, ()
+
+
+class _Hook(_Inert):
     __slots__ = ("collector", "name")
 
     def __init__(self, collector: Collector, name: str) -> None:
         self.collector, self.name = collector, name
-
-    def __reduce__(self) -> tuple[Any, tuple[()]]:
-        return _inert, ()
 
 
 class ForwardHook(_Hook):
@@ -82,7 +89,7 @@ class Handles:
         return len(self._handles)
 
 
-class OptimizerHook:
+class OptimizerHook(_Inert):
     """``Optimizer.register_step_pre_hook`` callable: reads ``.grad`` right before the update,
     i.e. after gradient accumulation, DDP averaging and ``GradScaler.unscale_``, and copies
     the weights to measure the update."""
@@ -98,7 +105,7 @@ class OptimizerHook:
             self.collector.before_update(self.params)
 
 
-class OptimizerPostHook:
+class OptimizerPostHook(_Inert):
     """``Optimizer.register_step_post_hook`` callable: the update-to-weight ratios."""
 
     __slots__ = ("collector",)

@@ -43,18 +43,8 @@ class StepSummary:
 
 def summarize(step: int, values: np.ndarray, layout: Layout) -> StepSummary:
     """Decode the packed array of one step (see ``Collector.finish``) into tags."""
-    sizes = [
-        len(layout.activations) * 4,
-        len(layout.activations) * 3,
-        len(layout.gradients),
-        len(layout.gradients),
-        len(layout.params),
-        len(layout.inputs) * 4,
-        len(layout.inputs) * 3,
-        sum(math.prod(shape) for _, shape in layout.extras),
-    ]
     act_floats, act_counts, grad_norms, grad_nonfinite, param_norms, in_floats, in_counts, extras, hists = np.split(
-        values, np.cumsum(sizes)
+        values, np.cumsum(layout.sizes())
     )
 
     scalars: dict[str, float] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 
@@ -152,3 +153,14 @@ def test_stock_resnet18_with_inplace_relu_and_residual_add(tmp_path) -> None:
     assert run.scalar("gradient/norm/layer1.0.bn2", 1) > 0
     assert run.scalar("param_grad/norm/fc.weight", 1) > 0
     assert set(run.scalars["param_grad/global_norm"]) == {0, 1}
+
+
+def test_copies_of_the_optimizer_get_inert_hooks(tmp_path) -> None:
+    model = _net()
+    model(torch.randn(1, 3, 8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt) as hooks:
+        clone = copy.deepcopy(opt)  # e.g. checkpointing code that copies the optimizer
+        _train(model, hooks, steps=1, opt=opt)
+    assert not any(_hook_dicts(model, opt))
+    assert all(h.__name__ == "inert_hook" for h in clone._optimizer_step_pre_hooks.values())
