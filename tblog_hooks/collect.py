@@ -7,6 +7,7 @@ plus a :class:`Layout` that says what each number is.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import warnings
@@ -108,7 +109,7 @@ class Collector:
                 for t in tensors:
                     floats, counts = stats.activation_row(t)
                     entry = (name, t.numel(), stats.channels(t))  # before appending: rows and layout stay aligned
-                    with self._lock:
+                    with self._exclusive():
                         self._act_floats.append(floats)
                         self._act_counts.append(counts)
                         self.layout.activations.append(entry)
@@ -132,7 +133,7 @@ class Collector:
                 if self.options.inputs:
                     floats, counts = stats.activation_row(t)
                     entry = (name, t.numel(), stats.channels(t))
-                    with self._lock:
+                    with self._exclusive():
                         self._input_floats.append(floats)
                         self._input_counts.append(counts)
                         self.layout.inputs.append(entry)
@@ -148,7 +149,7 @@ class Collector:
             if not stats.loggable(grad):
                 return
             norm, nonfinite = stats.gradient_row(grad)
-            with self._lock:
+            with self._exclusive():
                 self._grad_norms.append(norm)
                 self._grad_nonfinite.append(nonfinite)
                 self.layout.gradients.append(name)
@@ -203,6 +204,10 @@ class Collector:
             self.fail("update_ratio", error)
 
     # -- bookkeeping -----------------------------------------------------------------------
+    def _exclusive(self) -> contextlib.AbstractContextManager[object]:
+        # A lock cannot be traced by torch.compile (and a compiled forward runs on one thread).
+        return contextlib.nullcontext() if torch.compiler.is_compiling() else self._lock
+
     def _watch_gradient(self, name: str, t: Tensor) -> None:
         # Inside torch.compile a hook that writes to the collector breaks the graph at every
         # module (dynamo cannot trace the mutation, and a disabled hook is a break too), so
@@ -212,7 +217,7 @@ class Collector:
 
     def _add_extra(self, key: str, value: Tensor) -> None:
         """A device value packed as is; values of a tag recorded more than once add up."""
-        with self._lock:
+        with self._exclusive():
             previous = self._extras.get(key)
             self._extras[key] = value if previous is None else previous + value
 

@@ -22,6 +22,9 @@ from .tags import escape, tag, unescape
 from .write import write
 
 FLOW_TAG, FINDINGS_TAG, ORDER_TAG = "health/gradient_flow", "health/findings", "health/forward_order"
+#: The heatmap is drawn on the first logged step, then every this many logged steps, and at
+#: close: drawing and encoding it on every logged step would cost more than the statistics.
+FLOW_EVERY = 10
 
 
 class Diagnostics:
@@ -36,6 +39,8 @@ class Diagnostics:
         self._written_order: list[str] | None = None
         self._written_table: str | None = None
         self._latest: dict[str, float] = {}  # scalars of the latest written step
+        self._drawn = False
+        self._undrawn = 0  # logged steps with gradient norms since the heatmap was last drawn
         self._failed = False
 
     def order(self) -> list[str]:
@@ -62,18 +67,29 @@ class Diagnostics:
         self._latest = summary.scalars
         if self._failed:
             return
+        self._write_text(writer, summary, order)
+        writer.flush()
+
+    def close(self, writer: SummaryWriter) -> None:
+        """Draw the heatmap of the last written step, if newer steps came since it was drawn."""
+        if self._failed or not self._undrawn:
+            return
+        order, step = self.order(), next(reversed(self._norms))
+        write(writer, StepSummary(step, {}, {}, {FLOW_TAG: gradient_flow_image(order, self._norms)}))
+        self._undrawn = 0
+
+    def _write_text(self, writer: SummaryWriter, summary: StepSummary, order: list[str]) -> None:
+        """The custom-scalars layout once; the forward order and findings when they change."""
+        step = summary.step
         if self._written_order is None:
             writer.add_custom_scalars(custom_scalars_layout(summary.scalars, order))
         if order != self._written_order:
-            writer.add_text(ORDER_TAG, order_markdown(order), summary.step)
+            writer.add_text(ORDER_TAG, order_markdown(order), step)
             self._written_order = order
         if self.health is not None and self.health.table() != self._written_table:
             self._written_table = self.health.table()
             # Module names are user data: a lone surrogate could not be encoded as UTF-8.
-            writer.add_text(
-                FINDINGS_TAG, self._written_table.encode("utf-8", "backslashreplace").decode(), summary.step
-            )
-        writer.flush()
+            writer.add_text(FINDINGS_TAG, self._written_table.encode("utf-8", "backslashreplace").decode(), step)
 
     def _annotate(self, summary: StepSummary, order: list[str]) -> None:
         """Findings and ``health/*`` scalars, and the heatmap, into ``summary``."""
@@ -85,7 +101,10 @@ class Diagnostics:
             self._norms[summary.step] = norms
             while len(self._norms) > pictures.MAX_COLUMNS:
                 self._norms.popitem(last=False)
-            summary.images[FLOW_TAG] = gradient_flow_image(order, self._norms)
+            self._undrawn += 1
+            if not self._drawn or self._undrawn >= FLOW_EVERY:
+                summary.images[FLOW_TAG] = gradient_flow_image(order, self._norms)
+                self._drawn, self._undrawn = True, 0
 
     def summary(self) -> dict[str, float]:
         """Progress-bar numbers of the latest written step (see ``HookLogger.summary``)."""

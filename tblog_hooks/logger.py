@@ -216,6 +216,8 @@ class HookLogger:
             if self._collector.active:
                 self._end_logged_step()
             self._write(wait=True)
+            if self._writer is not None and not self._off:
+                self._diagnostics.close(self._writer)
         finally:
             self._handles.remove_all()
             self._step_handles.remove_all()

@@ -18,7 +18,7 @@ from torch.nn.utils.rnn import pad_sequence
 BINS = 64
 #: Histograms of tensors with more elements than this are built from a deterministic
 #: strided subsample of this many elements; the scalar statistics are always exact.
-SAMPLE_CAP = 1 << 12
+SAMPLE_CAP = 1 << 11
 
 # Columns of an activation's float row (float32 on the device):
 # mean, L2 norm of (x - mean), min, max; and of its count row (int64): nonzero,

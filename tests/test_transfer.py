@@ -22,8 +22,13 @@ class SlowTransfer(transfer.Transfer):
 def test_in_flight_steps_are_written_later_in_order_exactly_once(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(logger, "Transfer", SlowTransfer)
     written: list[int] = []
-    real_write = diagnose.write
-    monkeypatch.setattr(diagnose, "write", lambda w, summary: (written.append(summary.step), real_write(w, summary)))
+    real_write = diagnose.Diagnostics.write
+
+    def spy(self, writer, summary):  # type: ignore[no-untyped-def]
+        written.append(summary.step)
+        real_write(self, writer, summary)
+
+    monkeypatch.setattr(diagnose.Diagnostics, "write", spy)
     model = nn.Sequential(nn.Linear(3, 3))
     means = []
     with HookLogger(model, log_dir=tmp_path, every=2) as hooks:
