@@ -56,13 +56,7 @@ class Diagnostics:
             try:
                 self._annotate(summary, order)
             except Exception as error:
-                self._failed = True
-                warnings.warn(
-                    f"tblog_hooks: diagnostics failed and are switched off (statistics are still written): "
-                    f"{type(error).__name__}: {error}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+                self._fail(error)
         write(writer, summary)
         self._latest = summary.scalars
         if self._failed:
@@ -74,9 +68,22 @@ class Diagnostics:
         """Draw the heatmap of the last written step, if newer steps came since it was drawn."""
         if self._failed or not self._undrawn:
             return
-        order, step = self.order(), next(reversed(self._norms))
-        write(writer, StepSummary(step, {}, {}, {FLOW_TAG: gradient_flow_image(order, self._norms)}))
+        try:
+            image = gradient_flow_image(self.order(), self._norms)
+        except Exception as error:
+            self._fail(error)
+            return
+        write(writer, StepSummary(next(reversed(self._norms)), {}, {}, {FLOW_TAG: image}))
         self._undrawn = 0
+
+    def _fail(self, error: BaseException) -> None:
+        self._failed = True
+        warnings.warn(
+            f"tblog_hooks: diagnostics failed and are switched off (statistics are still written): "
+            f"{type(error).__name__}: {error}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _write_text(self, writer: SummaryWriter, summary: StepSummary, order: list[str]) -> None:
         """The custom-scalars layout once; the forward order and findings when they change."""
