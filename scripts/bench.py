@@ -8,6 +8,9 @@ medians are reported as ratios to the no-hook baseline:
 - every=N amortised: (logged + (N - 1) * non-logged) / N, over the baseline;
 - RSS growth: measured in a fresh subprocess per configuration over ``--rss-steps`` steps.
 
+After each block a configuration's writer is flushed (untimed), so that its background
+thread does not steal the next configuration's time.
+
     python scripts/bench.py                        # both workloads, CPU, Markdown table
     python scripts/bench.py --workload w2 --steps 120 --json bench.json
     python scripts/bench.py --device cuda --batch 256
@@ -72,6 +75,9 @@ class Config:
     after_step: Callable[[], None] = lambda: None
     logs: Callable[[int], bool] = lambda step: False
     close: Callable[[], None] = lambda: None
+    #: Wait for background work (a writer thread still writing events) before another
+    #: configuration's block starts, so that it is not timed against the wrong one.
+    settle: Callable[[], None] = lambda: None
     timings: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
 
 
@@ -88,6 +94,7 @@ def config_tblog(model: nn.Module, every: int, log_dir: str) -> Config:
         after_step=hooks.step,
         logs=lambda step: step % every == 0,
         close=hooks.close,
+        settle=lambda: hooks.writer.flush(),
     )
 
 
@@ -132,6 +139,7 @@ def config_manual(model: nn.Module, every: int, log_dir: str) -> Config:
         after_step=after_step,
         logs=lambda step: step % every == 0,
         close=close,
+        settle=writer.flush,
     )
 
 
@@ -140,7 +148,10 @@ def config_wandb(model: nn.Module, every: int, log_dir: str) -> Config:
     import wandb
 
     os.environ["WANDB_SILENT"] = "true"
-    run = wandb.init(mode="offline", dir=log_dir, project="bench", settings=wandb.Settings(console="off"))
+    # No system-metrics sampling or machine probing: that background work would be timed
+    # against whichever configuration happens to run, not against wandb.watch.
+    quiet = wandb.Settings(console="off", x_disable_stats=True, x_disable_meta=True, x_disable_machine_info=True)
+    run = wandb.init(mode="offline", dir=log_dir, project="bench", settings=quiet)
     wandb.watch(model, log="all", log_freq=every)
     # wandb counts backward calls per parameter hook; with one backward per step, step k logs
     # when (k + 1) % every == 0.
@@ -194,13 +205,17 @@ def measure(workload: str, names: list[str], args: argparse.Namespace, device: t
         sync(device)
         for _ in range(max(1, args.steps // args.block)):
             for c in configs:
-                for _ in range(args.block):
+                # The first step of a block runs with the other configurations' data in the
+                # caches: it is not timed (it would always be step % every == 0, a logged one).
+                for i in range(args.block + 1):
                     step = steps[c.name]
                     start = time.perf_counter()
                     train_step(c, step, x, y)
                     sync(device)
-                    c.timings[c.logs(step)].append(time.perf_counter() - start)
+                    if i:
+                        c.timings[c.logs(step)].append(time.perf_counter() - start)
                     steps[c.name] += 1
+                c.settle()
         for c in configs:
             c.close()
     baseline = statistics.median(configs[0].timings[False])

@@ -11,6 +11,7 @@ import contextlib
 import math
 import threading
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -82,6 +83,8 @@ class Collector:
         self._input_counts: list[Tensor] = []
         self._extras: dict[str, Tensor] = {}  # tag -> device tensor, packed after the groups
         self._before_update: tuple[list[tuple[str, Tensor]], Sequence[Tensor], list[Tensor]] | None = None
+        # The latest activation recorded: (weakref to it, its version, its NaN/Inf count).
+        self._last_output: tuple[weakref.ref[Tensor], int, Tensor] | None = None
         self.forward_order: list[str] = []  # watched modules in the order their forward hooks first fired
         self._fired: set[str] = set()
         self.layout = Layout()
@@ -114,6 +117,8 @@ class Collector:
                         self._act_counts.append(counts)
                         self.layout.activations.append(entry)
                     self._add_sample(ACTIVATION, name, t)
+                    if not torch.compiler.is_compiling():  # (a weakref would break the graph)
+                        self._last_output = (weakref.ref(t), t._version, counts[stats.NONFINITE])
             if self.options.gradients and counted.gradients:
                 for t in tensors:
                     if t.requires_grad:
@@ -138,7 +143,7 @@ class Collector:
                         self._input_counts.append(counts)
                         self.layout.inputs.append(entry)
                 else:
-                    self._add_extra(tag(INPUT, "nonfinite", name), stats.nonfinite(t.detach()))
+                    self._add_extra(tag(INPUT, "nonfinite", name), self._nonfinite_input(t))
         except Exception as error:
             self.fail(name, error)
 
@@ -204,6 +209,14 @@ class Collector:
             self.fail("update_ratio", error)
 
     # -- bookkeeping -----------------------------------------------------------------------
+    def _nonfinite_input(self, t: Tensor) -> Tensor:
+        """NaN/Inf count of an input; reused when the input is the unchanged output of the
+        watched module that ran just before (conv -> bn in a ResNet), saving a pass over it."""
+        last = self._last_output
+        if last is not None and last[0]() is t and t._version == last[1]:
+            return last[2]
+        return stats.nonfinite(t.detach())
+
     def _exclusive(self) -> contextlib.AbstractContextManager[object]:
         # A lock cannot be traced by torch.compile (and a compiled forward runs on one thread).
         return contextlib.nullcontext() if torch.compiler.is_compiling() else self._lock
@@ -264,6 +277,7 @@ class Collector:
         non-finite counts, parameter-gradient norms, input float rows, input count rows,
         extras (flattened), histogram rows (see ``Layout``)."""
         self.remove_tensor_hooks()
+        self._last_output = None
         layout, self.layout = self.layout, Layout()
         groups = [self._act_floats, self._act_counts, self._grad_norms, self._grad_nonfinite]
         self._act_floats, self._act_counts, self._grad_norms, self._grad_nonfinite = [], [], [], []

@@ -204,3 +204,31 @@ def test_forward_calls_and_micro_batches_do_not_advance_the_step(tmp_path) -> No
     run = read_run(tmp_path)
     assert set(run.scalars["activation/mean/0"]) == {0, 2}
     assert run.histograms["activation/0"][0].num == 5 * 4 * 16
+
+
+@pytest.mark.parametrize("inplace_between", [False, True])
+def test_input_nonfinite_count_of_a_chained_module(tmp_path, inplace_between: bool) -> None:
+    class Poison(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x * 1
+            y[0, :2] = math.nan
+            return y
+
+    class PoisonInPlace(nn.Module):  # not watched: changes its input in place
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x[1, 0] = math.inf
+            return x
+
+    layers = [Poison(), *([PoisonInPlace()] if inplace_between else []), nn.Linear(4, 4)]
+    model = nn.Sequential(*layers)
+    with (
+        torch.no_grad(),
+        HookLogger(model, log_dir=tmp_path, every=1, modules=[Poison, nn.Linear], eval_passes=True) as hooks,
+    ):
+        model(torch.randn(3, 4))
+        hooks.step()
+    run = read_run(tmp_path)
+    last = str(len(layers) - 1)
+    assert run.scalar("activation/nonfinite/0", 0) == 2
+    # The Linear's input is the Poison output, reused while unchanged, counted again if changed.
+    assert run.scalar(f"input/nonfinite/{last}", 0) == (3 if inplace_between else 2)
