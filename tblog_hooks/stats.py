@@ -68,21 +68,17 @@ def activation_row(x: Tensor) -> tuple[Tensor, Tensor]:
         dead = (peak.amax(dim=0) <= 0).sum()
     else:
         dead = torch.zeros((), dtype=torch.int64, device=x.device)
-    return torch.stack([mean, norm, lo, hi]), torch.stack([torch.count_nonzero(x), _nonfinite(x), dead])
+    return torch.stack([mean, norm, lo, hi]), torch.stack([torch.count_nonzero(x), nonfinite(x), dead])
 
 
 def gradient_row(g: Tensor) -> tuple[Tensor, Tensor]:
     """L2 norm (float32 or wider) and non-finite count of a gradient."""
     g = g.detach()
-    return torch.linalg.vector_norm(g, dtype=_acc_dtype(g)), _nonfinite(g)
+    return torch.linalg.vector_norm(g, dtype=_acc_dtype(g)), nonfinite(g)
 
 
 def nonfinite(x: Tensor) -> Tensor:
     """Count of NaN/Inf elements (int64, on the tensor's device)."""
-    return _nonfinite(x)
-
-
-def _nonfinite(x: Tensor) -> Tensor:
     return torch.count_nonzero(x * 0)  # inf * 0 and nan * 0 are nan, finite * 0 is 0
 
 
