@@ -59,10 +59,9 @@ class Diagnostics:
                 self._fail(error)
         write(writer, summary)
         self._latest = summary.scalars
-        if self._failed:
-            return
-        self._write_text(writer, summary, order)
-        writer.flush()
+        if not self._failed:
+            self._write_text(writer, summary, order)
+        writer.flush()  # once per logged step: a crash loses at most the step in flight
 
     def close(self, writer: SummaryWriter) -> None:
         """Draw the heatmap of the last written step, if newer steps came since it was drawn."""

@@ -43,9 +43,8 @@ def image_proto(image: np.ndarray) -> Summary.Image:
 
 
 def write(writer: SummaryWriter, summary: StepSummary) -> None:
-    """Append one step's event and flush, so a crash loses at most the step in flight."""
+    """Append one step's event (the caller flushes once the step's last event is added)."""
     writer._get_file_writer().add_summary(to_proto(summary), global_step=summary.step)
-    writer.flush()
 
 
 def use_fast_checksum() -> bool:
