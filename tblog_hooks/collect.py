@@ -110,14 +110,10 @@ class Collector:
                 self._add_feature_map(name, tensors)
             if self.options.activations and counted.activations:
                 for t in tensors:
-                    floats, counts = stats.activation_row(t)
-                    entry = (name, t.numel(), stats.channels(t))  # before appending: rows and layout stay aligned
-                    with self._exclusive():
-                        self._act_floats.append(floats)
-                        self._act_counts.append(counts)
-                        self.layout.activations.append(entry)
+                    counts = self._add_row(self._act_floats, self._act_counts, self.layout.activations, name, t)
                     self._add_sample(ACTIVATION, name, t)
                     if not torch.compiler.is_compiling():  # (a weakref would break the graph)
+                        # Read by the next module's pre-hook if its input is this very tensor.
                         self._last_output = (weakref.ref(t), t._version, counts[stats.NONFINITE])
             if self.options.gradients and counted.gradients:
                 for t in tensors:
@@ -136,12 +132,7 @@ class Collector:
         try:
             for t in _loggable_leaves(inputs):
                 if self.options.inputs:
-                    floats, counts = stats.activation_row(t)
-                    entry = (name, t.numel(), stats.channels(t))
-                    with self._exclusive():
-                        self._input_floats.append(floats)
-                        self._input_counts.append(counts)
-                        self.layout.inputs.append(entry)
+                    self._add_row(self._input_floats, self._input_counts, self.layout.inputs, name, t)
                 else:
                     self._add_extra(tag(INPUT, "nonfinite", name), self._nonfinite_input(t))
         except Exception as error:
@@ -209,6 +200,18 @@ class Collector:
             self.fail("update_ratio", error)
 
     # -- bookkeeping -----------------------------------------------------------------------
+    def _add_row(
+        self, floats: list[Tensor], counts: list[Tensor], entries: list[tuple[str, int, int]], name: str, t: Tensor
+    ) -> Tensor:
+        """Statistics of an output or input, appended with its layout entry; returns the counts."""
+        row, row_counts = stats.activation_row(t)
+        entry = (name, t.numel(), stats.channels(t))  # before appending: rows and layout stay aligned
+        with self._exclusive():
+            floats.append(row)
+            counts.append(row_counts)
+            entries.append(entry)
+        return row_counts
+
     def _nonfinite_input(self, t: Tensor) -> Tensor:
         """NaN/Inf count of an input; reused when the input is the unchanged output of the
         watched module that ran just before (conv -> bn in a ResNet), saving a pass over it."""

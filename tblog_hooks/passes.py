@@ -42,9 +42,7 @@ class PassFilter:
         self._unmatched: Counter[str] = Counter()  # training-mode no_grad calls, per module
 
     def classify(self, name: str, training: bool) -> Counted:
-        # Compiled forwards are never recomputes seen by module hooks; skip the private call
-        # there so tracing it cannot break the graph.
-        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+        if _in_backward():
             if self._unmatched[name] == 0:
                 return _SKIP
             self._unmatched[name] -= 1
@@ -58,9 +56,16 @@ class PassFilter:
     def records_inputs(self, name: str, training: bool) -> bool:
         """Whether a call's inputs are recorded (forward pre-hooks, before :meth:`classify`
         sees the call): exactly when its activations will be."""
-        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+        if _in_backward():
             return self._unmatched[name] > 0 and not self.eval_passes
         return self.eval_passes or (training and torch.is_grad_enabled())
 
     def reset(self) -> None:
         self._unmatched.clear()
+
+
+def _in_backward() -> bool:
+    """Whether this forward call runs inside backward: a checkpoint recompute. Compiled
+    forwards are never recomputes seen by module hooks; the private call is skipped there so
+    tracing it cannot break the graph."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
