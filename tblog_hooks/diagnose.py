@@ -92,8 +92,9 @@ class Diagnostics:
         if order != self._written_order:
             writer.add_text(ORDER_TAG, order_markdown(order), step)
             self._written_order = order
-        if self.health is not None and self.health.table() != self._written_table:
-            self._written_table = self.health.table()
+        table = None if self.health is None else self.health.table()
+        if table is not None and table != self._written_table:
+            self._written_table = table
             # Module names are user data: a lone surrogate could not be encoded as UTF-8.
             writer.add_text(FINDINGS_TAG, self._written_table.encode("utf-8", "backslashreplace").decode(), step)
 

@@ -104,8 +104,8 @@ class Health:
     def _gradient_findings(
         self, step: int, scalars: Mapping[str, float], order: Sequence[str]
     ) -> dict[tuple[str, str], Finding]:
-        norms = {m: scalars[tag("gradient", "norm", m)] for m in order if tag("gradient", "norm", m) in scalars}
-        norms = {m: v for m, v in norms.items() if math.isfinite(v)}
+        logged = {m: scalars.get(tag("gradient", "norm", m)) for m in order}
+        norms = {m: v for m, v in logged.items() if v is not None and math.isfinite(v)}
         if not norms:
             return {}
         top = max(norms, key=norms.__getitem__)
