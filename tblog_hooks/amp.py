@@ -2,10 +2,10 @@
 
 During backward every gradient is multiplied by the scaler's loss scale. The scale in use
 and whether the scaler skipped the step (inf/nan found) are read from the scaler's own
-device tensors, packed into the logged step's one transfer, and applied in
-:func:`unscale`: norms and histogram edges are divided by the scale; on a skipped step
-gradient norms and histograms are dropped (they would be garbage) and
-``amp/skipped_step`` says so.
+device tensors and recorded as ``amp/loss_scale`` and ``amp/skipped_step`` (so they travel
+in the logged step's one transfer), then applied in :func:`unscale`: norms and histogram
+edges are divided by the scale; on a skipped step gradient norms and histograms are
+dropped (they would be garbage).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import math
 import torch
 from torch import Tensor
 
-from .collect import GRADIENT, GRADIENT_LOG10, PARAM_GRAD
+from .collect import Collector
+from .records import GRADIENT, GRADIENT_LOG10, PARAM_GRAD
 from .summarize import Histogram, StepSummary
 from .tags import tag
 
-#: Numbers this module appends to a logged step's packed tensor: loss scale, skipped (0/1).
-WIDTH = 2
+SCALE_TAG, SKIPPED_TAG = tag("amp", "loss_scale"), tag("amp", "skipped_step")
 
 
 class ScaleWatch:
@@ -36,11 +36,11 @@ class ScaleWatch:
         scale = self.scaler._get_scale_async()
         self._before = None if scale is None else scale.detach().clone()
 
-    def finish(self) -> Tensor | None:
-        """``[scale used by the step's backward, 1.0 if the scaler skipped the step]``."""
+    def finish(self, collector: Collector) -> None:
+        """Record the scale used by the step's backward, and whether the scaler skipped the step."""
         scale = self.scaler._get_scale_async()
         if scale is None:  # the scaler was not used in this step
-            return None
+            return
         found = [
             f for state in self.scaler._per_optimizer_states.values() for f in state["found_inf_per_device"].values()
         ]
@@ -49,18 +49,20 @@ class ScaleWatch:
         else:  # update() ran: it lowers the scale exactly when it skipped the step
             before = self._before if self._before is not None else torch.full_like(scale, self.scaler._init_scale)
             used, skipped = before, scale < before
-        return torch.stack([used.to(torch.float64), skipped.to(torch.float64)])
+        collector.record_scalar(SCALE_TAG, used)
+        collector.record_scalar(SKIPPED_TAG, skipped)
 
 
-def unscale(summary: StepSummary, scale: float, skipped: bool, *, param_grads_scaled: bool) -> None:
-    """Divide the step's gradient norms and histograms by ``scale`` (shift log10 histograms by
-    ``log10(scale)``), or drop them if ``skipped`` (non-finite counts stay: they show where the
-    overflow came from)."""
-    summary.scalars[tag("amp", "loss_scale")] = scale
-    summary.scalars[tag("amp", "skipped_step")] = float(skipped)
-    kinds = (GRADIENT, PARAM_GRAD) if param_grads_scaled or skipped else (GRADIENT,)
+def unscale(summary: StepSummary, *, param_grads_scaled: bool) -> None:
+    """Divide the step's gradient norms and histograms by the loss scale (shift log10 histograms
+    by its log10), or drop them if the scaler skipped the step (non-finite counts stay: they
+    show where the overflow came from). A no-op for steps without a scale."""
+    if SCALE_TAG not in summary.scalars:
+        return
+    scale, skipped = summary.scalars[SCALE_TAG], bool(summary.scalars[SKIPPED_TAG])
+    kinds = (GRADIENT.name, PARAM_GRAD.name) if param_grads_scaled or skipped else (GRADIENT.name,)
     prefixes = tuple(tag(kind, "") for kind in kinds)
-    nonfinite = tag(GRADIENT, "nonfinite", "")
+    nonfinite = tag(GRADIENT.name, "nonfinite", "")
     for key in [k for k in summary.scalars if k.startswith(prefixes) and not k.startswith(nonfinite)]:
         if skipped:
             del summary.scalars[key]

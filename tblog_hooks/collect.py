@@ -1,19 +1,17 @@
 """What the hooks record during one logged step, kept on the device until the step ends.
 
 The hooks (see ``hooks.py``) call into a :class:`Collector`. It never reads a tensor value
-on the host; :meth:`Collector.finish` packs everything recorded into one float64 tensor
-plus a :class:`Layout` that says what each number is.
+on the host: each hook appends :class:`~tblog_hooks.records.Record` objects and histogram
+samples, and :meth:`Collector.finish` bins the histograms and packs everything into one
+float64 tensor plus the :class:`~tblog_hooks.records.Layout` that says what each number is.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-import threading
 import warnings
 import weakref
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, TypeVar
 
 import torch
 from torch import Tensor
@@ -23,33 +21,27 @@ from torch.utils.hooks import RemovableHandle
 from . import pictures, stats
 from .distributed import is_sharded, local_shard
 from .passes import PassFilter
+from .records import (
+    ACTIVATION,
+    COUNT,
+    GRADIENT,
+    GRADIENT_LOG10,
+    HISTOGRAM,
+    IMAGE,
+    INPUT,
+    PARAM,
+    PARAM_GRAD,
+    SCALAR,
+    HistMeta,
+    Kind,
+    Layout,
+    Record,
+    pack,
+)  # fmt: skip
 from .tags import tag
 
-ACTIVATION, GRADIENT, PARAM, PARAM_GRAD = "activation", "gradient", "param", "param_grad"
-INPUT, GRADIENT_LOG10, FEATURE_MAP = "input", "gradient_log10", "feature_map"
 
-
-@dataclass
-class Layout:
-    """Host-side description of a packed step: which module/parameter each number belongs to."""
-
-    activations: list[tuple[str, int, int]] = field(default_factory=list)  # name, numel, channels
-    gradients: list[str] = field(default_factory=list)
-    params: list[str] = field(default_factory=list)
-    hists: list[tuple[str, str]] = field(default_factory=list)  # kind, name
-    hist_weights: list[float] = field(default_factory=list)  # elements each sampled element stands for
-    inputs: list[tuple[str, int, int]] = field(default_factory=list)  # as activations, for inputs=True
-    extras: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # tag, shape
-
-    def sizes(self) -> list[int]:
-        """Lengths of the packed groups before the histogram rows, in packing order (see
-        :meth:`Collector.finish`); the first four hold one record per call."""
-        acts, grads, inputs = len(self.activations), len(self.gradients), len(self.inputs)
-        extras = sum(math.prod(shape) for _, shape in self.extras)
-        return [acts * 4, acts * 3, grads, grads, len(self.params), inputs * 4, inputs * 3, extras]
-
-
-@dataclass
+@dataclass(frozen=True)
 class Options:
     activations: bool = True
     gradients: bool = True
@@ -60,34 +52,42 @@ class Options:
     feature_maps: frozenset[str] = frozenset()
 
 
+class HistRow(NamedTuple):
+    """A histogram sample of one tensor, with the tensor's exact extremes where known."""
+
+    kind: str  # tag root: activation, input, gradient, param, param_grad
+    name: str
+    sample: Tensor
+    numel: int  # elements of the tensor
+    lo: Tensor | None
+    hi: Tensor | None
+
+
 class Collector:
-    """Per-step buffer of device results, fed by the hooks; holds no module or model."""
+    """Per-step buffer of device results, fed by the hooks; holds no module or model.
+    Hooks may run on several threads (backward on one thread per device): they only append."""
 
     def __init__(self, options: Options) -> None:
         self.options = options
         self.active = False
         self.passes = PassFilter(eval_passes=options.eval_passes)
         self.disabled: set[str] = set()
-        # Hooks can run on several threads at once (backward on one thread per device,
-        # nn.DataParallel replicas): rows and their layout entries are appended together.
-        self._lock = threading.Lock()
-        self._act_floats: list[Tensor] = []
-        self._act_counts: list[Tensor] = []
-        self._grad_norms: list[Tensor] = []
-        self._grad_nonfinite: list[Tensor] = []
-        self._samples: list[tuple[tuple[str, str], Tensor, float]] = []
-        self._param_norms: dict[str, Tensor] = {}
-        self._param_samples: dict[str, list[tuple[tuple[str, str], Tensor, float]]] = {}
+        self._records: list[Record] = []
+        self._hists: list[HistRow] = []
         self._tensor_handles: list[RemovableHandle] = []
-        self._input_floats: list[Tensor] = []
-        self._input_counts: list[Tensor] = []
-        self._extras: dict[str, Tensor] = {}  # tag -> device tensor, packed after the groups
-        self._before_update: tuple[list[tuple[str, Tensor]], Sequence[Tensor], list[Tensor]] | None = None
+        self._before_update: tuple[list[tuple[str, Tensor]], list[Tensor], list[Tensor]] | None = None
         # The latest activation recorded: (weakref to it, its version, its NaN/Inf count).
         self._last_output: tuple[weakref.ref[Tensor], int, Tensor] | None = None
+        self._mapped: set[str] = set()  # feature maps taken this step
+        # Parameters whose gradient was read this step: its record and histogram sample.
+        self._graded: dict[str, tuple[Record, HistRow | None]] = {}
         self.forward_order: list[str] = []  # watched modules in the order their forward hooks first fired
         self._fired: set[str] = set()
-        self.layout = Layout()
+
+    @property
+    def empty(self) -> bool:
+        """Whether nothing was recorded since the last :meth:`finish`."""
+        return not (self._records or self._hists or self._graded)
 
     # -- called from hooks ---------------------------------------------------------------
     def on_output(self, name: str, output: object, training: bool) -> None:
@@ -106,15 +106,15 @@ class Collector:
             tensors = _loggable_leaves(output)
             if not tensors:
                 return
-            if name in self.options.feature_maps:
-                self._add_feature_map(name, tensors)
-            if self.options.activations and counted.activations:
-                for t in tensors:
-                    counts = self._add_row(self._act_floats, self._act_counts, self.layout.activations, name, t)
-                    self._add_sample(ACTIVATION, name, t)
-                    if not torch.compiler.is_compiling():  # (a weakref would break the graph)
-                        # Read by the next module's pre-hook if its input is this very tensor.
-                        self._last_output = (weakref.ref(t), t._version, counts[stats.NONFINITE])
+            with torch.no_grad():
+                if name in self.options.feature_maps and name not in self._mapped:
+                    self._add_feature_map(name, tensors)
+                if self.options.activations and counted.activations:
+                    for t in tensors:
+                        values = self._record(ACTIVATION, name, t)
+                        if not torch.compiler.is_compiling() and not t.is_inference():  # (no weakref, no version)
+                            # Read by the next module's pre-hook if its input is this very tensor.
+                            self._last_output = (weakref.ref(t), t._version, values[_NONFINITE])
             if self.options.gradients and counted.gradients:
                 for t in tensors:
                     if t.requires_grad:
@@ -130,11 +130,13 @@ class Collector:
         if not self.passes.records_inputs(name, training):
             return
         try:
-            for t in _loggable_leaves(inputs):
-                if self.options.inputs:
-                    self._add_row(self._input_floats, self._input_counts, self.layout.inputs, name, t)
-                else:
-                    self._add_extra(tag(INPUT, "nonfinite", name), self._nonfinite_input(t))
+            with torch.no_grad():
+                for t in _loggable_leaves(inputs):
+                    if self.options.inputs:
+                        self._record(INPUT, name, t)
+                    else:
+                        count = self._nonfinite_input(t)
+                        self._records.append(Record(COUNT, tag(INPUT.name, "nonfinite", name), 1, (count,)))
         except Exception as error:
             self.fail(name, error)
 
@@ -144,16 +146,11 @@ class Collector:
         try:
             if not stats.loggable(grad):
                 return
-            norm, nonfinite = stats.gradient_row(grad)
-            with self._exclusive():
-                self._grad_norms.append(norm)
-                self._grad_nonfinite.append(nonfinite)
-                self.layout.gradients.append(name)
-            if self.options.histograms:
-                key, s, weight = _sampled(GRADIENT, name, grad)
-                self._samples.append((key, s, weight))
-                # Zeros become -inf and, like NaN/Inf, stay out of the histogram.
-                self._samples.append(((GRADIENT_LOG10, name), s.abs().log10_(), weight))
+            with torch.no_grad():
+                norm, bad, lo, hi = stats.gradient_stats(grad)
+                self._records.append(Record(GRADIENT, name, grad.numel(), (norm, bad)))
+                if self.options.histograms:
+                    self._hists.append(HistRow(GRADIENT.name, name, stats.sample(grad), grad.numel(), lo, hi))
         except Exception as error:
             self.fail(name, error)
 
@@ -163,15 +160,29 @@ class Collector:
             named = [(key, p) for key, p in named if key not in self.disabled and stats.loggable(p.grad)]
             if not named:
                 return
-            grads = [local_shard(p.grad) for _, p in named if p.grad is not None]
-            norms = torch._foreach_norm(grads)
-            for (key, p), grad, norm in zip(named, grads, norms):
-                self._param_norms[key] = norm
-                if self.options.histograms:
-                    self._param_samples[key] = [_sampled(PARAM_GRAD, key, grad), _sampled(PARAM, key, local_shard(p))]
+            with torch.no_grad():
+                grads = [local_shard(p.grad) for _, p in named]  # type: ignore[arg-type]  # loggable: not None
+                keys = [key for key, _ in named]
+                samples = self._samples(PARAM_GRAD.name, keys, grads) if self.options.histograms else {}
+                # A later read (the next micro-batch's accumulated gradient) replaces an earlier one.
+                for key, grad, norm in zip(keys, grads, stats.norms(grads)):
+                    self._graded[key] = (Record(PARAM_GRAD, key, grad.numel(), (norm,)), samples.get(key))
         except Exception as error:
             self.fail(named[0][0] if len(named) == 1 else "parameters", error)
             self.disabled.update(key for key, _ in named)
+
+    def on_weights(self, named: list[tuple[str, Tensor]]) -> None:
+        """Histograms of the weights whose gradients this step recorded, as they are at the end
+        of the step (after the update); all in a few ops, not a few per parameter."""
+        named = [(key, p) for key, p in named if key in self._graded]
+        if not named or not self.options.histograms:
+            return
+        try:
+            with torch.no_grad():
+                samples = self._samples(PARAM, [key for key, _ in named], [local_shard(p) for _, p in named])
+                self._hists += samples.values()
+        except Exception as error:
+            self.fail("parameters", error)
 
     def before_update(self, named: list[tuple[str, Tensor]]) -> None:
         """Optimizer step pre-hook: copy the weights (logged steps only) to measure the update.
@@ -180,8 +191,9 @@ class Collector:
         if not named:
             return
         try:
-            weights = [p.detach() for _, p in named]
-            self._before_update = (named, torch._foreach_norm(weights), [w.clone() for w in weights])
+            with torch.no_grad():
+                weights = [p.detach() for _, p in named]
+                self._before_update = (named, stats.norms(weights), list(torch._foreach_mul(weights, 1.0)))
         except Exception as error:
             self.fail("update_ratio", error)
 
@@ -193,36 +205,42 @@ class Collector:
         named, norms, before = self._before_update
         self._before_update = None
         try:
-            torch._foreach_sub_(before, [p.detach() for _, p in named])
-            for (key, _), delta, norm in zip(named, torch._foreach_norm(before), norms):
-                self._extras[tag(PARAM, "update_ratio", key)] = delta / norm
+            with torch.no_grad():
+                torch._foreach_sub_(before, [p.detach() for _, p in named])
+                for (key, _), ratio in zip(named, torch._foreach_div(stats.norms(before), norms)):
+                    self.record_scalar(tag(PARAM, "update_ratio", key), ratio)
         except Exception as error:
             self.fail("update_ratio", error)
 
+    def record_scalar(self, key: str, value: Tensor) -> None:
+        """A device value logged under ``key`` as it is (the first, if recorded twice)."""
+        self._records.append(Record(SCALAR, key, 1, (value,)))
+
     # -- bookkeeping -----------------------------------------------------------------------
-    def _add_row(
-        self, floats: list[Tensor], counts: list[Tensor], entries: list[tuple[str, int, int]], name: str, t: Tensor
-    ) -> Tensor:
-        """Statistics of an output or input, appended with its layout entry; returns the counts."""
-        row, row_counts = stats.activation_row(t)
-        entry = (name, t.numel(), stats.channels(t))  # before appending: rows and layout stay aligned
-        with self._exclusive():
-            floats.append(row)
-            counts.append(row_counts)
-            entries.append(entry)
-        return row_counts
+    def _record(self, kind: Kind, name: str, t: Tensor) -> tuple[Tensor, ...]:
+        """Statistics (and a histogram sample) of an output or input; returns the values."""
+        values = stats.tensor_stats(t)
+        self._records.append(Record(kind, name, t.numel(), values))
+        if self.options.histograms:
+            self._hists.append(HistRow(kind.name, name, stats.sample(t), t.numel(), values[_MIN], values[_MAX]))
+        return values
+
+    def _samples(self, kind: str, keys: list[str], tensors: list[Tensor]) -> dict[str, HistRow]:
+        """Histogram samples of parameters or their gradients (empty FSDP2 shards have none)."""
+        keep = [i for i, t in enumerate(tensors) if t.numel()]
+        lows, highs = stats.extremes([tensors[i] for i in keep])
+        return {
+            keys[i]: HistRow(kind, keys[i], stats.sample(tensors[i]), tensors[i].numel(), lo, hi)
+            for i, lo, hi in zip(keep, lows, highs)
+        }
 
     def _nonfinite_input(self, t: Tensor) -> Tensor:
         """NaN/Inf count of an input; reused when the input is the unchanged output of the
         watched module that ran just before (conv -> bn in a ResNet), saving a pass over it."""
         last = self._last_output
-        if last is not None and last[0]() is t and t._version == last[1]:
+        if last is not None and last[0]() is t and not t.is_inference() and t._version == last[1]:
             return last[2]
-        return stats.nonfinite(t.detach())
-
-    def _exclusive(self) -> contextlib.AbstractContextManager[object]:
-        # A lock cannot be traced by torch.compile (and a compiled forward runs on one thread).
-        return contextlib.nullcontext() if torch.compiler.is_compiling() else self._lock
+        return stats.nonfinite(t)
 
     def _watch_gradient(self, name: str, t: Tensor) -> None:
         # Inside torch.compile a hook that writes to the collector breaks the graph at every
@@ -231,22 +249,13 @@ class Collector:
         if not torch.compiler.is_compiling():
             self._tensor_handles.append(t.register_hook(_GradientHook(self, name)))
 
-    def _add_extra(self, key: str, value: Tensor) -> None:
-        """A device value packed as is; values of a tag recorded more than once add up."""
-        with self._exclusive():
-            previous = self._extras.get(key)
-            self._extras[key] = value if previous is None else previous + value
-
     def _add_feature_map(self, name: str, tensors: list[Tensor]) -> None:
         """Channels of the first sample of the first 3-D-or-more output, first call only."""
-        key = tag(FEATURE_MAP, name)
         maps = [t for t in tensors if t.dim() >= 3]
-        if maps and key not in self._extras:
-            self._extras[key] = pictures.feature_grid(maps[0].detach()[0])
-
-    def _add_sample(self, kind: str, name: str, t: Tensor) -> None:
-        if self.options.histograms:
-            self._samples.append(_sampled(kind, name, t))
+        if maps:
+            self._mapped.add(name)
+            grid = pictures.feature_grid(maps[0][0])
+            self._records.append(Record(IMAGE, tag("feature_map", name), grid.numel(), (grid,), tuple(grid.shape)))
 
     def fail(self, name: str, error: BaseException) -> None:
         """Report a failure once and stop logging ``name``; training carries on."""
@@ -263,82 +272,61 @@ class Collector:
             handle.remove()
         self._tensor_handles.clear()
 
-    def _take_diagnostics(self, layout: Layout) -> list[list[Tensor]]:
-        """This step's input rows and extras as packing groups (after the core ones); resets them."""
-        groups, extras = [self._input_floats, self._input_counts], self._extras
-        self._input_floats, self._input_counts, self._extras, self._before_update = [], [], {}, None
-        layout.extras = [(key, tuple(value.shape)) for key, value in extras.items()]
-        if extras:
-            values = _gather(list(extras.values()), next(iter(extras.values())).device)
-            groups.append([torch.cat([v.reshape(-1).to(torch.float64) for v in values])])
-        return groups
-
     def finish(self) -> tuple[Tensor, Layout] | None:
-        """Pack everything recorded this step into one float64 tensor; reset the buffer.
-
-        Order: activation float rows, activation count rows, gradient norms, gradient
-        non-finite counts, parameter-gradient norms, input float rows, input count rows,
-        extras (flattened), histogram rows (see ``Layout``)."""
+        """Bin this step's histograms and pack every record into one float64 tensor; reset."""
         self.remove_tensor_hooks()
-        self._last_output = None
-        layout, self.layout = self.layout, Layout()
-        groups = [self._act_floats, self._act_counts, self._grad_norms, self._grad_nonfinite]
-        self._act_floats, self._act_counts, self._grad_norms, self._grad_nonfinite = [], [], [], []
-        samples = self._samples + [s for pair in self._param_samples.values() for s in pair]
-        self._samples, self._param_samples = [], {}
-        norms, self._param_norms = self._param_norms, {}
-        layout.params = list(norms)
-        groups.append(list(norms.values()))
-        groups += self._take_diagnostics(layout)
-        firsts = [g[0] for g in groups if g] + [s for _, s, _ in samples[:1]]
-        if not firsts:
+        records, hists = self._records, self._hists
+        for record, row in self._graded.values():
+            records.append(record)
+            if row is not None:
+                hists.append(row)
+        self._records, self._hists, self._before_update, self._last_output = [], [], None, None
+        self._mapped, self._graded = set(), {}
+        if not records and not hists:
             return None
-        device = firsts[0].device
-        parts = [torch.stack(_gather(g, device)).to(torch.float64).reshape(-1) for g in groups if g]
-        if samples:
-            merged = _merge_samples(samples)
-            layout.hists = list(merged)
-            layout.hist_weights = [w for _, w in merged.values()]
-            parts.append(stats.histograms(_gather([s for s, _ in merged.values()], device)).reshape(-1))
-        return torch.cat(parts), layout
+        device = (records[0].values[0] if records else hists[0].sample).device
+        rows: list[HistMeta] = []
+        if hists:
+            binned, rows = _histograms(hists, device)
+            records.append(Record(HISTOGRAM, "", binned.numel(), (binned,), (len(rows), stats.HIST_WIDTH)))
+        packed, layout = pack(records, device)
+        layout.hists = rows
+        return packed, layout
+
+
+#: Positions of the min, max and non-finite count in ``stats.tensor_stats``'s values.
+_MIN, _MAX, _NONFINITE = 2, 3, 5
+
+
+def _histograms(hists: list[HistRow], device: torch.device) -> tuple[Tensor, list[HistMeta]]:
+    """Every histogram of the step binned at once (``stats.histograms`` rows, flattened), and
+    what each row is; the log10 histograms of the output gradients are derived here."""
+    gradients = [h for h in hists if h.kind == GRADIENT.name]
+    rows = list(hists)
+    samples = _on(device, [h.sample for h in hists])
+    if gradients:
+        # Zeros become -inf and, like NaN/Inf, stay out of the histogram.
+        logs = torch.cat(_on(device, [h.sample for h in gradients])).float().abs_().log10_()
+        samples += list(logs.split([h.sample.numel() for h in gradients]))
+        rows += [HistRow(GRADIENT_LOG10, h.name, h.sample, h.numel, None, None) for h in gradients]
+    keys: dict[tuple[str, str], int] = {}
+    index = [keys.setdefault((h.kind, h.name), len(keys)) for h in rows]
+    binned = stats.histograms(samples, _on(device, [h.lo for h in rows]), _on(device, [h.hi for h in rows]), index)
+    return binned.reshape(-1), [HistMeta(h.kind, h.name, h.numel, h.sample.numel()) for h in rows]
+
+
+T = TypeVar("T", Tensor, Optional[Tensor])
+
+
+def _on(device: torch.device, tensors: list[T]) -> list[T]:
+    """Results of a model spread over several devices, moved to one (a no-op on one device)."""
+    return [t if t is None or t.device == device else t.to(device, non_blocking=True) for t in tensors]
 
 
 def _loggable_leaves(tree: object) -> list[Tensor]:
     """The tensors of a (nested) input or output that statistics are taken of."""
     leaves = [tree] if isinstance(tree, Tensor) else tree_flatten(tree)[0]
     return [t for t in leaves if stats.loggable(t)]
-
-
-def _sampled(kind: str, name: str, t: Tensor) -> tuple[tuple[str, str], Tensor, float]:
-    """A histogram sample of ``t`` and how many elements each sampled element stands for."""
-    s = stats.sample(t)
-    return (kind, name), s, t.numel() / s.numel()
-
-
-def _merge_samples(
-    samples: list[tuple[tuple[str, str], Tensor, float]],
-) -> dict[tuple[str, str], tuple[Tensor, float]]:
-    """One sample per tag: calls of the same module in one step are pooled (re-sampled
-    to the cap if needed), each element then standing for ``total elements / length``."""
-    grouped: dict[tuple[str, str], list[tuple[Tensor, float]]] = {}
-    for key, s, weight in samples:
-        grouped.setdefault(key, []).append((s, weight))
-    merged = {}
-    for key, parts in grouped.items():
-        if len(parts) == 1:
-            merged[key] = parts[0]
-            continue
-        represented = sum(s.numel() * w for s, w in parts)
-        pooled = stats.sample(torch.cat([s for s, _ in parts]))
-        merged[key] = (pooled, represented / pooled.numel())
-    return merged
-
-
-def _gather(tensors: list[Tensor], device: torch.device) -> list[Tensor]:
-    """Move results of a model spread over several devices to one (a no-op on one device)."""
-    if all(t.device == device for t in tensors):
-        return tensors
-    return [t.to(device, non_blocking=True) for t in tensors]
 
 
 class _GradientHook:

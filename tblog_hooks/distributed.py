@@ -5,10 +5,10 @@ logged step as usual; then, on all ranks together, at most two collectives per l
 
 - FSDP2 parameters are sharded: each rank has the norm of its local shard, so the squares
   are summed with one ``all_reduce`` (the norm of the whole gradient, as unsharded);
-- with ``reduce_ranks=True`` one ``all_gather`` of the packed tensor lets the writer pool
-  activation and output-gradient statistics over every rank's calls, exactly as it pools
-  several calls of a module in one process. Parameter gradients (already averaged by DDP)
-  and histograms are rank 0's.
+- with ``reduce_ranks=True`` one ``all_gather`` of the packed tensor lets the writer pool the
+  per-call records (activations, inputs, output gradients; ``Kind.per_call``) over every
+  rank's calls, exactly as it pools several calls of a module in one process. Parameter
+  gradients (already averaged by DDP) and histograms are rank 0's.
 """
 
 from __future__ import annotations
@@ -21,16 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .records import PARAM_GRAD, Layout
+
 if TYPE_CHECKING:
     from typing import TypeGuard
 
     from torch.distributed.tensor import DTensor
-
-    from .collect import Layout  # collect.py imports this module
-
-#: Groups at the head of a packed step holding one record per call (``Layout.sizes``):
-#: activation float and count rows, gradient norms and non-finite counts; pooled across ranks.
-PER_CALL_GROUPS = 4
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -72,10 +68,9 @@ class Ranks:
     def combine(self, packed: Tensor, layout: Layout) -> Tensor:
         """Sum sharded parameter norms, then gather every rank's packed tensor if reducing
         (rows: ranks). Every rank must call this with the same layout."""
-        start = sum(layout.sizes()[:PER_CALL_GROUPS])  # parameter-gradient norms follow the per-call groups
-        mask = [key in self.sharded for key in layout.params]
-        if any(mask):
-            index = torch.tensor([i for i, m in enumerate(mask) if m], device=packed.device) + start
+        sharded = [e.spans[0][0] for e in layout.of(PARAM_GRAD) if e.name in self.sharded]
+        if sharded:
+            index = torch.tensor(sharded, device=packed.device)
             squares = packed[index].square()
             dist.all_reduce(squares)
             packed = packed.index_copy(0, index, squares.sqrt())
@@ -87,14 +82,15 @@ class Ranks:
 
 
 def merge_ranks(values: np.ndarray, layout: Layout) -> tuple[np.ndarray, Layout]:
-    """One packed array from a ``(ranks, n)`` gather: every rank's activation and output-gradient
-    records, as if they were further calls on one rank; the rest (parameters, histograms, AMP) of rank 0."""
-    ranks = values.shape[0]
-    sizes = layout.sizes()[:PER_CALL_GROUPS]
-    bounds = np.cumsum(sizes)
-    parts = [np.split(row[: bounds[-1]], bounds[:-1]) for row in values]  # per rank: the groups
-    records = [np.concatenate(group) for group in zip(*parts)]  # per group: all ranks
-    merged = np.concatenate([*records, values[0, bounds[-1] :]])
-    return merged, dataclasses.replace(
-        layout, activations=layout.activations * ranks, gradients=layout.gradients * ranks
-    )
+    """One packed array from a ``(ranks, n)`` gather: every rank's per-call records, as if they
+    were further calls on one rank; the other records (parameters, histograms) of rank 0."""
+    size = values.shape[1]
+    entries = list(layout.entries)
+    for rank in range(1, values.shape[0]):
+        shift = rank * size
+        entries += [
+            dataclasses.replace(e, spans=tuple((a + shift, n) for a, n in e.spans))
+            for e in layout.entries
+            if e.kind.per_call
+        ]
+    return values.reshape(-1), dataclasses.replace(layout, entries=entries)

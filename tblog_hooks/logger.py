@@ -17,12 +17,13 @@ from torch import Tensor, nn
 from torch.utils.tensorboard import SummaryWriter
 
 from . import amp
-from .collect import Collector, Layout, Options
+from .collect import Collector, Options
 from .diagnose import Diagnostics
 from .distributed import Ranks, is_sharded, merge_ranks
 from .errors import HookLoggerError
 from .health import Finding, Thresholds
 from .hooks import ForwardHook, ForwardPreHook, Handles, OptimizerHook, OptimizerPostHook, ParamGradHook
+from .records import Layout
 from .selection import Selector, select_modules
 from .summarize import StepSummary, summarize
 from .transfer import Transfer
@@ -122,7 +123,7 @@ class HookLogger:
         self._collector = Collector(options)
         self._handles = Handles()  # live until close()
         self._step_handles = Handles()  # live during one logged step
-        self._pending: deque[tuple[int, Transfer, Layout, bool]] = deque()  # step, transfer, layout, AMP tail
+        self._pending: deque[tuple[int, Transfer, Layout]] = deque()  # logged steps on their way to the host
         self._step = 0
         self._closed = False
         self._module_names = tuple(selected)
@@ -265,40 +266,37 @@ class HookLogger:
         self._collector.passes.reset()
         self._step_handles.remove_all()
         try:
+            self._collector.on_weights(self._params)
+            if self._amp is not None and not self._collector.empty:
+                self._amp.finish(self._collector)
             packed = self._collector.finish()
             if packed is None:
                 return
             values, layout = packed
-            tail = self._amp.finish() if self._amp is not None else None
-            if tail is not None:
-                values = torch.cat([values, tail.to(values.device)])
             if self._ranks.needed:
                 values = self._ranks.combine(values, layout)
             if self._writer is not None:
-                self._pending.append((self._step, Transfer(values), layout, tail is not None))
+                self._pending.append((self._step, Transfer(values), layout))
         except Exception as error:  # e.g. histc under deterministic CUDA, a broken process group
             self._switch_off(f"packing step {self._step}", error)
 
     def _write(self, *, wait: bool) -> None:
         """Write finished transfers in step order; with ``wait``, all of them."""
         while self._pending and (wait or self._pending[0][1].ready()):
-            step, transfer, layout, scaled = self._pending.popleft()
+            step, transfer, layout = self._pending.popleft()
             if self._off or self._writer is None:
                 continue
             try:
-                self._diagnostics.write(self._writer, self._summarize(step, transfer.result(), layout, scaled))
+                self._diagnostics.write(self._writer, self._summarize(step, transfer.result(), layout))
             except Exception as error:  # disk full, permission lost, a broken writer
                 self._switch_off(f"writing step {step} to TensorBoard", error)
 
-    def _summarize(self, step: int, values: np.ndarray, layout: Layout, scaled: bool) -> StepSummary:
-        """Host side of a logged step: pool the ranks' records, split off and apply the AMP tail."""
+    def _summarize(self, step: int, values: np.ndarray, layout: Layout) -> StepSummary:
+        """Host side of a logged step: pool the ranks' records, decode, undo the AMP loss scale."""
         if values.ndim == 2:
             values, layout = merge_ranks(values, layout)
-        if not scaled:
-            return summarize(step, values, layout)
-        summary = summarize(step, values[: -amp.WIDTH], layout)
-        scale, skipped = values[-amp.WIDTH :]
-        amp.unscale(summary, float(scale), bool(skipped), param_grads_scaled=not self._use_optimizer)
+        summary = summarize(step, values, layout)
+        amp.unscale(summary, param_grads_scaled=not self._use_optimizer)
         return summary
 
     def _switch_off(self, what: str, error: BaseException) -> None:

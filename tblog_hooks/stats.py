@@ -1,7 +1,9 @@
-"""Device-side statistics: one row per tensor, and all histograms of a step in one batch.
+"""Device-side statistics: the values of one record, a histogram sample, and every histogram
+of a step binned at once.
 
-Nothing here reads a value back to the host; rows and histogram counts stay on the
-tensor's device until the logged step packs them for its single transfer.
+Nothing here reads a value back to the host. Each function is written for few ops (each op is
+a kernel launch on a GPU): reductions return 0-d tensors that ``records.pack`` stacks once per
+step, and work that does not depend on the tensor's values (sample indices) is cached.
 """
 
 from __future__ import annotations
@@ -9,28 +11,25 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 
-#: Histogram buckets per tensor (TensorBoard re-bins to ~30 for display).
-BINS = 64
-#: Histograms of tensors with more elements than this are built from a deterministic
-#: strided subsample of this many elements; the scalar statistics are always exact.
-SAMPLE_CAP = 1 << 11
+#: Histogram buckets over ``[min, max]`` (TensorBoard's chart re-bins to ~30 anyway).
+BINS = 32
+#: Histograms of tensors with more elements than this are built from a fixed pseudo-random
+#: sample of this many elements (the same indices for every tensor of a size, step after step).
+#: Random rather than strided: a stride aliases with the layout (every k-th element of an NCHW
+#: map can lie in one column). Statistics, min, max and the histogram's total are exact.
+SAMPLE_CAP = 1 << 13
 
-# Columns of an activation's float row (float32 on the device):
-# mean, L2 norm of (x - mean), min, max; and of its count row (int64): nonzero,
-# non-finite and dead-channel counts. Centring before squaring keeps the standard
-# deviation accurate when |mean| >> std, in one extra pass.
-MEAN, CENTRED_NORM, MIN, MAX = range(4)
-NONZERO, NONFINITE, DEAD = range(3)
-
-# Columns of a histogram row (float64), followed by BINS counts.
-H_LO, H_SPAN, H_MIN, H_MAX = range(4)
+#: Columns of a histogram row, followed by ``BINS`` counts: bucket ``b`` covers
+#: ``start + 2 * half_span * [b, b + 1) / BINS`` (a half, so that the span of a range reaching
+#: both ends of float32 does not overflow); min/max are the finite extremes of the row.
+H_START, H_HALF_SPAN, H_MIN, H_MAX = range(4)
 HIST_WIDTH = 4 + BINS
-
 
 #: Floating dtypes the reductions support (float8 types have no mean, aminmax or promotion).
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -48,33 +47,30 @@ def loggable(x: object) -> bool:
     )
 
 
-def _acc_dtype(x: Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation type: float32, or float64 for float64 tensors (no ``torch.promote_types``:
+    it is dispatched like an op)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def activation_row(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Exact statistics of ``x``: a float row (mean, centred norm, min, max) accumulated in
-    float32 or wider, and an int64 row (nonzero, non-finite, dead channels: dim 1 never > 0)."""
-    x = x.detach()
-    dtype = _acc_dtype(x)
+def tensor_stats(x: Tensor) -> tuple[Tensor, ...]:
+    """Exact statistics of ``x`` (call under ``no_grad``), in ``records.ACTIVATION`` field order:
+    mean and centred L2 norm (float32 or wider), min, max, nonzero and non-finite counts, and per
+    channel (dim 1) the largest value. Centring costs one pass and keeps the standard deviation
+    accurate when |mean| >> std."""
+    dtype = acc_dtype(x.dtype)
     mean = x.mean(dtype=dtype)
     # 16-bit inputs are centred in float32: a 16-bit x - mean would round each term.
     centred = x - mean if x.dtype == dtype else x.to(dtype).sub_(mean)
-    norm = torch.linalg.vector_norm(centred, dtype=dtype)
     lo, hi = torch.aminmax(x)
-    if x.dim() >= 2:
-        # Trailing dims first: reducing over (0, 2, 3) at once is several times slower on CPU.
-        peak = x.amax(dim=tuple(range(2, x.dim()))) if x.dim() > 2 else x
-        dead = (peak.amax(dim=0) <= 0).sum()
-    else:
-        dead = torch.zeros((), dtype=torch.int64, device=x.device)
-    return torch.stack([mean, norm, lo, hi]), torch.stack([torch.count_nonzero(x), nonfinite(x), dead])
+    peak = x.amax(dim=(0, *range(2, x.dim()))) if x.dim() >= 2 else x.new_empty(0)
+    return mean, torch.linalg.vector_norm(centred), lo, hi, torch.count_nonzero(x), nonfinite(x), peak
 
 
-def gradient_row(g: Tensor) -> tuple[Tensor, Tensor]:
-    """L2 norm (float32 or wider) and non-finite count of a gradient."""
-    g = g.detach()
-    return torch.linalg.vector_norm(g, dtype=_acc_dtype(g)), nonfinite(g)
+def gradient_stats(g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """L2 norm (float32 or wider), non-finite count, min and max of a gradient."""
+    lo, hi = torch.aminmax(g)
+    return torch.linalg.vector_norm(g, dtype=acc_dtype(g.dtype)), nonfinite(g), lo, hi
 
 
 def nonfinite(x: Tensor) -> Tensor:
@@ -82,54 +78,122 @@ def nonfinite(x: Tensor) -> Tensor:
     return torch.count_nonzero(x * 0)  # inf * 0 and nan * 0 are nan, finite * 0 is 0
 
 
-def channels(x: Tensor) -> int:
-    """How many channels the dead-unit count is out of (dim 1; 0 for tensors below 2-D)."""
-    return x.shape[1] if x.dim() >= 2 else 0
+def norms(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """L2 norms of many tensors in one op per dtype class, accumulated in float32 or wider
+    (a float16 norm overflows at 65504)."""
+    if len(tensors) == 1:
+        return [torch.linalg.vector_norm(tensors[0], dtype=acc_dtype(tensors[0].dtype))]
+    out: list[Tensor | None] = [None] * len(tensors)
+    for wide in (False, True):
+        index = [i for i, t in enumerate(tensors) if (t.dtype == torch.float64) == wide]
+        if index:
+            dtype = torch.float64 if wide else torch.float32
+            for i, norm in zip(index, torch._foreach_norm([tensors[i] for i in index], 2, dtype=dtype)):
+                out[i] = norm
+    return out  # type: ignore[return-value]
 
 
-def sample(x: Tensor, cap: int = SAMPLE_CAP) -> Tensor:
-    """A flat copy of ``x`` (float32 or wider) for the histogram: every element up to
-    ``cap``, else every k-th element in memory order. A copy, so later in-place ops
-    on ``x`` cannot change it."""
-    x = x.detach()
-    dtype = _acc_dtype(x)
+def extremes(tensors: list[Tensor]) -> tuple[Sequence[Tensor], Sequence[Tensor]]:
+    """Minima and maxima of many tensors (NaN propagates), in a few ops where torch has
+    ``_foreach_max`` (2.6 and later)."""
+    if len(tensors) > 1 and hasattr(torch, "_foreach_max"):
+        return torch._foreach_neg(torch._foreach_max(torch._foreach_neg(tensors))), torch._foreach_max(tensors)
+    pairs = [torch.aminmax(t) for t in tensors]
+    return [lo for lo, _ in pairs], [hi for _, hi in pairs]
+
+
+def sample(x: Tensor) -> Tensor:
+    """A flat copy of ``x``'s elements for its histogram: all of them up to :data:`SAMPLE_CAP`,
+    else a fixed pseudo-random subset (sorted indices from an integer hash: uniform, the same
+    for every tensor of a size, no generator state). A copy, so later in-place ops on ``x``
+    cannot change it."""
     n = x.numel()
-    if n <= cap:
-        return x.reshape(-1).to(dtype, copy=True)
-    stride = -(-n // cap)
-    dense = x.is_contiguous() or any(
-        x.dim() == rank and x.is_contiguous(memory_format=fmt)
-        for rank, fmt in ((4, torch.channels_last), (5, torch.channels_last_3d))
-    )
-    picked = x.as_strided((-(-n // stride),), (stride,)) if dense else x.reshape(-1)[::stride]
-    return picked.to(dtype, copy=True)
+    if not torch.compiler.is_compiling():
+        return torch.take(x, _cached_index(n, x.device))
+    # Traced into the graph: a cache would be one more guard, and one more graph.
+    if n <= SAMPLE_CAP:
+        return torch.take(x, torch.arange(n, device=x.device))
+    picked = _hash(torch.arange(1, SAMPLE_CAP + 1, device=x.device)).double() * (n / 2**32)
+    return torch.take(x, torch.sort(picked.long()).values)
 
 
-def histograms(samples: Sequence[Tensor]) -> Tensor:
-    """Histograms of all ``samples`` in a handful of ops, with no host-device copy.
+@functools.lru_cache(maxsize=512)
+def _cached_index(n: int, device: torch.device) -> Tensor:
+    """The indices :func:`sample` takes, made on the host once per size (no device op)."""
+    if n <= SAMPLE_CAP:
+        return _device_index(np.arange(n), device)
+    picked = _hash(np.arange(1, SAMPLE_CAP + 1, dtype=np.int64)) * (n / 2**32)
+    return _device_index(np.sort(picked.astype(np.int64)), device)
 
-    Returns float64 rows ``[lo, span, min, max, counts...]``: bucket ``b`` covers
-    ``lo + span * (b, b + 1] / BINS``; ``min``/``max`` are the finite extremes (inf/-inf
-    when a sample has no finite element). Non-finite elements are left out.
+
+H = TypeVar("H", Tensor, np.ndarray)
+
+
+def _hash(h: H) -> H:
+    """A 32-bit integer hash ("lowbias32"-style) of int64 values, for NumPy arrays and tensors alike."""
+    for _ in range(2):
+        h = ((h >> 16) ^ h) * 0x45D9F3B & 0xFFFFFFFF
+    return (h >> 16) ^ h  # type: ignore[no-any-return]  # NumPy operators are untyped
+
+
+def histograms(
+    samples: list[Tensor], lows: Sequence[Tensor | None], highs: Sequence[Tensor | None], keys: Sequence[int]
+) -> Tensor:
+    """Histograms of all ``samples`` in a fixed number of ops, with no host-device copy.
+
+    Rows sharing a key (calls of one module in a step) are binned over one range, so that the
+    host can add them up. The range is ``[lows, highs]`` (exact extremes of the sampled tensor)
+    where given and finite, else the sample's finite extremes. Returns float64 rows
+    ``[start, half_span, min, max, counts...]``; non-finite elements are left out.
     """
-    dtype = functools.reduce(torch.promote_types, (s.dtype for s in samples))
-    padded = pad_sequence([s.to(dtype) for s in samples], batch_first=True, padding_value=math.nan)
-    count = padded.shape[0]
+    device = samples[0].device
+    lengths = tuple(s.numel() for s in samples)
+    rows, offsets = _row_index(lengths, device)
+    count = len(samples)
+    values = torch.cat(samples)
+    dtype = acc_dtype(values.dtype)
+    values = values.to(dtype)
     inf = math.inf
-    lo = torch.nan_to_num(padded, nan=inf, posinf=inf, neginf=inf).amin(dim=1, keepdim=True)
-    hi = torch.nan_to_num(padded, nan=-inf, posinf=-inf, neginf=-inf).amax(dim=1, keepdim=True)
+    lo_s = torch.full((count,), inf, dtype=dtype, device=device)
+    lo_s.scatter_reduce_(0, rows, torch.nan_to_num(values, nan=inf, posinf=inf, neginf=inf), "amin")
+    hi_s = torch.full((count,), -inf, dtype=dtype, device=device)
+    hi_s.scatter_reduce_(0, rows, torch.nan_to_num(values, nan=-inf, posinf=-inf, neginf=-inf), "amax")
+    missing = lo_s.new_full((), math.nan)
+    lo_x = torch.stack([missing if t is None else t for t in lows]).to(dtype)
+    hi_x = torch.stack([missing if t is None else t for t in highs]).to(dtype)
+    # The exact extreme where finite (it is never beyond the sample's), else the sample's.
+    lo = torch.minimum(torch.nan_to_num(lo_x, nan=inf, posinf=inf, neginf=inf), lo_s)
+    hi = torch.maximum(torch.nan_to_num(hi_x, nan=-inf, posinf=-inf, neginf=-inf), hi_s)
+    if len(set(keys)) < count:  # one range per key
+        key_index = _device_index(np.asarray(keys, dtype=np.int64), device)
+        lo = torch.full_like(lo, inf).scatter_reduce_(0, key_index, lo, "amin")[key_index]
+        hi = torch.full_like(hi, -inf).scatter_reduce_(0, key_index, hi, "amax")[key_index]
     # Halves: the span of a range reaching both ends of the dtype (-3e38..3e38 in float32) overflows.
     half_span = hi / 2 - lo / 2
-    wide = half_span > 0  # false for constant samples and for samples with no finite element
+    wide = half_span > 0  # false for constant rows and rows with no finite element
     start = torch.where(wide, lo, torch.where(torch.isfinite(lo), lo - 0.5, 0.0))
     half_span = torch.where(wide, half_span, 0.5)
-    # Row r's bucket b becomes the number r * BINS + b + 0.5, so that one histc over all rows
-    # counts every row at once. The scale stops just short of BINS, so the maximum lands in
-    # the last bucket; NaN and +-inf fall outside histc's range and are not counted.
-    # Divide, then scale: BINS / half_span overflows for tiny (subnormal) spans.
-    offset = torch.arange(count, device=padded.device, dtype=dtype).mul_(BINS).add_(0.5).unsqueeze(1)
-    position = padded.mul(0.5).sub_(start / 2).div_(half_span).mul_(BINS * (1 - 2**-16)).floor_().add_(offset)
+    # Row r's bucket b becomes the number r * BINS + b + 0.5, so one histc counts every row.
+    # The scale stops just short of BINS, so the maximum lands in the last bucket; NaN and
+    # +-inf fall outside histc's range. Divide, then scale: BINS / half_span overflows for tiny spans.
+    position = values.mul_(0.5).sub_((start / 2)[rows]).div_(half_span[rows]).mul_(BINS * (1 - 2**-16))
+    position = position.floor_().add_(offsets)
     counts = torch.histc(position, bins=count * BINS, min=0, max=count * BINS).view(count, BINS)
-    head = torch.cat([start, half_span, lo, hi], dim=1).to(torch.float64)
-    head[:, H_SPAN] *= 2
-    return torch.cat([head, counts.to(torch.float64)], dim=1)
+    head = torch.stack([start, half_span, lo, hi], dim=1)
+    return torch.cat([head, counts.to(dtype)], dim=1).to(torch.float64)
+
+
+@functools.lru_cache(maxsize=64)
+def _row_index(lengths: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Per sampled element: its row, and ``row * BINS + 0.5`` (the same lengths recur every logged step)."""
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    return _device_index(rows, device), _device_index(rows * BINS + 0.5, device)
+
+
+def _device_index(values: np.ndarray, device: torch.device) -> Tensor:
+    """A host array as a tensor on ``device``: no op on the CPU; on CUDA a copy from pinned
+    memory that blocks neither the host nor the stream."""
+    host = torch.from_numpy(values)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

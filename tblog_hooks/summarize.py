@@ -1,19 +1,18 @@
 """Turn one logged step's numbers (on the host) into TensorBoard scalars and histograms.
 
 Several records of the same module in one step (a module called more than once, or
-several forward/backward passes per optimizer step) are merged here: counts and sums
-add up, minima and maxima combine, so the statistics cover every call.
+several forward/backward passes per optimizer step) are pooled as ``records.py`` declares,
+so the statistics cover every call.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import stats
-from .collect import ACTIVATION, GRADIENT, INPUT, PARAM_GRAD, Layout
+from . import records, stats
+from .records import ACTIVATION, COUNT, GRADIENT, HISTOGRAM, IMAGE, INPUT, PARAM_GRAD, SCALAR, HistMeta, Layout
 from .tags import tag
 
 
@@ -43,111 +42,48 @@ class StepSummary:
 
 def summarize(step: int, values: np.ndarray, layout: Layout) -> StepSummary:
     """Decode the packed array of one step (see ``Collector.finish``) into tags."""
-    act_floats, act_counts, grad_norms, grad_nonfinite, param_norms, in_floats, in_counts, extras, hists = np.split(
-        values, np.cumsum(layout.sizes())
-    )
-
-    scalars: dict[str, float] = {}
-    for kind, entries, floats, counts in (
-        (ACTIVATION, layout.activations, act_floats, act_counts),
-        (INPUT, layout.inputs, in_floats, in_counts),
-    ):
-        with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf activations are data, not warnings
-            pooled = _merge_activations(entries, floats.reshape(-1, 4), counts.reshape(-1, 3))
-        for name, moments in pooled.items():
-            scalars.update({tag(kind, stat, name): value for stat, value in moments.items()})
-    squares: dict[str, float] = {}
-    nonfinite: dict[str, float] = {}
-    for name, norm, bad in zip(layout.gradients, grad_norms, grad_nonfinite):
-        squares[name] = squares.get(name, 0.0) + float(norm) ** 2
-        nonfinite[name] = nonfinite.get(name, 0.0) + float(bad)
-    for name, square in squares.items():
-        scalars[tag(GRADIENT, "norm", name)] = math.sqrt(square)
-        scalars[tag(GRADIENT, "nonfinite", name)] = nonfinite[name]
-    for key, norm in zip(layout.params, param_norms):
-        scalars[tag(PARAM_GRAD, "norm", key)] = float(norm)
-    if layout.params:
-        scalars[tag(PARAM_GRAD, "global_norm")] = math.sqrt(float(np.sum(np.square(param_norms))))
-
-    histograms = _histograms(layout.hists, layout.hist_weights, hists.reshape(-1, stats.HIST_WIDTH))
-    images = {}
-    offset = 0
-    for key, shape in layout.extras:
-        size = math.prod(shape)
-        value = extras[offset : offset + size]
-        offset += size
-        if not shape:  # a scalar; left out where undefined (update ratio of an all-zero weight)
-            if math.isfinite(value[0]):
-                scalars[key] = float(value[0])
-        else:  # an image with values in [0, 1]
-            images[key] = np.round(value.reshape(shape) * 255).astype(np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf activations are data, not warnings
+        scalars = records.scalars(layout.of(ACTIVATION, INPUT, GRADIENT, PARAM_GRAD, COUNT, SCALAR), values)
+    images = {
+        e.name: np.round(e.read(values)["pixels"].reshape(e.shape) * 255).astype(np.uint8) for e in layout.of(IMAGE)
+    }
+    histograms = {}
+    for entry in layout.of(HISTOGRAM):
+        histograms = _histograms(layout.hists, entry.read(values)["rows"].reshape(entry.shape))
     return StepSummary(step, scalars, histograms, images)
 
 
-def _merge_activations(
-    entries: list[tuple[str, int, int]], floats: np.ndarray, counts: np.ndarray
-) -> dict[str, dict[str, float]]:
-    """Pool every call of a module in the step (Chan et al.'s parallel variance)."""
-    pooled: dict[str, list[float]] = {}  # name -> [n, mean, m2, min, max, nonzero, nonfinite, dead, channels]
-    for (name, n, chans), (mean, centred, lo, hi), (nonzero, bad, dead) in zip(entries, floats, counts):
-        m2 = centred * centred
-        acc = pooled.get(name)
-        if acc is None:
-            pooled[name] = [float(n), mean, m2, lo, hi, nonzero, bad, dead, float(chans)]
-            continue
-        total = acc[0] + n
-        delta = mean - acc[1]
-        acc[2] += m2 + delta * delta * acc[0] * n / total
-        acc[1] += delta * n / total
-        acc[0] = total
-        acc[3], acc[4] = np.minimum(acc[3], lo), np.maximum(acc[4], hi)  # NaN propagates, as in torch.aminmax
-        for i, value in ((5, nonzero), (6, bad), (7, dead), (8, chans)):
-            acc[i] += value
+def _histograms(meta: list[HistMeta], rows: np.ndarray) -> dict[str, Histogram]:
+    """One histogram per tag from its rows (calls of a module share their bucket edges). Each
+    sampled count stands for ``elements / sampled`` elements, so ``num`` is the exact number of
+    elements where no sampled element is NaN/Inf. Empty leading and trailing buckets are
+    trimmed; histograms without a finite element dropped."""
+    by_tag: dict[str, list[int]] = {}
+    for i, m in enumerate(meta):
+        by_tag.setdefault(tag(m.kind, m.name), []).append(i)
+    weights = np.array([m.numel / m.sampled for m in meta])
+    edges_at = np.arange(stats.BINS + 1) / stats.BINS
     out = {}
-    for name, (count, mean, m2, lo, hi, nonzero, bad, dead, channel_total) in pooled.items():
-        moments = {
-            "mean": mean,
-            "std": math.sqrt(m2 / (count - 1)) if count > 1 else 0.0,  # unbiased, as torch.std
-            "min": lo,
-            "max": hi,
-            "zero_frac": (count - nonzero) / count,
-            "nonfinite": bad,
-        }
-        if channel_total:
-            moments["dead_frac"] = dead / channel_total
-        out[name] = {stat: float(value) for stat, value in moments.items()}
-    return out
-
-
-def _histograms(keys: list[tuple[str, str]], weights: list[float], rows: np.ndarray) -> dict[str, Histogram]:
-    """Histograms with empty leading and trailing buckets trimmed; all-empty ones dropped.
-    Counts of subsampled tensors are scaled by ``weights`` to stand for every element."""
-    counts = rows[:, 4:] * np.asarray(weights)[:, None]
-    steps = np.arange(stats.BINS + 1) / stats.BINS
-    edges = rows[:, stats.H_LO, None] + rows[:, stats.H_SPAN, None] * steps
-    centres = (edges[:, :-1] + edges[:, 1:]) / 2
-    filled = counts > 0
-    first = filled.argmax(axis=1)
-    last = stats.BINS - filled[:, ::-1].argmax(axis=1)
-    totals = counts.sum(axis=1)
-    sums = (counts * centres).sum(axis=1)
-    squares = (counts * centres * centres).sum(axis=1)
-    out = {}
-    for i, (kind, name) in enumerate(keys):
-        if totals[i] == 0:
+    for key, index in by_tag.items():
+        counts = (rows[index, stats.HIST_WIDTH - stats.BINS :] * weights[index, None]).sum(axis=0)
+        filled = np.flatnonzero(counts > 0)
+        if not filled.size:
             continue  # no finite element
-        a, b = first[i], last[i]
-        limits = edges[i, a + 1 : b + 1]
+        start, half_span = rows[index[0], [stats.H_START, stats.H_HALF_SPAN]]
+        edges = start + 2 * half_span * edges_at
+        centres = (edges[:-1] + edges[1:]) / 2
+        a, b = filled[0], filled[-1] + 1
+        limits = edges[a + 1 : b + 1]
         if np.any(np.diff(limits) <= 0):  # a span below float resolution at this magnitude
             limits = _strictly_increasing(limits)
-        out[tag(kind, name)] = Histogram(
-            min=float(rows[i, stats.H_MIN]),
-            max=float(rows[i, stats.H_MAX]),
-            num=float(totals[i]),
-            sum=float(sums[i]),
-            sum_squares=float(squares[i]),
+        out[key] = Histogram(
+            min=float(rows[index, stats.H_MIN].min()),
+            max=float(rows[index, stats.H_MAX].max()),
+            num=float(counts.sum()),
+            sum=float(counts @ centres),
+            sum_squares=float(counts @ (centres * centres)),
             limits=limits.tolist(),
-            counts=counts[i, a:b].tolist(),
+            counts=counts[a:b].tolist(),
         )
     return out
 

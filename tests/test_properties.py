@@ -49,42 +49,46 @@ def _tolerance(a: np.ndarray, dtype: torch.dtype) -> float:
     return 4 * a.size * float(info.eps) * float(np.abs(a).max(initial=0.0)) + 2 * a.size * math.sqrt(info.tiny)
 
 
+def _tensor_stats(x: torch.Tensor) -> list[np.ndarray]:
+    return [t.double().numpy() for t in stats.tensor_stats(x)]
+
+
 @SETTINGS
 @given(tensors())
-def test_activation_row(x: torch.Tensor) -> None:
-    floats, counts = (t.double().numpy() for t in stats.activation_row(x))
+def test_tensor_stats(x: torch.Tensor) -> None:
+    mean, centred_norm, lo, hi, nonzero, nonfinite, peak = _tensor_stats(x)
     a = _reference(x)
-    nonzero, nonfinite, dead = counts
     assert nonzero == np.count_nonzero(a) and nonfinite == np.count_nonzero(~np.isfinite(a))
     if a.ndim >= 2:
-        assert dead == np.count_nonzero(a.max(axis=tuple(d for d in range(a.ndim) if d != 1)) <= 0)
+        np.testing.assert_array_equal(peak, a.max(axis=tuple(d for d in range(a.ndim) if d != 1)))
     else:
-        assert dead == 0
-    np.testing.assert_array_equal(floats[[stats.MIN, stats.MAX]], [a.min(), a.max()])  # NaN propagates
+        assert peak.size == 0
+    np.testing.assert_array_equal([lo, hi], [a.min(), a.max()])  # NaN propagates
     if np.isfinite(a).all():
         tol = _tolerance(a, x.dtype)
-        assert abs(floats[stats.MEAN] - a.mean()) <= tol
-        assert abs(floats[stats.CENTRED_NORM] - np.linalg.norm(a - a.mean())) <= tol * 4
+        assert abs(mean - a.mean()) <= tol
+        assert abs(centred_norm - np.linalg.norm(a - a.mean())) <= tol * 4
     else:
-        assert not np.isfinite(floats[stats.MEAN])
+        assert not np.isfinite(mean)
 
 
 @SETTINGS
 @given(tensors(extreme=True))
-def test_activation_row_counts_and_extremes_are_exact_anywhere_in_range(x: torch.Tensor) -> None:
-    floats, counts = (t.double().numpy() for t in stats.activation_row(x))
+def test_tensor_stats_counts_and_extremes_are_exact_anywhere_in_range(x: torch.Tensor) -> None:
+    _, _, lo, hi, nonzero, nonfinite, _ = _tensor_stats(x)
     a = _reference(x)
-    assert counts[stats.NONZERO] == np.count_nonzero(a)
-    assert counts[stats.NONFINITE] == np.count_nonzero(~np.isfinite(a))
-    np.testing.assert_array_equal(floats[[stats.MIN, stats.MAX]], [a.min(), a.max()])
+    assert nonzero == np.count_nonzero(a)
+    assert nonfinite == np.count_nonzero(~np.isfinite(a))
+    np.testing.assert_array_equal([lo, hi], [a.min(), a.max()])
 
 
 @SETTINGS
 @given(tensors())
-def test_gradient_row(g: torch.Tensor) -> None:
-    norm, nonfinite = (float(t) for t in stats.gradient_row(g))
+def test_gradient_stats(g: torch.Tensor) -> None:
+    norm, nonfinite, lo, hi = (float(t) for t in stats.gradient_stats(g))
     a = _reference(g)
     assert nonfinite == np.count_nonzero(~np.isfinite(a))
+    np.testing.assert_array_equal([lo, hi], [a.min(), a.max()])
     expected = np.linalg.norm(a.reshape(-1))
     if np.isnan(a).any():
         assert math.isnan(norm)
@@ -95,7 +99,8 @@ def test_gradient_row(g: torch.Tensor) -> None:
 
 
 def _check_histogram_row(row: np.ndarray, a: np.ndarray, weight: float) -> None:
-    start, span, lo, hi = row[[stats.H_LO, stats.H_SPAN, stats.H_MIN, stats.H_MAX]]
+    start, half_span, lo, hi = row[[stats.H_START, stats.H_HALF_SPAN, stats.H_MIN, stats.H_MAX]]
+    span = 2 * half_span
     counts = row[stats.HIST_WIDTH - stats.BINS :]
     finite = a[np.isfinite(a)]
     assert math.isfinite(start) and math.isfinite(span) and span > 0  # bucket edges are always finite
@@ -114,13 +119,29 @@ def _check_histogram_row(row: np.ndarray, a: np.ndarray, weight: float) -> None:
 
 
 @SETTINGS
-@given(st.lists(tensors(extreme=True), min_size=1, max_size=4), st.data())
-def test_histograms(xs: list[torch.Tensor], data: st.DataObject) -> None:
-    samples = [stats.sample(x, cap=data.draw(st.sampled_from([7, 64, stats.SAMPLE_CAP]))) for x in xs]
-    rows = stats.histograms(samples).numpy()  # counts of sampled elements; weights apply on the host
+@given(st.lists(tensors(extreme=True), min_size=1, max_size=4), st.booleans())
+def test_histograms(xs: list[torch.Tensor], exact: bool) -> None:
+    """Rows over the exact extremes of each tensor (its NaN/Inf left to the sample's), or over
+    the sample's own extremes."""
+    samples = [stats.sample(x) for x in xs]
+    extremes = [torch.aminmax(x) if exact else (None, None) for x in xs]
+    lows, highs = [lo for lo, _ in extremes], [hi for _, hi in extremes]
+    rows = stats.histograms(samples, lows, highs, list(range(len(xs)))).numpy()  # weights apply on the host
     assert rows.shape == (len(xs), stats.HIST_WIDTH)
     for row, s in zip(rows, samples):
         _check_histogram_row(row, _reference(s), 1.0)
+
+
+def test_samples_of_large_tensors_are_spread_over_every_position() -> None:
+    """A stride would alias with the layout (every 512th element of a [16, 64, 32, 32] map is in
+    column 0); the sample covers every column, row and channel about equally."""
+    x = torch.arange(16 * 64 * 32 * 32, dtype=torch.float64).reshape(16, 64, 32, 32)
+    index = stats.sample(x).long().numpy()
+    assert index.size == stats.SAMPLE_CAP and np.unique(index).size > 0.99 * stats.SAMPLE_CAP
+    for size, stride in ((32, 1), (32, 32), (64, 1024), (16, 65536)):  # columns, rows, channels, batch
+        per_position = np.bincount(index // stride % size, minlength=size)
+        expected = stats.SAMPLE_CAP / size
+        assert np.all(np.abs(per_position - expected) < 5 * math.sqrt(expected)), (size, per_position)
 
 
 @SETTINGS

@@ -232,3 +232,19 @@ def test_input_nonfinite_count_of_a_chained_module(tmp_path, inplace_between: bo
     assert run.scalar("activation/nonfinite/0", 0) == 2
     # The Linear's input is the Poison output, reused while unchanged, counted again if changed.
     assert run.scalar(f"input/nonfinite/{last}", 0) == (3 if inplace_between else 2)
+
+
+def test_dead_fraction_of_micro_batches_counts_channels_never_positive_in_the_pooled_batch(tmp_path) -> None:
+    """Channel 0 is positive only in the first micro-batch, channel 1 only in the second: no
+    channel is dead in the pooled batch (averaging each call's fraction would say 0.5)."""
+    layer = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.eye(2))
+    with HookLogger(layer, log_dir=tmp_path, every=1, modules=[""], parameters=False) as hooks:
+        for x in ([[1.0, -1.0]], [[-1.0, 1.0]], [[-1.0, -2.0]]):
+            layer(torch.tensor(x))
+        hooks.step()
+        layer(torch.tensor([[-1.0, 3.0], [-2.0, 1.0]]))
+        hooks.step()
+    dead = read_run(tmp_path).scalars["activation/dead_frac/root"]
+    assert dead == {0: 0.0, 1: 0.5}
