@@ -24,8 +24,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="healthy",
         help="healthy: ResNet-18 on generated images; the others: a small model showing that problem",
     )
-    demo.add_argument("--steps", type=int, help="optimizer steps (default: 300 for healthy, else the scenario's)")
-    demo.add_argument("--every", type=int, default=10, help="log every N optimizer steps (default: 10)")
+    demo.add_argument(
+        "--steps", type=_positive_int, help="optimizer steps (default: 300 for healthy, else the scenario's)"
+    )
+    demo.add_argument("--every", type=_positive_int, default=10, help="log every N optimizer steps (default: 10)")
     demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     report = commands.add_parser("report", help="per-layer table and findings of runs, from their event files")
     report.add_argument("run_dir", help="a run directory, or a folder of runs (each is reported)")
@@ -47,6 +49,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_dir = run_demo(args.logdir, args.scenario, args.steps, args.every, pick_device(args.device))
     print(f"wrote {run_dir}\nopen it with:  tensorboard --logdir {args.logdir}\nor:  tblog-hooks report {run_dir}")
     return 0
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: a usage error (exit 2) for what ``HookLogger`` would reject mid-demo."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
 
 
 def _report(path: str, *, as_json: bool, png_path: str | None, fail_on: set[str]) -> int:
