@@ -59,27 +59,56 @@ def _positive_int(text: str) -> int:
 
 
 def _report(path: str, *, as_json: bool, png_path: str | None, fail_on: set[str]) -> int:
-    """Exit status: 0, 1 when a ``fail_on`` finding exists, 2 when a run cannot be read."""
+    """Report every tblog_hooks run under ``path``; directories without one are named and skipped.
+    Exit status: 2 when an event file is damaged or no run could be reported, else 1 when a
+    ``fail_on`` finding exists, else 0."""
     from . import report
 
     try:
-        runs = report.find_runs(path)
-        loaded = [report.load(run_dir, str(run_dir.relative_to(path)) if run_dir != Path(path) else run_dir.name)
-                  for run_dir in runs]  # fmt: skip
-        failed = False
-        for run in loaded:
-            print(json.dumps(report.as_json(run)) if as_json else report.as_text(run))
-            failed |= any(f.kind in fail_on for f in report.findings(run))
-            if png_path is not None:
-                target = Path(png_path)
-                if len(loaded) > 1:
-                    target = target.with_name(f"{target.stem}-{run.name.replace('/', '-')}{target.suffix or '.png'}")
-                target.write_bytes(report.flow_png(run))
-                print(f"wrote {target}", file=sys.stderr)
-    except (report.ReportError, OSError) as error:
-        print(f"tblog-hooks report: {error}", file=sys.stderr)
+        run_dirs = report.find_runs(path)
+    except report.ReportError as error:
+        _tell(str(error))
         return 2
-    return 1 if failed else 0
+    runs: list[report.Run] = []
+    damaged = False
+    for run_dir in run_dirs:
+        name = report.label(run_dir, path)
+        try:
+            found = report.load_all(run_dir, name)
+        except (report.ReportError, OSError) as error:
+            _tell(str(error))
+            damaged = True
+            continue
+        if not found:
+            _tell(f"skipped {name!r}: no tblog_hooks statistics (written by something else, or no step logged yet)")
+        runs += found
+    failed = False
+    for run in runs:
+        for before, after in run.restarts:
+            _tell(f"{run.name}: the logged steps go back from {before} to {after} (a restart into the same "
+                  f"directory?); from step {after} on, the report shows the later run")  # fmt: skip
+        print(json.dumps(report.as_json(run)) if as_json else report.as_text(run))
+        failed |= any(f.kind in fail_on for f in report.findings(run))
+        if png_path is not None:
+            target = Path(png_path)
+            if len(runs) > 1:
+                suffix = "-".join(filter(None, (run.label, run.prefix))).replace("/", "-")
+                target = target.with_name(f"{target.stem}-{suffix}{target.suffix or '.png'}")
+            try:
+                target.write_bytes(report.flow_png(run))
+            except (report.ReportError, OSError) as error:
+                _tell(str(error))
+                return 2
+            print(f"wrote {target}", file=sys.stderr)
+    if not runs:
+        _tell(f"no tblog_hooks run to report under {path!r}")
+        return 2
+    return 2 if damaged else 1 if failed else 0
+
+
+def _tell(message: str) -> None:
+    """A message about reading the runs, on stderr (stdout holds only the reports)."""
+    print(f"tblog-hooks report: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":
