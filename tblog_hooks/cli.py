@@ -7,8 +7,12 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .health import KINDS
+
+if TYPE_CHECKING:
+    from .report import Run
 
 SCENARIOS = ("healthy", "vanishing", "exploding", "dead-relu", "nan")
 
@@ -65,28 +69,17 @@ def _report(path: str, *, as_json: bool, png_path: str | None, fail_on: set[str]
     from . import report
 
     try:
-        run_dirs = report.find_runs(path)
+        runs, damaged = _load(path)
     except report.ReportError as error:
         _tell(str(error))
         return 2
-    runs: list[report.Run] = []
-    damaged = False
-    for run_dir in run_dirs:
-        name = report.label(run_dir, path)
-        try:
-            found = report.load_all(run_dir, name)
-        except (report.ReportError, OSError) as error:
-            _tell(str(error))
-            damaged = True
-            continue
-        if not found:
-            _tell(f"skipped {name!r}: no tblog_hooks statistics (written by something else, or no step logged yet)")
-        runs += found
     failed = False
     for run in runs:
         for before, after in run.restarts:
-            _tell(f"{run.name}: the logged steps go back from {before} to {after} (a restart into the same "
-                  f"directory?); from step {after} on, the report shows the later run")  # fmt: skip
+            _tell(
+                f"{run.name}: the logged steps go back from {before} to {after} (a restart into the same "
+                f"directory?); from step {after} on, the report shows the later run"
+            )
         print(json.dumps(report.as_json(run)) if as_json else report.as_text(run))
         failed |= any(f.kind in fail_on for f in report.findings(run))
         if png_path is not None:
@@ -102,8 +95,27 @@ def _report(path: str, *, as_json: bool, png_path: str | None, fail_on: set[str]
             print(f"wrote {target}", file=sys.stderr)
     if not runs:
         _tell(f"no tblog_hooks run to report under {path!r}")
-        return 2
-    return 2 if damaged else 1 if failed else 0
+    return 2 if damaged or not runs else 1 if failed else 0
+
+
+def _load(path: str) -> tuple[list[Run], bool]:
+    """The runs under ``path`` and whether an event file was damaged (each problem told on stderr)."""
+    from . import report
+
+    runs: list[Run] = []
+    damaged = False
+    for run_dir in report.find_runs(path):
+        name = report.label(run_dir, path)
+        try:
+            found = report.load_all(run_dir, name)
+        except (report.ReportError, OSError) as error:
+            _tell(str(error))
+            damaged = True
+            continue
+        if not found:
+            _tell(f"skipped {name!r}: no tblog_hooks statistics (written by something else, or no step logged yet)")
+        runs += found
+    return runs, damaged
 
 
 def _tell(message: str) -> None:
