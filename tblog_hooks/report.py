@@ -101,15 +101,15 @@ def load_all(run_dir: Path, label: str) -> list[Run]:
         orders |= file.orders
         for step, prefix, scalars in file.steps:
             run = runs.setdefault(prefix, Run(label, prefix, {}, []))
-            last = max(run.scalars, default=None)
+            last = next(reversed(run.scalars), None)  # steps are kept in increasing order
             if last is not None and step <= last:
                 run.restarts.append((last, step))
                 run.scalars = {s: v for s, v in run.scalars.items() if s < step}
             run.scalars[step] = scalars
     for prefix, run in runs.items():
         named = {unescape(t.split("/", 2)[2]) for s in run.scalars.values() for t in s if t.startswith(_NAMED)}
-        run.order = orders.get(prefix, [])
-        run.order += sorted(named - set(run.order))
+        order = orders.get(prefix, [])
+        run.order = order + sorted(named - set(order))
     return [runs[prefix] for prefix in sorted(runs)]
 
 
