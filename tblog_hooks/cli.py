@@ -105,7 +105,7 @@ def _load(path: str) -> tuple[list[Run], bool]:
     runs: list[Run] = []
     damaged = False
     for run_dir in report.find_runs(path):
-        name = report.label(run_dir, path)
+        name = report.run_label(run_dir, path)
         try:
             found = report.load_all(run_dir, name)
         except (report.ReportError, OSError) as error:

@@ -41,6 +41,7 @@ class Run:
 
     @property
     def name(self) -> str:
+        """The directory's label, then the prefix in brackets: ``runs/gan [G]``."""
         return f"{self.label} [{self.prefix}]" if self.prefix else self.label
 
 
@@ -71,7 +72,7 @@ def find_runs(path: str | os.PathLike[str]) -> list[Path]:
     return runs
 
 
-def label(run_dir: Path, path: str | os.PathLike[str]) -> str:
+def run_label(run_dir: Path, path: str | os.PathLike[str]) -> str:
     """How a run found under ``path`` is named: its path below ``path``, or the directory's own name."""
     root = Path(path)
     return str(run_dir.relative_to(root)) if run_dir != root else (root.resolve().name or str(root.resolve()))
