@@ -17,8 +17,8 @@ from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2
 
 from .diagnose import ORDER_TAG, gradient_flow_image, gradient_norms, parse_order
+from .event_files import DamagedFile, read_records
 from .health import Finding, Health, Thresholds, log
-from .records import DamagedFile, read_records
 from .tags import tag, unescape
 
 

@@ -58,7 +58,7 @@ def use_fast_checksum() -> bool:
         return False
     if google_crc32c.implementation != "c":
         return False
-    from .records import masked_crc32c
+    from .event_files import masked_crc32c
 
     record_writer.masked_crc32c = masked_crc32c
     return True
