@@ -7,8 +7,12 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .health import KINDS
+
+if TYPE_CHECKING:
+    from .report import Run
 
 SCENARIOS = ("healthy", "vanishing", "exploding", "dead-relu", "nan")
 
@@ -24,8 +28,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="healthy",
         help="healthy: ResNet-18 on generated images; the others: a small model showing that problem",
     )
-    demo.add_argument("--steps", type=int, help="optimizer steps (default: 300 for healthy, else the scenario's)")
-    demo.add_argument("--every", type=int, default=10, help="log every N optimizer steps (default: 10)")
+    demo.add_argument(
+        "--steps", type=_positive_int, help="optimizer steps (default: 300 for healthy, else the scenario's)"
+    )
+    demo.add_argument("--every", type=_positive_int, default=10, help="log every N optimizer steps (default: 10)")
     demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     report = commands.add_parser("report", help="per-layer table and findings of runs, from their event files")
     report.add_argument("run_dir", help="a run directory, or a folder of runs (each is reported)")
@@ -49,28 +55,72 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: a usage error (exit 2) for what ``HookLogger`` would reject mid-demo."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
 def _report(path: str, *, as_json: bool, png_path: str | None, fail_on: set[str]) -> int:
-    """Exit status: 0, 1 when a ``fail_on`` finding exists, 2 when a run cannot be read."""
+    """Report every tblog_hooks run under ``path``; directories without one are named and skipped.
+    Exit status: 2 when an event file is damaged or no run could be reported, else 1 when a
+    ``fail_on`` finding exists, else 0."""
     from . import report
 
     try:
-        runs = report.find_runs(path)
-        loaded = [report.load(run_dir, str(run_dir.relative_to(path)) if run_dir != Path(path) else run_dir.name)
-                  for run_dir in runs]  # fmt: skip
-        failed = False
-        for run in loaded:
-            print(json.dumps(report.as_json(run)) if as_json else report.as_text(run))
-            failed |= any(f.kind in fail_on for f in report.findings(run))
-            if png_path is not None:
-                target = Path(png_path)
-                if len(loaded) > 1:
-                    target = target.with_name(f"{target.stem}-{run.name.replace('/', '-')}{target.suffix or '.png'}")
-                target.write_bytes(report.flow_png(run))
-                print(f"wrote {target}", file=sys.stderr)
-    except (report.ReportError, OSError) as error:
-        print(f"tblog-hooks report: {error}", file=sys.stderr)
+        runs, damaged = _load(path)
+    except report.ReportError as error:
+        _tell(str(error))
         return 2
-    return 1 if failed else 0
+    failed = False
+    for run in runs:
+        for before, after in run.restarts:
+            _tell(
+                f"{run.name}: the logged steps go back from {before} to {after} (a restart into the same "
+                f"directory?); from step {after} on, the report shows the later run"
+            )
+        print(json.dumps(report.as_json(run)) if as_json else report.as_text(run))
+        failed |= any(f.kind in fail_on for f in report.findings(run))
+        if png_path is not None:
+            target = Path(png_path)
+            if len(runs) > 1:
+                suffix = "-".join(filter(None, (run.label, run.prefix))).replace("/", "-")
+                target = target.with_name(f"{target.stem}-{suffix}{target.suffix or '.png'}")
+            try:
+                target.write_bytes(report.flow_png(run))
+            except (report.ReportError, OSError) as error:
+                _tell(str(error))
+                return 2
+            print(f"wrote {target}", file=sys.stderr)
+    if not runs:
+        _tell(f"no tblog_hooks run to report under {path!r}")
+    return 2 if damaged or not runs else 1 if failed else 0
+
+
+def _load(path: str) -> tuple[list[Run], bool]:
+    """The runs under ``path`` and whether an event file was damaged (each problem told on stderr)."""
+    from . import report
+
+    runs: list[Run] = []
+    damaged = False
+    for run_dir in report.find_runs(path):
+        name = report.run_label(run_dir, path)
+        try:
+            found = report.load_all(run_dir, name)
+        except (report.ReportError, OSError) as error:
+            _tell(str(error))
+            damaged = True
+            continue
+        if not found:
+            _tell(f"skipped {name!r}: no tblog_hooks statistics (written by something else, or no step logged yet)")
+        runs += found
+    return runs, damaged
+
+
+def _tell(message: str) -> None:
+    """A message about reading the runs, on stderr (stdout holds only the reports)."""
+    print(f"tblog-hooks report: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,75 +1,148 @@
 """``tblog-hooks report``: per-layer table and health findings of runs on disk.
 
-Reads event files with TensorBoard's own reader (no training, no model) and replays the
-logged scalars through the same :class:`~tblog_hooks.health.Health` the logger uses, with
-the default :class:`~tblog_hooks.health.Thresholds`.
+Reads event files (no training, no model) and replays the logged scalars through the same
+:class:`~tblog_hooks.health.Health` the logger uses, with the default
+:class:`~tblog_hooks.health.Thresholds`. Each tag prefix in a directory is a run of its own.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tensorboard.backend.event_processing import event_accumulator
+from google.protobuf.message import DecodeError
+from tensorboard.compat.proto import event_pb2
 
 from .diagnose import ORDER_TAG, gradient_flow_image, gradient_norms, parse_order
+from .event_files import DamagedFile, read_records
 from .health import Finding, Health, Thresholds, log
 from .tags import tag, unescape
 
 
 class ReportError(Exception):
-    """A run that cannot be reported: missing, empty, corrupt or not written by tblog_hooks."""
+    """A run that cannot be reported: missing or damaged."""
 
 
 @dataclass
 class Run:
-    """The scalars of one run directory, by step, and its watched modules in forward order."""
+    """One logger's scalars (its own tags, without the prefix) at the steps it logged, and its
+    watched modules in forward order."""
 
-    name: str
+    label: str  # the run directory, as the user named it
+    prefix: str  # the logger's tag prefix ("" for none)
     scalars: dict[int, dict[str, float]]
     order: list[str]
+    #: ``(from, to)`` for each time the logged steps went back (a run restarted into the same
+    #: directory); from ``to`` on, the steps are those of the restart.
+    restarts: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        """The directory's label, then the prefix in brackets: ``runs/gan [G]``."""
+        return f"{self.label} [{self.prefix}]" if self.prefix else self.label
+
+
+#: A scalar tag of the logger, after an optional ``{prefix}/``: module and parameter names are
+#: escaped (no ``/``), so each kind has a fixed number of parts. The prefix is matched greedily;
+#: no stat is named like a kind, so an unprefixed tag never reads as a prefixed one.
+_LOGGER_TAG = re.compile(
+    r"(?:(?P<prefix>.+)/)?(?P<tag>(?:activation|input|gradient|param_grad|param)/[^/]+/[^/]+|(?:param_grad|amp|health)/[^/]+)"
+)
+#: Kinds that only a logged step holds: their presence marks a step as logged.
+_STATISTICS = ("activation/", "gradient/", "param_grad/")
+_ORDER_TEXT = re.compile(rf"(?:(?P<prefix>.+)/)?{re.escape(ORDER_TAG)}/text_summary")
+#: Tags whose last part names every watched module (the forward order may be missing).
+_NAMED = ("gradient/norm/", "activation/mean/")
+_EVENT_FILES = "events.out.tfevents.*"
 
 
 def find_runs(path: str | os.PathLike[str]) -> list[Path]:
     """Every directory at or below ``path`` that holds event files, sorted."""
     root = Path(path)
+    if not root.exists():
+        raise ReportError(f"{os.fspath(path)!r} does not exist; pass a run directory or a folder of runs")
     if not root.is_dir():
         raise ReportError(f"{os.fspath(path)!r} is not a directory; pass a run directory or a folder of runs")
-    runs = sorted({p.parent for p in root.rglob("events.out.tfevents.*") if p.is_file()})
+    runs = sorted({p.parent for p in root.rglob(_EVENT_FILES) if p.is_file()})
     if not runs:
-        raise ReportError(f"no TensorBoard event files (events.out.tfevents.*) under {os.fspath(path)!r}")
+        raise ReportError(f"no TensorBoard event files ({_EVENT_FILES}) under {os.fspath(path)!r}")
     return runs
 
 
-def load(run_dir: Path, name: str) -> Run:
-    """Read a run; raises :class:`ReportError` when it holds no tblog_hooks statistics."""
-    acc = event_accumulator.EventAccumulator(
-        str(run_dir), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0}
-    )
+def run_label(run_dir: Path, path: str | os.PathLike[str]) -> str:
+    """How a run found under ``path`` is named: its path below ``path``, or the directory's own name."""
+    root = Path(path)
+    return str(run_dir.relative_to(root)) if run_dir != root else (root.resolve().name or str(root.resolve()))
+
+
+def load(run_dir: Path, label: str) -> Run:
+    """The one run in ``run_dir``; raises :class:`ReportError` when it holds none, several
+    (loggers with different prefixes: see :func:`load_all`), or a damaged event file."""
+    runs = load_all(run_dir, label)
+    if len(runs) != 1:
+        found = ", ".join(repr(run.name) for run in runs) or "none"
+        raise ReportError(f"{str(run_dir)!r} holds {len(runs)} tblog_hooks runs ({found}), not one")
+    return runs[0]
+
+
+def load_all(run_dir: Path, label: str) -> list[Run]:
+    """The runs in one directory, one per tag prefix (unprefixed first); empty when it holds no
+    logged step of tblog_hooks. Raises :class:`ReportError` for a damaged event file.
+
+    Event files are read in the order they were started (their first event's wall time), each
+    in file order; when a logger's steps go back, the later ones replace the earlier from the
+    step they restart at (as ``SummaryWriter(purge_step=...)`` would)."""
+    files = [_read_file(p) for p in run_dir.glob(_EVENT_FILES) if p.is_file()]
+    runs: dict[str, Run] = {}
+    orders: dict[str, list[str]] = {}
+    for file in sorted(files, key=lambda f: f.start):
+        orders |= file.orders
+        for step, prefix, scalars in file.steps:
+            run = runs.setdefault(prefix, Run(label, prefix, {}, []))
+            last = next(reversed(run.scalars), None)  # steps are kept in increasing order
+            if last is not None and step <= last:
+                run.restarts.append((last, step))
+                run.scalars = {s: v for s, v in run.scalars.items() if s < step}
+            run.scalars[step] = scalars
+    for prefix, run in runs.items():
+        named = {unescape(t.split("/", 2)[2]) for s in run.scalars.values() for t in s if t.startswith(_NAMED)}
+        order = orders.get(prefix, [])
+        run.order = order + sorted(named - set(order))
+    return [runs[prefix] for prefix in sorted(runs)]
+
+
+@dataclass
+class _EventFile:
+    start: tuple[float, str]  # first event's wall time, then the name: the order files were started in
+    steps: list[tuple[int, str, dict[str, float]]]  # (step, prefix, scalars) of each logged step, in file order
+    orders: dict[str, list[str]]  # the latest forward order of each prefix
+
+
+def _read_file(path: Path) -> _EventFile:
+    """The logged steps and forward orders of one event file (other tags are left out)."""
+    file = _EventFile((math.inf, path.name), [], {})
     try:
-        acc.Reload()
-        tags = acc.Tags()
-        scalars: dict[int, dict[str, float]] = {}
-        for tag in tags["scalars"]:
-            for event in acc.Scalars(tag):
-                scalars.setdefault(event.step, {})[tag] = event.value
-        text_tag = f"{ORDER_TAG}/text_summary"
-        order_text = acc.Tensors(text_tag)[-1].tensor_proto.string_val[0] if text_tag in tags["tensors"] else b""
-    except Exception as error:  # the reader's errors on damaged files vary; all mean the same to a user
-        raise ReportError(f"cannot read the event files in {str(run_dir)!r}: {type(error).__name__}: {error}") from None
-    if not any(t.startswith(("gradient/", "activation/", "param_grad/")) for t in tags["scalars"]):
-        raise ReportError(
-            f"{str(run_dir)!r} has no tblog_hooks statistics (no gradient/, activation/ or param_grad/ "
-            "scalars): the event files are empty, damaged, or written by something else"
-        )
-    order = parse_order(order_text.decode("utf-8", "replace"))
-    named = sorted(
-        {unescape(t.split("/", 2)[2]) for t in tags["scalars"] if t.startswith(("gradient/norm/", "activation/mean/"))}
-    )
-    order += [m for m in named if m not in order]
-    return Run(name, dict(sorted(scalars.items())), order)
+        for record in read_records(path):
+            event = event_pb2.Event.FromString(record)
+            file.start = min(file.start, (event.wall_time, path.name))
+            by_prefix: dict[str, dict[str, float]] = {}
+            for value in event.summary.value:
+                if value.HasField("simple_value") and (match := _LOGGER_TAG.fullmatch(value.tag)):
+                    by_prefix.setdefault(match["prefix"] or "", {})[match["tag"]] = value.simple_value
+                elif (match := _ORDER_TEXT.fullmatch(value.tag)) and value.tensor.string_val:
+                    text = value.tensor.string_val[0].decode("utf-8", "replace")
+                    file.orders[match["prefix"] or ""] = parse_order(text)
+            file.steps += [
+                (event.step, prefix, scalars)
+                for prefix, scalars in by_prefix.items()
+                if any(t.startswith(_STATISTICS) for t in scalars)
+            ]
+    except (DamagedFile, DecodeError) as error:
+        raise ReportError(f"{str(path)!r} is damaged: {error} (what follows cannot be trusted)") from None
+    return file
 
 
 def findings(run: Run, thresholds: Thresholds | None = None) -> list[Finding]:

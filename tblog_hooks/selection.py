@@ -1,4 +1,4 @@
-"""Select the submodules to watch: by exact name, glob, type or predicate.
+"""Select the submodules to watch: by exact name, glob, module instance, type or predicate.
 
 Selectors are resolved once, at construction; every selector that matches nothing
 is reported in one error together with the closest real module names.
@@ -15,9 +15,10 @@ from torch import nn
 
 from .errors import HookLoggerError
 
-#: One way to pick modules: a dotted name from ``model.named_modules()``, a glob
-#: pattern over those names, an ``nn.Module`` subclass, or ``(name, module) -> bool``.
-Selector = Union[str, type[nn.Module], Callable[[str, nn.Module], bool]]
+#: One way to pick modules: a dotted name from ``model.named_modules()`` (``"root"`` for the
+#: model itself, as ``HookLogger.module_names`` shows it), a glob pattern over those names, a
+#: module of the model (``model.fc``), an ``nn.Module`` subclass, or ``(name, module) -> bool``.
+Selector = Union[str, nn.Module, type[nn.Module], Callable[[str, nn.Module], bool]]
 
 ROOT_NAME = "root"
 _GLOB_CHARS = frozenset("*?[")
@@ -37,8 +38,8 @@ def select_modules(model: nn.Module, selectors: Selector | Sequence[Selector] | 
     """
     if selectors is None:
         rules: list[Selector] = [default_selection]
-    elif isinstance(selectors, (str, type)) or callable(selectors) or not isinstance(selectors, Iterable):
-        rules = [selectors]  # one selector; _check_rule rejects what is not one
+    elif isinstance(selectors, (str, type, nn.Module)) or callable(selectors) or not isinstance(selectors, Iterable):
+        rules = [selectors]  # one selector (an nn.ModuleList too); _check_rule rejects what is not one
     else:
         rules = list(selectors)
     for rule in rules:
@@ -48,7 +49,7 @@ def select_modules(model: nn.Module, selectors: Selector | Sequence[Selector] | 
     matched: set[int] = set()
     unmatched: list[Selector] = []
     for rule in rules:
-        hits = {i for i, (name, module) in enumerate(named) if _matches(rule, name, module)}
+        hits = _hits(rule, named)
         if not hits and not _is_predicate(rule):
             unmatched.append(rule)
         matched |= hits
@@ -57,7 +58,7 @@ def select_modules(model: nn.Module, selectors: Selector | Sequence[Selector] | 
     if not matched:
         raise HookLoggerError(
             "modules= selected no module of the model; pass names from "
-            "model.named_modules(), glob patterns, nn.Module subclasses or predicates"
+            "model.named_modules(), glob patterns, modules of the model, nn.Module subclasses or predicates"
             + ("" if selectors is not None else " (the default picks leaf modules that own parameters)")
         )
     selected = {(named[i][0] or ROOT_NAME): named[i][1] for i in sorted(matched)}
@@ -70,11 +71,11 @@ def select_modules(model: nn.Module, selectors: Selector | Sequence[Selector] | 
 
 
 def _is_predicate(rule: Selector) -> bool:
-    return not isinstance(rule, (str, type))
+    return not isinstance(rule, (str, type, nn.Module))
 
 
 def _check_rule(rule: object) -> None:
-    if isinstance(rule, str):
+    if isinstance(rule, (str, nn.Module)):
         return
     if isinstance(rule, type):
         if issubclass(rule, nn.Module):
@@ -83,18 +84,26 @@ def _check_rule(rule: object) -> None:
         return
     raise HookLoggerError(
         f"modules= got {rule!r}; each selector must be a module name or glob pattern (str), "
-        "an nn.Module subclass, or a predicate (name, module) -> bool"
+        "a module of the model, an nn.Module subclass, or a predicate (name, module) -> bool"
     )
 
 
-def _matches(rule: Selector, name: str, module: nn.Module) -> bool:
+def _hits(rule: Selector, named: list[tuple[str, nn.Module]]) -> set[int]:
+    """Indices into ``named`` that ``rule`` selects. A string is an exact name first (so names
+    holding ``*?[`` select themselves, and ``"root"`` the model unless a submodule has that
+    name), else a glob pattern."""
     if isinstance(rule, str):
-        if _GLOB_CHARS.isdisjoint(rule):
-            return name == rule
-        return fnmatch.fnmatchcase(name, rule)
+        exact = {i for i, (name, _) in enumerate(named) if name == rule} or {
+            i for i, (name, _) in enumerate(named) if rule == ROOT_NAME and name == ""
+        }
+        if exact or _GLOB_CHARS.isdisjoint(rule):
+            return exact
+        return {i for i, (name, _) in enumerate(named) if fnmatch.fnmatchcase(name, rule)}
+    if isinstance(rule, nn.Module):
+        return {i for i, (_, module) in enumerate(named) if module is rule}
     if isinstance(rule, type):
-        return isinstance(module, rule)
-    return bool(rule(name, module))
+        return {i for i, (_, module) in enumerate(named) if isinstance(module, rule)}
+    return {i for i, (name, module) in enumerate(named) if rule(name, module)}
 
 
 def _unmatched_message(unmatched: list[Selector], names: list[str]) -> str:
@@ -104,6 +113,8 @@ def _unmatched_message(unmatched: list[Selector], names: list[str]) -> str:
             close = difflib.get_close_matches(rule, [n for n in names if n], n=5, cutoff=0.5)
             hint = f"closest names: {', '.join(close)}" if close else "no similar name"
             lines.append(f"  {rule!r} ({hint})")
+        elif isinstance(rule, nn.Module):
+            lines.append(f"  a {type(rule).__name__} that is not part of the model (not in model.named_modules())")
         else:
             lines.append(f"  {getattr(rule, '__name__', rule)} (no module of this type)")
     lines.append("Names come from model.named_modules(); patterns use fnmatch ('layer1.*', '*.conv2').")

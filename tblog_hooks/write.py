@@ -58,10 +58,7 @@ def use_fast_checksum() -> bool:
         return False
     if google_crc32c.implementation != "c":
         return False
-
-    def masked_crc32c(data: bytes) -> int:
-        crc = int(google_crc32c.value(data))
-        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+    from .event_files import masked_crc32c
 
     record_writer.masked_crc32c = masked_crc32c
     return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from conftest import read_run
 
 from tblog_hooks.cli import main
@@ -18,3 +19,12 @@ def test_demo_writes_a_readable_run_without_findings(tmp_path, capsys) -> None:
     assert all(v == 0 for kind in KINDS for v in run.scalars[f"health/{kind}"].values())
     assert main(["report", str(tmp_path), "--fail-on", ",".join(KINDS)]) == 0
     assert "findings: none" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--every", "0"], ["--steps", "-3"], ["--every", "ten"]])
+def test_demo_rejects_bad_counts_as_a_usage_error(tmp_path, capsys, argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--logdir", str(tmp_path), *argv])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"argument {argv[0]}: must be a positive integer, got {argv[1]!r}" in err
+    assert not list(tmp_path.iterdir())  # nothing trained, nothing written

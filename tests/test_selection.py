@@ -1,0 +1,59 @@
+"""``modules=``: exact names before globs, module instances, and the names the logger prints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import read_run
+from torch import nn
+
+from tblog_hooks import HookLogger, HookLoggerError
+from tblog_hooks.selection import select_modules
+
+
+def _glob_named() -> nn.ModuleDict:
+    return nn.ModuleDict({name: nn.Linear(2, 2) for name in ("head[0]", "head0", "x*", "xy")})
+
+
+@pytest.mark.parametrize(
+    ("selectors", "names"),
+    [
+        ("head[0]", ["head[0]"]),  # an exact name, not the class [0] (which matches head0)
+        ("x*", ["x*"]),  # an exact name, not the glob (which matches xy too)
+        ("head[!x]", ["head0"]),  # no such name: a glob
+        ("x?", ["x*", "xy"]),
+        (["head[0]", "head0"], ["head[0]", "head0"]),
+    ],
+)
+def test_an_exact_name_selects_that_module_before_globbing(selectors: object, names: list[str]) -> None:
+    assert list(select_modules(_glob_named(), selectors)) == names  # type: ignore[arg-type]
+
+
+def test_a_module_of_the_model_selects_it(tmp_path) -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 2)))
+    assert select_modules(model, model[2][0]) == {"2.0": model[2][0]}
+    assert select_modules(model, [model[0], "1", model]) == {"root": model, "0": model[0], "1": model[1]}
+    assert select_modules(model, model[2]) == {"2": model[2]}  # a container is one module, not its children
+    with HookLogger(model, log_dir=tmp_path, modules=model[0], every=1) as hooks:
+        model(torch.randn(5, 3)).sum().backward()
+        hooks.step()
+    assert hooks.module_names == ("0",)
+    assert set(read_run(tmp_path).scalars["gradient/norm/0"]) == {0}
+
+
+def test_a_module_outside_the_model_is_an_error_naming_it() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    with pytest.raises(HookLoggerError, match="a Linear that is not part of the model"):
+        select_modules(model, [model[0], nn.Linear(3, 4)])
+
+
+def test_names_the_logger_prints_are_accepted_back(tmp_path) -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    with HookLogger(model, log_dir=tmp_path / "a", modules=["", "*"]) as first:
+        assert first.module_names == ("root", "0", "1")
+    with HookLogger(model, log_dir=tmp_path / "b", modules=list(first.module_names)) as second:
+        assert second.module_names == first.module_names
+    assert select_modules(model, "root") == {"root": model}
+    # A submodule named "root" is that submodule (the model is then selected as "").
+    named_root = nn.ModuleDict({"root": nn.Linear(2, 2)})
+    assert select_modules(named_root, "root") == {"root": named_root["root"]}
