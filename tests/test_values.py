@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -248,3 +249,41 @@ def test_dead_fraction_of_micro_batches_counts_channels_never_positive_in_the_po
         hooks.step()
     dead = read_run(tmp_path).scalars["activation/dead_frac/root"]
     assert dead == {0: 0.0, 1: 0.5}
+
+
+def test_an_inference_mode_evaluation_inside_a_logged_step_is_recorded_and_training_goes_on(tmp_path) -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no module may be switched off
+        with HookLogger(model, log_dir=tmp_path, every=1, eval_passes=True) as hooks:
+            for _ in range(3):
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                with torch.inference_mode():
+                    model.eval()
+                    evaluated = model(x)
+                    model.train()
+                hooks.step()
+    run = read_run(tmp_path)
+    assert set(run.scalars["activation/mean/2"]) == set(run.scalars["gradient/norm/0"]) == {0, 1, 2}
+    # Step 2's output pools the training pass (before the update) and the evaluation (after it).
+    assert run.scalar("activation/max/2", 2) >= float(evaluated.max())
+
+
+def test_half_precision_parameter_gradients_are_accumulated_in_float32(tmp_path) -> None:
+    """A float16 gradient of norm 131072 (its squares overflow float16) and a bfloat16 one."""
+    for dtype in (torch.float16, torch.bfloat16):
+        layer = nn.Linear(256, 256).to(dtype)
+        with HookLogger(layer, log_dir=tmp_path / str(dtype), every=1, modules=[""]) as hooks:
+            layer.weight.grad = torch.full_like(layer.weight, 512.0)
+            layer.bias.grad = torch.full_like(layer.bias, 1.0 / 3)
+            (layer(torch.ones(1, 256, dtype=dtype)).sum() * 0).backward()
+            hooks.step()
+        run = read_run(tmp_path / str(dtype))
+        weight = layer.weight.grad.float().norm()
+        bias = layer.bias.grad.float().norm()
+        assert run.scalar("param_grad/norm/root.weight", 0) == pytest.approx(float(weight), rel=1e-6)
+        assert run.scalar("param_grad/norm/root.bias", 0) == pytest.approx(float(bias), rel=1e-6)
