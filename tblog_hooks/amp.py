@@ -52,6 +52,14 @@ class ScaleWatch:
         return torch.stack([used.to(torch.float64), skipped.to(torch.float64)])
 
 
+def grad_scale(optimizer: torch.optim.Optimizer) -> Tensor | None:
+    """The loss scale still in ``.grad`` when ``GradScaler.step`` calls an optimizer that unscales
+    inside its own ``step()`` (``fused=True`` Adam, AdamW, SGD): the scaler hands it over as
+    ``optimizer.grad_scale`` for the length of the step (``None`` once ``unscale_`` ran)."""
+    scale = getattr(optimizer, "grad_scale", None)
+    return scale if isinstance(scale, Tensor) else None
+
+
 def unscale(summary: StepSummary, scale: float, skipped: bool, *, param_grads_scaled: bool) -> None:
     """Divide the step's gradient norms and histograms by ``scale`` (shift log10 histograms by
     ``log10(scale)``), or drop them if ``skipped`` (non-finite counts stay: they show where the

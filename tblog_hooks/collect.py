@@ -157,8 +157,9 @@ class Collector:
         except Exception as error:
             self.fail(name, error)
 
-    def on_params(self, named: list[tuple[str, Tensor]]) -> None:
-        """Record gradient norms (and histograms) of parameters whose ``.grad`` is final."""
+    def on_params(self, named: list[tuple[str, Tensor]], scale: Tensor | None = None) -> None:
+        """Record gradient norms (and histograms) of parameters whose ``.grad`` is final; divided
+        on the device by ``scale``, the loss scale still in ``.grad`` (see ``amp.grad_scale``)."""
         try:
             named = [(key, p) for key, p in named if key not in self.disabled and stats.loggable(p.grad)]
             if not named:
@@ -166,9 +167,13 @@ class Collector:
             grads = [local_shard(p.grad) for _, p in named if p.grad is not None]
             norms = torch._foreach_norm(grads)
             for (key, p), grad, norm in zip(named, grads, norms):
-                self._param_norms[key] = norm
+                divisor = None if scale is None else scale.to(norm.device).reshape(())
+                self._param_norms[key] = norm if divisor is None else norm / divisor
                 if self.options.histograms:
-                    self._param_samples[key] = [_sampled(PARAM_GRAD, key, grad), _sampled(PARAM, key, local_shard(p))]
+                    sample = _sampled(PARAM_GRAD, key, grad)
+                    if divisor is not None:
+                        sample[1].div_(divisor)
+                    self._param_samples[key] = [sample, _sampled(PARAM, key, local_shard(p))]
         except Exception as error:
             self.fail(named[0][0] if len(named) == 1 else "parameters", error)
             self.disabled.update(key for key, _ in named)

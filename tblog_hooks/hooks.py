@@ -12,9 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
+from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from . import amp
 from .collect import Collector
+from .watched import Watched
 
 
 def inert_hook(*args: Any, **kwargs: Any) -> None:
@@ -89,30 +92,53 @@ class Handles:
         return len(self._handles)
 
 
-class OptimizerHook(_Inert):
-    """``Optimizer.register_step_pre_hook`` callable: reads ``.grad`` right before the update,
-    i.e. after gradient accumulation, DDP averaging and ``GradScaler.unscale_``, and copies
-    the weights to measure the update."""
+class OptimizerHooks:
+    """Step pre- and post-hook for every optimizer (``torch.optim.optimizer.register_optimizer_step_*_hook``):
+    on a logged step, the watched parameters an optimizer steps are read when it steps them —
+    after gradient accumulation, DDP averaging and ``GradScaler.unscale_`` — so each parameter
+    is read by its own optimizer (a GAN's two; one that replaced the optimizer given), and a
+    parameter no optimizer steps is never read. The weights are copied to measure the update."""
 
-    __slots__ = ("collector", "params")
+    __slots__ = ("_params", "_stepping", "collector", "stepped", "watched")
 
-    def __init__(self, collector: Collector, params: list[tuple[str, Tensor]]) -> None:
-        self.collector, self.params = collector, params
+    def __init__(self, collector: Collector, watched: Watched) -> None:
+        self.collector, self.watched = collector, watched
+        # This logged step's watched parameters by id, looked up at its first optimizer step
+        # (so parameters replaced just before it are read); None until then and between logged steps.
+        self._params: dict[int, tuple[str, Tensor]] | None = None
+        self.stepped: set[str] = set()  # keys an optimizer stepped this logged step
+        # id(optimizer) -> parameters to read after its step (it takes a closure) or None.
+        self._stepping: dict[int, list[tuple[str, Tensor]] | None] = {}
 
-    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.collector.active:
-            self.collector.on_params(self.params)
-            self.collector.before_update(self.params)
+    def pre(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.collector.active:
+            return
+        if self._params is None:
+            self._params = {id(p): (key, p) for key, p in self.watched.params()}
+        watched = self._params
+        named = [entry for group in optimizer.param_groups for p in group["params"] if (entry := watched.get(id(p)))]
+        if not named:
+            return  # another model's optimizer
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
+        if closure is None:
+            self._read(named, amp.grad_scale(optimizer))
+        # LBFGS & co. compute gradients inside step(), by calling the closure: read them after it.
+        self._stepping[id(optimizer)] = named if closure is not None else None
+        self.collector.before_update([(key, p) for key, p in named if p.requires_grad])
 
+    def post(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if id(optimizer) not in self._stepping:
+            return
+        deferred = self._stepping.pop(id(optimizer))
+        if deferred is not None:
+            self._read(deferred, None)
+        self.collector.after_update()
 
-class OptimizerPostHook(_Inert):
-    """``Optimizer.register_step_post_hook`` callable: the update-to-weight ratios."""
+    def _read(self, named: list[tuple[str, Tensor]], scale: Tensor | None) -> None:
+        self.collector.on_params(named, scale=scale)
+        self.stepped.update(key for key, _ in named)
 
-    __slots__ = ("collector",)
-
-    def __init__(self, collector: Collector) -> None:
-        self.collector = collector
-
-    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.collector.active:
-            self.collector.after_update()
+    def clear(self) -> None:
+        """End of a logged step: hold no parameter until the next one."""
+        self._params, self.stepped = None, set()
+        self._stepping.clear()
