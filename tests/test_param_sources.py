@@ -14,7 +14,9 @@ from conftest import read_run
 from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from tblog_hooks import HookLogger
+from tblog_hooks import HookLogger, HookLoggerError
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _mlp() -> nn.Sequential:
@@ -233,11 +235,12 @@ def test_parameters_no_optimizer_steps_are_left_out_with_one_warning(tmp_path) -
     assert logged == {"param_grad/norm/4.weight", "param_grad/norm/4.bias"}
 
 
-def test_fused_optimizer_under_grad_scaler_logs_unscaled_gradients(tmp_path) -> None:
-    model = _mlp()
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
+def test_fused_optimizer_under_grad_scaler_logs_unscaled_gradients(tmp_path, device: str) -> None:
+    model = _mlp().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    x = torch.randn(8, 6)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**16)
+    x = torch.randn(8, 6, device=device)
     expected: dict[int, float] = {}
     largest: dict[int, float] = {}
     with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt, scaler=scaler) as hooks:
@@ -267,3 +270,9 @@ def test_optimizer_hooks_are_removed_on_close(tmp_path) -> None:
         hooks.step()
     assert (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)) == before
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+@pytest.mark.parametrize(("bad", "got"), [([], "list of nothing"), (("sgd",), "tuple of str"), ("sgd", "str")])
+def test_optimizer_must_be_optimizers(tmp_path, bad: object, got: str) -> None:
+    with pytest.raises(HookLoggerError, match=rf"a non-empty list or tuple of them .*, got {got}$"):
+        HookLogger(_mlp(), log_dir=tmp_path, optimizer=bad)
