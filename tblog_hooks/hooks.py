@@ -1,9 +1,11 @@
 """The hook callables the logger registers, and the one place their handles live.
 
-Hooks hold the :class:`~tblog_hooks.collect.Collector` only, never the logger, the writer
-or the model, so a forgotten logger does not keep a model alive. A ``copy.deepcopy`` or
-pickle of the model (EMA, ``AveragedModel``, ``torch.save``) gets an inert hook instead of
-a copy of ours: copies never log into this logger.
+Hooks hold the :class:`~tblog_hooks.collect.Collector` (and the optimizer hooks the
+weakly held :class:`~tblog_hooks.watched.Watched`), never the logger, the writer or the
+model, so a forgotten logger does not keep a model alive. A ``copy.deepcopy`` or pickle of
+the model (EMA, ``AveragedModel``, ``torch.save``) gets an inert hook instead of a copy of
+ours: copies never log into this logger. The optimizer hooks are global ones, so no
+optimizer (nor a copy or checkpoint of it) carries a hook of ours.
 """
 
 from __future__ import annotations
@@ -93,11 +95,12 @@ class Handles:
 
 
 class OptimizerHooks:
-    """Step pre- and post-hook for every optimizer (``torch.optim.optimizer.register_optimizer_step_*_hook``):
-    on a logged step, the watched parameters an optimizer steps are read when it steps them —
-    after gradient accumulation, DDP averaging and ``GradScaler.unscale_`` — so each parameter
-    is read by its own optimizer (a GAN's two; one that replaced the optimizer given), and a
-    parameter no optimizer steps is never read. The weights are copied to measure the update."""
+    """Step pre- and post-hook of every optimizer (``register_optimizer_step_pre_hook`` and
+    ``_post_hook`` of ``torch.optim.optimizer``): on a logged step, the watched parameters an
+    optimizer steps are read when it steps them — after gradient accumulation, DDP averaging
+    and ``GradScaler.unscale_`` — so each is read by its own optimizer (a GAN's two; one that
+    replaced the optimizer given), and one no optimizer steps is not read. The weights are
+    copied before the step to measure the update."""
 
     __slots__ = ("_params", "_stepping", "collector", "stepped", "watched")
 
