@@ -276,7 +276,8 @@ class HookLogger:
         if self._optimizer_hooks is None or self._unstepped_warned or self._amp is not None:
             return
         stepped = self._optimizer_hooks.stepped
-        missed = [key for key, p in self._watched.params() if key not in stepped and p.grad is not None]
+        params = self._watched.params()
+        missed = [key for key, p in params if key not in stepped and p.requires_grad and p.grad is not None]
         if missed:
             self._unstepped_warned = True
             warnings.warn(
@@ -346,6 +347,7 @@ class HookLogger:
 
 
 def _check_optimizers(optimizer: object) -> None:
+    """``optimizer=`` takes an optimizer, a non-empty list or tuple of them, or ``None``."""
     if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
         return
     items = optimizer if isinstance(optimizer, (list, tuple)) else None
