@@ -276,3 +276,16 @@ def test_optimizer_hooks_are_removed_on_close(tmp_path) -> None:
 def test_optimizer_must_be_optimizers(tmp_path, bad: object, got: str) -> None:
     with pytest.raises(HookLoggerError, match=rf"a non-empty list or tuple of them .*, got {got}$"):
         HookLogger(_mlp(), log_dir=tmp_path, optimizer=bad)
+
+
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_clipping_shows_only_with_optimizer(tmp_path, with_optimizer: bool) -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt if with_optimizer else None) as hooks:
+        _loss(model(torch.randn(8, 6) * 10)).backward()
+        raw = float(nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.01))
+        opt.step()
+        hooks.step()
+    assert raw > 0.1  # the scenario: clipping changed the gradients
+    assert _logged(tmp_path, "param_grad/global_norm") == pytest.approx({0: 0.01 if with_optimizer else raw}, rel=1e-4)
