@@ -94,6 +94,10 @@ class Handles:
         return len(self._handles)
 
 
+#: The name under which a failure of the optimizer hooks is reported (and they stop).
+_OPTIMIZER_HOOKS = "parameters"
+
+
 class OptimizerHooks:
     """Step pre- and post-hook of every optimizer (``register_optimizer_step_pre_hook`` and
     ``_post_hook`` of ``torch.optim.optimizer``): on a logged step, the watched parameters an
@@ -102,46 +106,61 @@ class OptimizerHooks:
     replaced the optimizer given), and one no optimizer steps is not read. The weights are
     copied before the step to measure the update."""
 
-    __slots__ = ("_params", "_stepping", "collector", "stepped", "watched")
+    __slots__ = ("_params", "_stepped", "_stepping", "collector", "watched")
 
     def __init__(self, collector: Collector, watched: Watched) -> None:
         self.collector, self.watched = collector, watched
         # This logged step's watched parameters by id, looked up at its first optimizer step
         # (so parameters replaced just before it are read); None until then and between logged steps.
         self._params: dict[int, tuple[str, Tensor]] | None = None
-        self.stepped: set[str] = set()  # keys an optimizer stepped this logged step
-        # id(optimizer) -> parameters to read after its step (it takes a closure) or None.
-        self._stepping: dict[int, list[tuple[str, Tensor]] | None] = {}
+        self._stepped: set[str] = set()  # keys an optimizer stepped this logged step
+        # id(optimizer) -> (its watched parameters, whether to read them after its step), during its step.
+        self._stepping: dict[int, tuple[list[tuple[str, Tensor]], bool]] = {}
 
     def pre(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        if not self.collector.active:
+        if not self.collector.active or _OPTIMIZER_HOOKS in self.collector.disabled:
             return
-        if self._params is None:
-            self._params = {id(p): (key, p) for key, p in self.watched.params()}
-        watched = self._params
-        named = [entry for group in optimizer.param_groups for p in group["params"] if (entry := watched.get(id(p)))]
-        if not named:
-            return  # another model's optimizer
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
-        if closure is None:
-            self._read(named, amp.grad_scale(optimizer))
-        # LBFGS & co. compute gradients inside step(), by calling the closure: read them after it.
-        self._stepping[id(optimizer)] = named if closure is not None else None
-        self.collector.before_update([(key, p) for key, p in named if p.requires_grad])
+        try:
+            params = self._params  # one read: another thread's optimizer may run this hook too
+            if params is None:
+                params = self._params = {id(p): (key, p) for key, p in self.watched.params()}
+            named = [entry for group in optimizer.param_groups for p in group["params"] if (entry := params.get(id(p)))]
+            if not named:
+                return  # another model's optimizer
+            # LBFGS & co. compute gradients inside step(), by calling the closure: read them after it.
+            closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
+            if closure is None:
+                self._read(named, amp.grad_scale(optimizer))
+            self._stepping[id(optimizer)] = (named, closure is not None)
+            self.collector.before_update([(key, p) for key, p in named if p.requires_grad])
+        except Exception as error:  # the logger must never stop training
+            self.collector.fail(_OPTIMIZER_HOOKS, error)
 
     def post(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        if id(optimizer) not in self._stepping:
+        stepping = self._stepping.pop(id(optimizer), None)
+        if stepping is None:
             return
-        deferred = self._stepping.pop(id(optimizer))
-        if deferred is not None:
-            self._read(deferred, None)
-        self.collector.after_update()
+        try:
+            named, read_after = stepping
+            if read_after:
+                self._read(named, None)
+            self.collector.after_update()
+        except Exception as error:
+            self.collector.fail(_OPTIMIZER_HOOKS, error)
 
     def _read(self, named: list[tuple[str, Tensor]], scale: Tensor | None) -> None:
         self.collector.on_params(named, scale=scale)
-        self.stepped.update(key for key, _ in named)
+        self._stepped.update(key for key, _ in named)
+
+    def unstepped(self) -> list[str]:
+        """Watched parameters holding a gradient that no optimizer stepped this logged step
+        (none when these hooks failed: nothing was read then)."""
+        if _OPTIMIZER_HOOKS in self.collector.disabled:
+            return []
+        params = self.watched.params()
+        return [key for key, p in params if key not in self._stepped and p.requires_grad and p.grad is not None]
 
     def clear(self) -> None:
         """End of a logged step: hold no parameter until the next one."""
-        self._params, self.stepped = None, set()
+        self._params, self._stepped = None, set()
         self._stepping.clear()

@@ -275,9 +275,7 @@ class HookLogger:
         enabled scaler: a step it skips calls no optimizer at all."""
         if self._optimizer_hooks is None or self._unstepped_warned or self._amp is not None:
             return
-        stepped = self._optimizer_hooks.stepped
-        params = self._watched.params()
-        missed = [key for key, p in params if key not in stepped and p.requires_grad and p.grad is not None]
+        missed = self._optimizer_hooks.unstepped()
         if missed:
             self._unstepped_warned = True
             warnings.warn(

@@ -3,6 +3,7 @@ several or replaced optimizers, optimizers that take a closure, fused optimizers
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 import warnings
@@ -14,7 +15,7 @@ from conftest import read_run
 from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from tblog_hooks import HookLogger, HookLoggerError
+from tblog_hooks import HookLogger, HookLoggerError, amp
 
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -289,3 +290,33 @@ def test_clipping_shows_only_with_optimizer(tmp_path, with_optimizer: bool) -> N
         hooks.step()
     assert raw > 0.1  # the scenario: clipping changed the gradients
     assert _logged(tmp_path, "param_grad/global_norm") == pytest.approx({0: 0.01 if with_optimizer else raw}, rel=1e-4)
+
+
+def test_fault_in_the_optimizer_hooks_is_reported_once_and_training_unchanged(tmp_path, monkeypatch) -> None:
+    def broken(optimizer: object) -> None:
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(amp, "grad_scale", broken)
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 6)
+    final = []
+    for net, logged in ((model, True), (reference, False)):
+        opt = torch.optim.Adam(net.parameters(), lr=0.01)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hooks = HookLogger(net, log_dir=tmp_path, every=1, optimizer=opt) if logged else None
+            for _ in range(3):
+                opt.zero_grad()
+                _loss(net(x)).backward()
+                opt.step()
+                if hooks is not None:
+                    hooks.step()
+            if hooks is not None:
+                hooks.close()
+        final.append([p.detach().clone() for p in net.parameters()])
+        if logged:
+            messages = [str(w.message) for w in caught]
+            assert len(messages) == 1 and "logging for 'parameters' failed" in messages[0], messages
+    assert all(torch.equal(a, b) for a, b in zip(*final))
+    assert set(_logged(tmp_path, "activation/mean/0")) == {0, 1, 2}
