@@ -256,6 +256,7 @@ class HookLogger:
         if self._amp is not None:
             self._amp.begin()
         for name in self._watched.newly_left():
+            self._collector.disabled.add(name)  # should it still be called from elsewhere
             warnings.warn(
                 f"tblog_hooks: watched module {name!r} is no longer part of the model (replaced or deleted after the "
                 "HookLogger was created), so it is not logged any more; create the HookLogger after changing the "

@@ -23,14 +23,14 @@ class Watched:
         self._left: set[str] = set()
 
     def params(self) -> list[tuple[str, Tensor]]:
-        """``[("module.param", parameter)]`` of the watched modules now (frozen ones too; tied ones
-        once); empty with ``parameters=False``."""
+        """``[("module.param", parameter)]`` of the watched modules still in the model (frozen ones
+        too; tied ones once); empty with ``parameters=False``."""
         if not self._parameters:
             return []
         seen: set[int] = set()
         params: list[tuple[str, Tensor]] = []
         for name, ref in self._modules:
-            module = ref()
+            module = None if name in self._left else ref()
             for pname, p in [] if module is None else module.named_parameters(recurse=False):
                 if id(p) not in seen:
                     seen.add(id(p))

@@ -320,3 +320,21 @@ def test_fault_in_the_optimizer_hooks_is_reported_once_and_training_unchanged(tm
             assert len(messages) == 1 and "logging for 'parameters' failed" in messages[0], messages
     assert all(torch.equal(a, b) for a, b in zip(*final))
     assert set(_logged(tmp_path, "activation/mean/0")) == {0, 1, 2}
+
+
+def test_module_that_left_is_not_logged_even_if_still_called(tmp_path) -> None:
+    model = _mlp()
+    x = torch.randn(8, 6)
+    with warnings.catch_warnings(record=True), HookLogger(model, log_dir=tmp_path, every=1) as hooks:
+        warnings.simplefilter("always")
+        for step in range(3):
+            if step == 1:
+                old, model[4] = model[4], nn.Linear(16, 3)
+            out = model(x)
+            if step >= 1:
+                out = out + old(model[:4](x))  # the old head, now outside the model, still called
+            _loss(out).backward()
+            hooks.step()
+    # Noticed when logged step 2 begins (step 1 had begun, in step 0's step(), before the change).
+    assert set(_logged(tmp_path, "activation/mean/4")) == {0, 1}
+    assert set(_logged(tmp_path, "param_grad/norm/4.weight")) == {0, 1}
