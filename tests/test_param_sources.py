@@ -236,8 +236,9 @@ def test_parameters_no_optimizer_steps_are_left_out_with_one_warning(tmp_path) -
     assert logged == {"param_grad/norm/4.weight", "param_grad/norm/4.bias"}
 
 
+@pytest.mark.parametrize("unscale_first", [False, True])  # scaler.unscale_(opt) before clipping, say
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
-def test_fused_optimizer_under_grad_scaler_logs_unscaled_gradients(tmp_path, device: str) -> None:
+def test_fused_optimizer_under_grad_scaler_logs_unscaled_gradients(tmp_path, device: str, unscale_first: bool) -> None:
     model = _mlp().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
     scaler = torch.amp.GradScaler(device, init_scale=2.0**16)
@@ -252,6 +253,8 @@ def test_fused_optimizer_under_grad_scaler_logs_unscaled_gradients(tmp_path, dev
             scale = float(scaler.get_scale())
             expected[step] = _norm(model[4].weight.grad) / scale  # a power of two: exact
             largest[step] = float(model[4].weight.grad.double().max()) / scale
+            if unscale_first:
+                scaler.unscale_(opt)
             scaler.step(opt)
             scaler.update()
             hooks.step()
