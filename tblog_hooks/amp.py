@@ -53,6 +53,14 @@ class ScaleWatch:
         collector.record_scalar(SKIPPED_TAG, skipped)
 
 
+def grad_scale(optimizer: torch.optim.Optimizer) -> Tensor | None:
+    """The loss scale still in ``.grad`` when ``GradScaler.step`` calls an optimizer that unscales
+    inside its own ``step()`` (``fused=True`` Adam, AdamW, SGD): the scaler hands it over as
+    ``optimizer.grad_scale`` for the length of the step (``None`` once ``unscale_`` ran)."""
+    scale = getattr(optimizer, "grad_scale", None)
+    return scale if isinstance(scale, Tensor) else None
+
+
 def unscale(summary: StepSummary, *, param_grads_scaled: bool) -> None:
     """Divide the step's gradient norms and histograms by the loss scale (shift log10 histograms
     by its log10), or drop them if the scaler skipped the step (non-finite counts stay: they

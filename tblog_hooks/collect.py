@@ -154,8 +154,9 @@ class Collector:
         except Exception as error:
             self.fail(name, error)
 
-    def on_params(self, named: list[tuple[str, Tensor]]) -> None:
-        """Record gradient norms (and histograms) of parameters whose ``.grad`` is final."""
+    def on_params(self, named: list[tuple[str, Tensor]], scale: Tensor | None = None) -> None:
+        """Record gradient norms (and histograms) of parameters whose ``.grad`` is final; divided
+        on the device by ``scale``, the loss scale still in ``.grad`` (see ``amp.grad_scale``)."""
         try:
             named = [(key, p) for key, p in named if key not in self.disabled and stats.loggable(p.grad)]
             if not named:
@@ -164,8 +165,15 @@ class Collector:
                 grads = [local_shard(p.grad) for _, p in named]  # type: ignore[arg-type]  # loggable: not None
                 keys = [key for key, _ in named]
                 samples = self._samples(PARAM_GRAD.name, keys, grads) if self.options.histograms else {}
+                norms = stats.norms(grads)
+                if scale is not None:  # a fused optimizer's gradients, still scaled: unscaled here
+                    divisor = scale.to(norms[0].device).reshape(())
+                    norms = list(torch._foreach_div(norms, divisor))
+                    for row in samples.values():
+                        for t in (row.sample, row.lo, row.hi):
+                            t.div_(divisor)  # type: ignore[union-attr]  # parameter rows have extremes
                 # A later read (the next micro-batch's accumulated gradient) replaces an earlier one.
-                for key, grad, norm in zip(keys, grads, stats.norms(grads)):
+                for key, grad, norm in zip(keys, grads, norms):
                     self._graded[key] = (Record(PARAM_GRAD, key, grad.numel(), (norm,)), samples.get(key))
         except Exception as error:
             self.fail(named[0][0] if len(named) == 1 else "parameters", error)

@@ -13,7 +13,8 @@ from typing import NoReturn
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.tensorboard import SummaryWriter
 
 from . import amp
@@ -22,11 +23,12 @@ from .diagnose import Diagnostics
 from .distributed import Ranks, is_sharded, merge_ranks
 from .errors import HookLoggerError
 from .health import Finding, Thresholds
-from .hooks import ForwardHook, ForwardPreHook, Handles, OptimizerHook, OptimizerPostHook, ParamGradHook
+from .hooks import ForwardHook, ForwardPreHook, Handles, OptimizerHooks, ParamGradHook
 from .records import Layout
 from .selection import Selector, select_modules
 from .summarize import StepSummary, summarize
 from .transfer import Transfer
+from .watched import Watched
 from .write import use_fast_checksum
 
 _OPTIONS = (
@@ -61,7 +63,7 @@ class HookLogger:
         gradients: bool = True,
         parameters: bool = True,
         histograms: bool = True,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         scaler: torch.amp.GradScaler | None = None,
         eval_passes: bool = False,
         reduce_ranks: bool = False,
@@ -91,8 +93,7 @@ class HookLogger:
             raise HookLoggerError(
                 f"writer must be a torch.utils.tensorboard.SummaryWriter, got {type(writer).__name__}"
             )
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise HookLoggerError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        _check_optimizers(optimizer)
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise HookLoggerError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         if health is not None and not isinstance(health, Thresholds):
@@ -128,21 +129,19 @@ class HookLogger:
         self._closed = False
         self._module_names = tuple(selected)
         self._diagnostics = Diagnostics(self._module_names, self._collector.forward_order, health)
-        self._params: list[tuple[str, Tensor]] = []
-        if parameters:
-            seen: set[int] = set()
-            for name, module in selected.items():
-                for pname, p in module.named_parameters(recurse=False):
-                    if p.requires_grad and id(p) not in seen:
-                        seen.add(id(p))
-                        self._params.append((f"{name}.{pname}", p))
-        sharded = {key for key, p in self._params if is_sharded(p)}
-        if optimizer is None and (sharded or (distributed and self._params)):
+        self._watched = Watched(model, selected, parameters=parameters)
+        params = self._watched.params()
+        sharded = {key for key, p in params if is_sharded(p)}
+        if optimizer is None and (sharded or (distributed and params)):
             raise HookLoggerError(
                 f"got optimizer=None for a {'FSDP2' if sharded else 'DistributedDataParallel'} model, whose parameter "
                 "gradients are final only when the optimizer steps: pass optimizer=your_optimizer, or parameters=False"
             )
-        self._use_optimizer = optimizer is not None
+        # With optimizer=, parameters are read when an optimizer steps them; else during backward.
+        self._optimizer_hooks = (
+            OptimizerHooks(self._collector, self._watched) if optimizer is not None and parameters else None
+        )
+        self._unstepped_warned = False
         self._amp = amp.ScaleWatch(scaler) if scaler is not None and scaler.is_enabled() else None
         self._ranks = Ranks(reduce=reduce_ranks, sharded=sharded)
 
@@ -157,9 +156,9 @@ class HookLogger:
         for name, module in selected.items():
             self._handles.add(module.register_forward_pre_hook(ForwardPreHook(self._collector, name), with_kwargs=True))
             self._handles.add(module.register_forward_hook(ForwardHook(self._collector, name)))
-        if optimizer is not None and self._params:
-            self._handles.add(optimizer.register_step_pre_hook(OptimizerHook(self._collector, self._params)))
-            self._handles.add(optimizer.register_step_post_hook(OptimizerPostHook(self._collector)))
+        if self._optimizer_hooks is not None:
+            self._handles.add(register_optimizer_step_pre_hook(self._optimizer_hooks.pre))
+            self._handles.add(register_optimizer_step_post_hook(self._optimizer_hooks.post))
         self._begin_logged_step()
 
     # -- public API -------------------------------------------------------------------------
@@ -201,6 +200,7 @@ class HookLogger:
         if self._closed:
             raise HookLoggerError("step() called after close(); create a new HookLogger to log again")
         if self._collector.active:
+            self._check_stepped()  # not in close(): a step begun but not trained is no evidence
             self._end_logged_step()
         self._step += 1
         self._write(wait=False)
@@ -223,7 +223,7 @@ class HookLogger:
             self._handles.remove_all()
             self._step_handles.remove_all()
             self._collector.remove_tensor_hooks()
-            self._params = []
+            self._watched.clear()
             try:
                 if self._writer is not None:
                     self._writer.flush()
@@ -245,7 +245,7 @@ class HookLogger:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"step={self._step}"
         return (
-            f"HookLogger({len(self._module_names)} modules, {len(self._params)} parameters, "
+            f"HookLogger({len(self._module_names)} modules, {len(self._watched.params())} parameters, "
             f"every={self.every}, {state}, log_dir={self._writer.log_dir if self._writer else None!r})"
         )
 
@@ -256,17 +256,47 @@ class HookLogger:
         self._collector.active = True
         if self._amp is not None:
             self._amp.begin()
-        if not self._use_optimizer:
-            for key, p in self._params:
-                if p.requires_grad:  # a layer frozen mid-training has no gradient (and takes no hook)
-                    self._step_handles.add(p.register_post_accumulate_grad_hook(ParamGradHook(self._collector, key)))
+        for name in self._watched.newly_left():
+            self._collector.disabled.add(name)  # should it still be called from elsewhere
+            warnings.warn(
+                f"tblog_hooks: watched module {name!r} is no longer part of the model (replaced or deleted after the "
+                "HookLogger was created), so it is not logged any more; create the HookLogger after changing the "
+                "model to watch the new module",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        if self._optimizer_hooks is not None:
+            return  # parameters are read when an optimizer steps them
+        for key, p in self._watched.params():
+            if p.requires_grad:  # a frozen parameter has no gradient (and takes no hook)
+                self._step_handles.add(p.register_post_accumulate_grad_hook(ParamGradHook(self._collector, key)))
+
+    def _check_stepped(self) -> None:
+        """Warn once when, at the end of a logged step, a watched parameter holds a gradient that no
+        optimizer stepped (one outside ``torch.optim``, or none), so it was not read. Not under an
+        enabled scaler: a step it skips calls no optimizer at all."""
+        if self._optimizer_hooks is None or self._unstepped_warned or self._amp is not None:
+            return
+        missed = self._optimizer_hooks.unstepped()
+        if missed:
+            self._unstepped_warned = True
+            warnings.warn(
+                f"tblog_hooks: {len(missed)} watched parameter(s) ({', '.join(map(repr, missed[:5]))}"
+                f"{', ...' if len(missed) > 5 else ''}) have gradients but no torch.optim optimizer stepped them in "
+                f"logged step {self._step}, so param_grad/* leaves them out (with optimizer=, gradients are read when "
+                "an optimizer steps them); pass optimizer=None to read them during backward instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _end_logged_step(self) -> None:
         self._collector.active = False
         self._collector.passes.reset()
         self._step_handles.remove_all()
+        if self._optimizer_hooks is not None:
+            self._optimizer_hooks.clear()
         try:
-            self._collector.on_weights(self._params)
+            self._collector.on_weights(self._watched.params())
             if self._amp is not None and not self._collector.empty:
                 self._amp.finish(self._collector)
             packed = self._collector.finish()
@@ -296,7 +326,7 @@ class HookLogger:
         if values.ndim == 2:
             values, layout = merge_ranks(values, layout)
         summary = summarize(step, values, layout)
-        amp.unscale(summary, param_grads_scaled=not self._use_optimizer)
+        amp.unscale(summary, param_grads_scaled=self._optimizer_hooks is None)
         return summary
 
     def _switch_off(self, what: str, error: BaseException) -> None:
@@ -311,6 +341,21 @@ class HookLogger:
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+def _check_optimizers(optimizer: object) -> None:
+    """``optimizer=`` takes an optimizer, a non-empty list or tuple of them, or ``None``."""
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return
+    items = optimizer if isinstance(optimizer, (list, tuple)) else None
+    if items and all(isinstance(o, torch.optim.Optimizer) for o in items):
+        return
+    got = type(optimizer).__name__
+    if items is not None:
+        got += f" of {', '.join(type(o).__name__ for o in items) or 'nothing'}"
+    raise HookLoggerError(
+        f"optimizer must be a torch.optim.Optimizer, a non-empty list or tuple of them (a GAN's two) or None, got {got}"
+    )
 
 
 def _make_writer(log_dir: str | os.PathLike[str] | None) -> SummaryWriter:

@@ -1,0 +1,343 @@
+"""Where parameter gradients are read: unfrozen, assigned and replaced parameters and modules,
+several or replaced optimizers, optimizers that take a closure, fused optimizers under GradScaler."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import warnings
+import weakref
+
+import pytest
+import torch
+from conftest import read_run
+from torch import nn
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+from tblog_hooks import HookLogger, HookLoggerError, amp
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def _norm(t: torch.Tensor) -> float:
+    return float(t.detach().double().norm())
+
+
+def _logged(log_dir, tag: str) -> dict[int, float]:
+    return read_run(log_dir).scalars.get(tag, {})
+
+
+def _ratio(before: torch.Tensor, after: torch.Tensor) -> float:
+    return _norm(after - before) / _norm(before)
+
+
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_layer_unfrozen_later_is_logged_from_the_next_logged_step(tmp_path, with_optimizer: bool) -> None:
+    model = _mlp()
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    x = torch.randn(8, 6)
+    grads: dict[int, float] = {}
+    ratios: dict[int, float] = {}
+    with HookLogger(model, log_dir=tmp_path, every=2, optimizer=opt if with_optimizer else None) as hooks:
+        for step in range(7):
+            if step == 3:
+                model[0].requires_grad_(True)
+                opt.add_param_group({"params": model[0].parameters()})
+            opt.zero_grad()
+            _loss(model(x)).backward()
+            weight = model[0].weight.detach().clone()
+            if model[0].weight.grad is not None:
+                grads[step] = _norm(model[0].weight.grad)
+            opt.step()
+            ratios[step] = _ratio(weight, model[0].weight)
+            hooks.step()
+    assert _logged(tmp_path, "param_grad/norm/0.weight") == pytest.approx({4: grads[4], 6: grads[6]}, rel=1e-5)
+    if with_optimizer:
+        assert _logged(tmp_path, "param/update_ratio/0.weight") == pytest.approx({4: ratios[4], 6: ratios[6]})
+    assert set(_logged(tmp_path, "param_grad/norm/4.weight")) == {0, 2, 4, 6}
+
+
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_parameters_assigned_after_attaching_are_read(tmp_path, with_optimizer: bool) -> None:
+    model = _mlp()
+    checkpoint = {key: value * 0.5 for key, value in model.state_dict().items()}
+    old = model[4].weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 6)
+    expected: dict[int, float] = {}
+    with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt if with_optimizer else None) as hooks:
+        for step in range(3):
+            if step == 1:  # resuming: new parameter tensors, and an optimizer made for them
+                model.load_state_dict(checkpoint, assign=True)
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            opt.zero_grad()
+            _loss(model(x)).backward()
+            expected[step] = _norm(model[4].weight.grad)
+            opt.step()
+            hooks.step()
+    assert model[4].weight is not old  # the scenario: new parameter objects, another gradient
+    assert expected[1] != pytest.approx(expected[0], rel=1e-2)
+    if not with_optimizer:  # gradient hooks go on the parameters when a logged step begins (the step() before it)
+        del expected[1]
+    assert _logged(tmp_path, "param_grad/norm/4.weight") == pytest.approx(expected, rel=1e-5)
+
+
+def test_replaced_module_is_reported_once_and_a_wrapped_one_keeps_logging(tmp_path) -> None:
+    model = _mlp()
+    x = torch.randn(8, 6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught, HookLogger(model, log_dir=tmp_path, every=1) as hooks:
+        warnings.simplefilter("always")
+        for step in range(4):
+            if step == 1:
+                old = weakref.ref(model[2])
+                model[2] = nn.Linear(16, 16)  # a new layer: its predecessor gets no more calls
+                model[0] = nn.Sequential(model[0])  # moved to "0.0" by a wrapper: still called, still logged
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            opt.zero_grad()
+            _loss(model(x)).backward()
+            opt.step()
+            hooks.step()
+        gc.collect()
+        assert old() is None  # the logger keeps no replaced module alive
+    messages = [str(w.message) for w in caught if "no longer part of the model" in str(w.message)]
+    assert len(messages) == 1 and "'2'" in messages[0]
+    assert set(_logged(tmp_path, "param_grad/norm/2.weight")) == {0}
+    assert set(_logged(tmp_path, "activation/mean/2")) == {0}
+    assert set(_logged(tmp_path, "param_grad/norm/0.weight")) == {0, 1, 2, 3}
+    assert set(_logged(tmp_path, "activation/mean/0")) == {0, 1, 2, 3}
+
+
+def test_the_logger_does_not_keep_the_model_alive(tmp_path) -> None:
+    model = _mlp()
+    ref = weakref.ref(model)
+    with HookLogger(model, log_dir=tmp_path, every=1, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as hooks:
+        del model
+        gc.collect()
+        assert ref() is None
+        hooks.step()  # nothing left to watch, nothing to warn about
+
+
+def test_closure_optimizer_logs_the_gradient_of_its_own_step(tmp_path) -> None:
+    model = _mlp()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+    x, y = torch.randn(16, 6), torch.randn(16, 3)
+    seen: list[float] = []
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        seen.append(_norm(model[4].weight.grad))
+        return loss
+
+    grads: dict[int, float] = {}
+    ratios: dict[int, float] = {}
+    with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt) as hooks:
+        for step in range(3):
+            weight = model[4].weight.detach().clone()
+            seen.clear()
+            opt.step(closure) if step % 2 else opt.step(closure=closure)
+            grads[step], ratios[step] = seen[-1], _ratio(weight, model[4].weight)  # the closure's last gradient
+            hooks.step()
+    assert len(set(grads.values())) == 3
+    assert _logged(tmp_path, "param_grad/norm/4.weight") == pytest.approx(grads, rel=1e-5)
+    assert _logged(tmp_path, "param/update_ratio/4.weight") == pytest.approx(ratios, rel=1e-5)
+
+
+@pytest.mark.parametrize("given", ["G", "both"])
+def test_two_optimizers_each_parameter_read_when_its_own_optimizer_steps(tmp_path, given: str) -> None:
+    g = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6))
+    d = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    model = nn.ModuleDict({"G": g, "D": d})
+    opt_g, opt_d = torch.optim.Adam(g.parameters(), lr=0.05), torch.optim.Adam(d.parameters(), lr=0.05)
+    real = torch.randn(16, 6) + 1
+    expected: dict[str, dict[int, float]] = {}
+    with (
+        warnings.catch_warnings(),
+        HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt_g if given == "G" else [opt_g, opt_d]) as hooks,
+    ):
+        warnings.simplefilter("error")  # every watched parameter is stepped: nothing to warn about
+        for step in range(3):
+            z = torch.randn(16, 4)
+            opt_d.zero_grad()
+            loss_d = nn.functional.softplus(-d(real)).mean() + nn.functional.softplus(d(g(z).detach())).mean()
+            loss_d.backward()
+            weight = d[0].weight.detach().clone()
+            expected.setdefault("param_grad/norm/D.0.weight", {})[step] = _norm(d[0].weight.grad)
+            opt_d.step()
+            expected.setdefault("param/update_ratio/D.0.weight", {})[step] = _ratio(weight, d[0].weight)
+            opt_g.zero_grad()
+            nn.functional.softplus(-d(g(z))).mean().backward()  # also accumulates into D's .grad
+            weight = g[2].weight.detach().clone()
+            expected.setdefault("param_grad/norm/G.2.weight", {})[step] = _norm(g[2].weight.grad)
+            opt_g.step()
+            expected.setdefault("param/update_ratio/G.2.weight", {})[step] = _ratio(weight, g[2].weight)
+            hooks.step()
+    for tag, values in expected.items():
+        assert _logged(tmp_path, tag) == pytest.approx(values, rel=1e-5), tag
+
+
+def test_replaced_optimizer_and_converted_parameters_keep_being_read(tmp_path) -> None:
+    model = _mlp()
+    opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 6)
+    grads: dict[int, float] = {}
+    ratios: dict[int, float] = {}
+    with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt) as hooks:
+        for step in range(3):
+            if step == 1:
+                opt = torch.optim.Adam(model.parameters(), lr=0.01)  # the optimizer given is not used any more
+            if step == 2:
+                previous = torch.__future__.get_overwrite_module_params_on_conversion()
+                torch.__future__.set_overwrite_module_params_on_conversion(True)
+                try:
+                    model.to(torch.float64)  # new parameter objects
+                finally:
+                    torch.__future__.set_overwrite_module_params_on_conversion(previous)
+                opt = torch.optim.Adam(model.parameters(), lr=0.01)
+                x = x.double()
+            opt.zero_grad()
+            _loss(model(x)).backward()
+            weight = model[4].weight.detach().clone()
+            grads[step] = _norm(model[4].weight.grad)
+            opt.step()
+            ratios[step] = _ratio(weight, model[4].weight)
+            hooks.step()
+    assert _logged(tmp_path, "param_grad/norm/4.weight") == pytest.approx(grads, rel=1e-5)
+    assert _logged(tmp_path, "param/update_ratio/4.weight") == pytest.approx(ratios, rel=1e-5)
+
+
+def test_parameters_no_optimizer_steps_are_left_out_with_one_warning(tmp_path) -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model[4].parameters(), lr=0.1)  # fine-tuning the head; the rest still gets gradients
+    x = torch.randn(8, 6)
+    with (
+        pytest.warns(RuntimeWarning, match=r"4 watched parameter\(s\) \('0.weight', '0.bias'") as caught,
+        HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt) as hooks,
+    ):
+        for _ in range(3):
+            model.zero_grad()
+            _loss(model(x)).backward()
+            opt.step()
+            hooks.step()
+    assert len([w for w in caught if "no torch.optim optimizer stepped them" in str(w.message)]) == 1
+    logged = {tag for tag in read_run(tmp_path).scalars if tag.startswith("param_grad/norm/")}
+    assert logged == {"param_grad/norm/4.weight", "param_grad/norm/4.bias"}
+
+
+@pytest.mark.parametrize("unscale_first", [False, True])  # scaler.unscale_(opt) before clipping, say
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
+def test_fused_optimizer_under_grad_scaler_logs_unscaled_gradients(tmp_path, device: str, unscale_first: bool) -> None:
+    model = _mlp().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**16)
+    x = torch.randn(8, 6, device=device)
+    expected: dict[int, float] = {}
+    largest: dict[int, float] = {}
+    with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt, scaler=scaler) as hooks:
+        for step in range(3):
+            opt.zero_grad()
+            poison = math.inf if step == 1 else 1.0  # the scaler skips step 1
+            scaler.scale(_loss(model(x)) * poison).backward()
+            scale = float(scaler.get_scale())
+            expected[step] = _norm(model[4].weight.grad) / scale  # a power of two: exact
+            largest[step] = float(model[4].weight.grad.double().max()) / scale
+            if unscale_first:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            hooks.step()
+    assert _logged(tmp_path, "param_grad/norm/4.weight") == pytest.approx({0: expected[0], 2: expected[2]}, rel=1e-5)
+    assert _logged(tmp_path, "amp/skipped_step") == {0: 0.0, 1: 1.0, 2: 0.0}
+    hist = read_run(tmp_path).histograms["param_grad/4.weight"]
+    assert set(hist) == {0, 2}
+    assert hist[2].max == pytest.approx(largest[2], rel=1e-5)
+
+
+def test_optimizer_hooks_are_removed_on_close(tmp_path) -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)
+    with HookLogger(model, log_dir=tmp_path, every=1, optimizer=[opt]) as hooks:
+        assert len(_global_optimizer_pre_hooks) == before[0] + 1
+        hooks.step()
+    assert (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)) == before
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+@pytest.mark.parametrize(("bad", "got"), [([], "list of nothing"), (("sgd",), "tuple of str"), ("sgd", "str")])
+def test_optimizer_must_be_optimizers(tmp_path, bad: object, got: str) -> None:
+    with pytest.raises(HookLoggerError, match=rf"a non-empty list or tuple of them .*, got {got}$"):
+        HookLogger(_mlp(), log_dir=tmp_path, optimizer=bad)
+
+
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_clipping_shows_only_with_optimizer(tmp_path, with_optimizer: bool) -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt if with_optimizer else None) as hooks:
+        _loss(model(torch.randn(8, 6) * 10)).backward()
+        raw = float(nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.01))
+        opt.step()
+        hooks.step()
+    assert raw > 0.1  # the scenario: clipping changed the gradients
+    assert _logged(tmp_path, "param_grad/global_norm") == pytest.approx({0: 0.01 if with_optimizer else raw}, rel=1e-4)
+
+
+def test_fault_in_the_optimizer_hooks_is_reported_once_and_training_unchanged(tmp_path, monkeypatch) -> None:
+    def broken(optimizer: object) -> None:
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(amp, "grad_scale", broken)
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 6)
+    final = []
+    for net, logged in ((model, True), (reference, False)):
+        opt = torch.optim.Adam(net.parameters(), lr=0.01)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hooks = HookLogger(net, log_dir=tmp_path, every=1, optimizer=opt) if logged else None
+            for _ in range(3):
+                opt.zero_grad()
+                _loss(net(x)).backward()
+                opt.step()
+                if hooks is not None:
+                    hooks.step()
+            if hooks is not None:
+                hooks.close()
+        final.append([p.detach().clone() for p in net.parameters()])
+        if logged:
+            messages = [str(w.message) for w in caught]
+            assert len(messages) == 1 and "logging for 'parameters' failed" in messages[0], messages
+    assert all(torch.equal(a, b) for a, b in zip(*final))
+    assert set(_logged(tmp_path, "activation/mean/0")) == {0, 1, 2}
+
+
+def test_module_that_left_is_not_logged_even_if_still_called(tmp_path) -> None:
+    model = _mlp()
+    x = torch.randn(8, 6)
+    with warnings.catch_warnings(record=True), HookLogger(model, log_dir=tmp_path, every=1) as hooks:
+        warnings.simplefilter("always")
+        for step in range(3):
+            if step == 1:
+                old, model[4] = model[4], nn.Linear(16, 3)
+            out = model(x)
+            if step >= 1:
+                out = out + old(model[:4](x))  # the old head, now outside the model, still called
+            _loss(out).backward()
+            hooks.step()
+    # Noticed when logged step 2 begins (step 1 had begun, in step 0's step(), before the change).
+    assert set(_logged(tmp_path, "activation/mean/4")) == {0, 1}
+    assert set(_logged(tmp_path, "param_grad/norm/4.weight")) == {0, 1}
