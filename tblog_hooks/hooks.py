@@ -1,13 +1,16 @@
 """The hook callables the logger registers, and the one place their handles live.
 
 Hooks hold the :class:`~tblog_hooks.collect.Collector` only, never the logger, the writer
-or the model, so a forgotten logger does not keep a model alive. A ``copy.deepcopy`` or
-pickle of the model (EMA, ``AveragedModel``, ``torch.save``) gets an inert hook instead of
-a copy of ours: copies never log into this logger.
+or the model, so a forgotten logger does not keep a model alive. Copies and pickles of a
+model or optimizer (``copy.deepcopy``, EMA, ``AveragedModel``, ``torch.save``) get
+:data:`NOOP` in place of each of our hooks: they never log into the logger and reference
+nothing of this library, so a checkpoint loads where it is not installed. The entries of a
+deep copy are also removed when the logger's hooks are.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -16,34 +19,45 @@ from torch.utils.hooks import RemovableHandle
 
 from .collect import Collector
 
-
-def inert_hook(*args: Any, **kwargs: Any) -> None:
-    """What a copied model's (or optimizer's) hook becomes: it does nothing."""
-
-
-def _inert() -> Callable[..., None]:
-    # Rebuilds a copied hook as ``inert_hook`` itself (``__reduce__`` calls what it returns).
-    return inert_hook
+#: What a copied or unpickled hook is: a built-in that accepts any arguments and returns
+#: ``None`` (a hook returning ``None`` changes nothing), and pickles as ``getattr(None, "__init__")``.
+NOOP: Callable[..., None] = None.__init__  # type: ignore[misc]
 
 
-class _Inert:
-    """Copies and pickles of a hook (``copy.deepcopy``, ``AveragedModel``, ``torch.save``)
-    become :func:`inert_hook`: they never log into this logger or copy its state."""
+class _Hook:
+    """Base of our hooks: copies and pickles become :data:`NOOP` (see the module docstring).
+    ``handle`` and ``handles`` are set by :meth:`Handles.add`."""
 
-    __slots__ = ()
+    __slots__ = ("collector", "handle", "handles")
 
-    def __reduce__(self) -> tuple[Any, tuple[()]]:
-        return _inert, ()
+    def __init__(self, collector: Collector) -> None:
+        self.collector = collector
+        self.handle: RemovableHandle | None = None
+        self.handles: Handles | None = None
+
+    def __reduce__(self) -> tuple[Any, tuple[None, str]]:
+        return getattr, (None, "__init__")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
+        # ``copy.deepcopy`` copies a hooks dict into memo before its entries: find the copy of
+        # ours and let ``Handles.remove_all`` take the entry out of it too.
+        if self.handle is not None and self.handles is not None:
+            original = self.handle.hooks_dict_ref()
+            copied = None if original is None else memo.get(id(original))
+            if copied is not None:
+                self.handles.copied(copied, self.handle.id)
+        return NOOP
 
 
-class _Hook(_Inert):
-    __slots__ = ("collector", "name")
+class _NamedHook(_Hook):
+    __slots__ = ("name",)
 
     def __init__(self, collector: Collector, name: str) -> None:
-        self.collector, self.name = collector, name
+        super().__init__(collector)
+        self.name = name
 
 
-class ForwardHook(_Hook):
+class ForwardHook(_NamedHook):
     """``register_forward_hook`` callable: statistics of the output on logged steps."""
 
     __slots__ = ()
@@ -53,7 +67,7 @@ class ForwardHook(_Hook):
             self.collector.on_output(self.name, output, module.training)
 
 
-class ForwardPreHook(_Hook):
+class ForwardPreHook(_NamedHook):
     """``register_forward_pre_hook`` callable (with kwargs): input statistics on logged steps."""
 
     __slots__ = ()
@@ -63,7 +77,7 @@ class ForwardPreHook(_Hook):
             self.collector.on_input(self.name, (args, kwargs), module.training)
 
 
-class ParamGradHook(_Hook):
+class ParamGradHook(_NamedHook):
     """``register_post_accumulate_grad_hook`` callable: sees each ``.grad`` once accumulated."""
 
     __slots__ = ()
@@ -72,32 +86,16 @@ class ParamGradHook(_Hook):
         self.collector.on_params([(self.name, param)])
 
 
-class Handles:
-    """Every handle the logger made, removed in one place; ``remove_all`` is idempotent."""
-
-    def __init__(self) -> None:
-        self._handles: list[RemovableHandle] = []
-
-    def add(self, handle: RemovableHandle) -> None:
-        self._handles.append(handle)
-
-    def remove_all(self) -> None:
-        while self._handles:
-            self._handles.pop().remove()
-
-    def __len__(self) -> int:
-        return len(self._handles)
-
-
-class OptimizerHook(_Inert):
+class OptimizerHook(_Hook):
     """``Optimizer.register_step_pre_hook`` callable: reads ``.grad`` right before the update,
     i.e. after gradient accumulation, DDP averaging and ``GradScaler.unscale_``, and copies
     the weights to measure the update."""
 
-    __slots__ = ("collector", "params")
+    __slots__ = ("params",)
 
     def __init__(self, collector: Collector, params: list[tuple[str, Tensor]]) -> None:
-        self.collector, self.params = collector, params
+        super().__init__(collector)
+        self.params = params
 
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.collector.active:
@@ -105,14 +103,49 @@ class OptimizerHook(_Inert):
             self.collector.before_update(self.params)
 
 
-class OptimizerPostHook(_Inert):
+class OptimizerPostHook(_Hook):
     """``Optimizer.register_step_post_hook`` callable: the update-to-weight ratios."""
 
-    __slots__ = ("collector",)
-
-    def __init__(self, collector: Collector) -> None:
-        self.collector = collector
+    __slots__ = ()
 
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.collector.active:
             self.collector.after_update()
+
+
+class Handles:
+    """Every handle the logger made, and every entry deep copies made of its hooks, removed
+    in one place; ``remove_all`` is idempotent. Holds no hook dict, only weak references."""
+
+    def __init__(self) -> None:
+        self._handles: list[RemovableHandle] = []
+        self._copies: list[tuple[weakref.ref[dict[int, Any]], int]] = []
+
+    def add(self, handle: RemovableHandle) -> None:
+        """Keep ``handle``; the hook it registered learns it, to find the entries of its deep copies."""
+        self._handles.append(handle)
+        hooks_dict = handle.hooks_dict_ref()
+        hook = None if hooks_dict is None else hooks_dict.get(handle.id)
+        if isinstance(hook, _Hook):
+            hook.handle, hook.handles = handle, self
+
+    def copied(self, hooks_dict: dict[int, Any], key: int) -> None:
+        """A deep copy of one of our hooks is going into ``hooks_dict[key]``."""
+        self._copies.append((weakref.ref(hooks_dict), key))
+
+    def remove_all(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+        while self._copies:
+            ref, key = self._copies.pop()
+            hooks_dict = ref()
+            if hooks_dict is not None:
+                hooks_dict.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+
+def ours(hook: object) -> bool:
+    """Whether ``hook`` (a value of a module's hooks dict) is one of this library's."""
+    return isinstance(hook, _Hook)
