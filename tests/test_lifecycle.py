@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import subprocess
+import sys
+import threading
+import warnings
 import weakref
 
 import pytest
@@ -11,9 +15,11 @@ import torch
 import torchvision
 from conftest import read_run
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 from torch.utils.tensorboard import SummaryWriter
 
 from tblog_hooks import HookLogger, HookLoggerError
+from tblog_hooks.hooks import NOOP
 
 
 def _net() -> nn.Module:
@@ -155,12 +161,87 @@ def test_stock_resnet18_with_inplace_relu_and_residual_add(tmp_path) -> None:
     assert set(run.scalars["param_grad/global_norm"]) == {0, 1}
 
 
-def test_copies_of_the_optimizer_get_inert_hooks(tmp_path) -> None:
+def test_copies_hold_no_hook_of_ours_after_close(tmp_path) -> None:
     model = _net()
     model(torch.randn(1, 3, 8, 8))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt) as hooks:
         clone = copy.deepcopy(opt)  # e.g. checkpointing code that copies the optimizer
+        twin, ema = copy.deepcopy(model), AveragedModel(model)  # EMA: deep copies made while attached
+        twin_hooks = [h for d in _hook_dicts(twin) for h in d.values()]
+        assert twin_hooks and all(h is NOOP for h in twin_hooks)  # in place of ours, until close()
+        twin(torch.randn(5, 3, 8, 8)).sum().backward()  # in logged step 0: a copy never calls into the logger
         _train(model, hooks, steps=1, opt=opt)
-    assert not any(_hook_dicts(model, opt))
-    assert all(h.__name__ == "inert_hook" for h in clone._optimizer_step_pre_hooks.values())
+    assert read_run(tmp_path).histograms["activation/0.0"][0].num == 2 * 4 * 6 * 6  # the model's batch only
+    assert not any(_hook_dicts(model, opt)) and not any(_hook_dicts(twin, clone))
+    assert not any(_hook_dicts(ema))
+
+
+_LOAD_WITHOUT_TBLOG_HOOKS = """
+import sys, torch
+sys.modules["tblog_hooks"] = None  # as if not installed: importing it raises ModuleNotFoundError
+checkpoint = torch.load(sys.argv[1], weights_only=False)
+checkpoint["model"](torch.randn(2, 3, 8, 8)).sum().backward()
+checkpoint["optimizer"].step()
+print("loaded")
+"""
+
+
+@pytest.mark.parametrize("optimizer", [False, True])
+def test_checkpoint_saved_while_attached_loads_without_the_library(tmp_path, optimizer: bool) -> None:
+    model = _net()
+    model(torch.randn(1, 3, 8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with HookLogger(model, log_dir=tmp_path / "run", every=1, optimizer=opt if optimizer else None) as hooks:
+        _train(model, hooks, steps=1, opt=opt)
+        model(torch.randn(2, 3, 8, 8)).sum().backward()  # mid-step: output and parameter hooks in place
+        torch.save({"model": model, "optimizer": opt}, tmp_path / "checkpoint.pt")
+    assert b"tblog_hooks" not in (tmp_path / "checkpoint.pt").read_bytes()
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_WITHOUT_TBLOG_HOOKS, str(tmp_path / "checkpoint.pt")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "loaded", done.stderr
+
+
+def _writer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if type(t).__name__ == "_AsyncWriterThread"]
+
+
+def test_dropped_logger_stops_recording_and_closes_its_writer(tmp_path) -> None:
+    """The notebook habit: re-running ``hooks = HookLogger(model, ...)`` without ``close()``."""
+    model = _net()
+    model(torch.randn(1, 3, 8, 8))
+    threads = _writer_threads()
+    hooks = HookLogger(model, log_dir=tmp_path, every=1)
+    _train(model, hooks)
+    model(torch.randn(2, 3, 8, 8))  # a logged step open, with tensor hooks on its outputs
+    collector, logger = hooks._collector, weakref.ref(hooks)
+    hooks = None  # re-bound: the logger is dropped without close()
+    gc.collect()
+    assert logger() is None
+    assert not any(_hook_dicts(model)) and not collector.active
+    assert _writer_threads() == threads  # the writer was closed, its thread joined
+    sizes, rows = sorted(p.stat().st_size for p in tmp_path.iterdir()), len(collector.layout.activations)
+    for _ in range(3):  # the model trains on
+        model(torch.randn(2, 3, 8, 8)).sum().backward()
+    assert len(collector.layout.activations) == rows  # nothing recorded any more
+    assert sorted(p.stat().st_size for p in tmp_path.iterdir()) == sizes
+    assert set(read_run(tmp_path).scalars["activation/mean/0.0"]) == {0, 1}
+
+
+def test_second_logger_on_a_model_with_a_live_one_warns_once(tmp_path) -> None:
+    model = _net()
+    model(torch.randn(1, 3, 8, 8))
+    hooks = HookLogger(model, log_dir=tmp_path / "a", every=1)
+    with pytest.warns(UserWarning, match=r"already carries the hooks of another live HookLogger") as caught:
+        hooks = HookLogger(model, log_dir=tmp_path / "b", every=1)  # a re-run cell
+    assert len(caught) == 1
+    gc.collect()
+    assert all(len(m._forward_hooks) == 1 for m in model.modules() if m._forward_hooks)  # the old ones are gone
+    hooks.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        HookLogger(model, log_dir=tmp_path / "c").close()  # no live logger left: no warning
