@@ -13,7 +13,9 @@ import weakref
 import pytest
 import torch
 import torchvision
-from conftest import read_run
+from conftest import read_run, read_tags, read_text
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 from torch.utils.tensorboard import SummaryWriter
@@ -245,3 +247,101 @@ def test_second_logger_on_a_model_with_a_live_one_warns_once(tmp_path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         HookLogger(model, log_dir=tmp_path / "c").close()  # no live logger left: no warning
+
+
+def _steps(model: nn.Module, hooks: HookLogger, n: int, scale: float = 1.0) -> None:
+    for _ in range(n):
+        model(torch.randn(2, 3, 8, 8) * scale).sum().backward()
+        hooks.step()
+
+
+def test_resumed_run_continues_at_start_step_and_replaces_what_followed_the_checkpoint(tmp_path) -> None:
+    model = _net()
+    model(torch.randn(1, 3, 8, 8))
+    with HookLogger(model, log_dir=tmp_path, every=10) as hooks:
+        _steps(model, hooks, 45)  # logged 0..40, then the run "crashes" after its checkpoint at step 25
+    with HookLogger(model, log_dir=tmp_path, every=10, start_step=25) as hooks:
+        assert hooks.global_step == 25
+        _steps(model, hooks, 20, scale=1000.0)  # steps 25..44: logged 30 and 40, recognisably
+    maxima = read_run(tmp_path).scalars["activation/max/0.0"]
+    assert set(maxima) == {0, 10, 20, 30, 40}  # one series, no zig-zag
+    assert all(maxima[s] < 100 for s in (0, 10, 20)) and all(maxima[s] > 100 for s in (30, 40))
+
+
+def test_start_step_on_a_multiple_of_every_logs_its_first_step(tmp_path) -> None:
+    model = _net()
+    model(torch.randn(1, 3, 8, 8))
+    with HookLogger(model, log_dir=tmp_path, every=5, start_step=10) as hooks:
+        _steps(model, hooks, 6)
+    assert set(read_run(tmp_path).scalars["activation/mean/0.0"]) == {10, 15}
+
+
+def _layouts(log_dir) -> list[layout_pb2.Layout]:
+    events = event_accumulator.EventAccumulator(str(log_dir), size_guidance={event_accumulator.TENSORS: 0})
+    events.Reload()
+    return [
+        layout_pb2.Layout.FromString(e.tensor_proto.string_val[0]) for e in events.Tensors("custom_scalars__config__")
+    ]
+
+
+@pytest.mark.parametrize("shared", ["writer", "log_dir"])
+def test_two_models_in_one_directory_with_prefixes(tmp_path, shared: str) -> None:
+    generator, discriminator = (nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)) for _ in range(2))
+    writer = SummaryWriter(tmp_path) if shared == "writer" else None
+    where = {"writer": writer} if writer else {"log_dir": tmp_path}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # distinct prefixes: no warning
+        g_hooks = HookLogger(generator, every=1, prefix="G", **where)
+        d_hooks = HookLogger(discriminator, every=1, prefix="D", **where)
+    for _ in range(2):
+        discriminator(generator(torch.randn(3, 4))).sum().backward()
+        d_hooks.step()  # D writes its layout first
+        g_hooks.step()
+    g_hooks.close()
+    d_hooks.close()
+    if writer:
+        writer.close()
+    tags = read_tags(tmp_path)
+    assert {"G/activation/mean/0", "D/activation/mean/0", "G/param_grad/global_norm"} <= set(tags["scalars"])
+    assert all(t.startswith(("G/", "D/")) for t in tags["scalars"] + tags["histograms"] + tags["images"])
+    assert {"G/health/gradient_flow", "D/health/gradient_flow"} <= set(tags["images"])
+    assert read_text(tmp_path, "G/health/forward_order") == {0: "1. `0`\n2. `2`"}
+    latest = _layouts(tmp_path)[-1]  # what TensorBoard shows: the run's latest layout
+    assert [c.title for c in latest.category] == ["D/tblog_hooks", "G/tblog_hooks"]
+    for category in latest.category:
+        chart = next(c for c in category.chart if c.title == "gradient/norm")
+        prefix = category.title.split("/")[0]
+        assert list(chart.multiline.tag) == [f"^{prefix}/gradient/norm/0$", f"^{prefix}/gradient/norm/2$"]
+
+
+def test_second_logger_writing_the_same_tags_into_one_directory_warns(tmp_path) -> None:
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+
+    writer = SummaryWriter(tmp_path)
+    first = HookLogger(model(), writer=writer, prefix="run")
+    with pytest.warns(UserWarning, match=r"already writes into .* with prefix='run'.*own prefix=") as caught:
+        second = HookLogger(model(), log_dir=tmp_path, prefix="run")
+    assert len(caught) == 1
+    first.close()
+    second.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the first is closed: no warning
+        HookLogger(model(), writer=writer, prefix="run").close()
+    writer.close()
+
+
+def test_writer_closed_by_the_user_mid_run_is_not_reopened(tmp_path) -> None:
+    threads = _writer_threads()
+    writer = SummaryWriter(tmp_path)
+    model = _net()
+    model(torch.randn(1, 3, 8, 8))
+    hooks = HookLogger(model, writer=writer, every=1)
+    _steps(model, hooks, 2)
+    writer.close()
+    with pytest.warns(RuntimeWarning, match=r"writer= .* was closed while the logger was attached") as caught:
+        _steps(model, hooks, 2)
+        hooks.close()
+    assert len(caught) == 1
+    assert len(list(tmp_path.iterdir())) == 1 and _writer_threads() == threads
+    assert set(read_run(tmp_path).scalars["activation/mean/0.0"]) == {0, 1}
