@@ -244,7 +244,10 @@ class HookLogger:
             self._switch_off("writing to TensorBoard", error)
         finally:
             self._params = []
-            self._detach()
+            try:
+                self._detach()
+            except Exception as error:  # closing a broken writer
+                self._switch_off("closing the writer", error)
 
     def __enter__(self) -> HookLogger:
         if self._closed:
@@ -342,12 +345,8 @@ def _detach(
     if destination is None:
         return
     destination.close()
-    try:
-        if owns_writer:
-            destination.writer.close()
-    except Exception as error:
-        message = f"tblog_hooks: closing the SummaryWriter failed: {type(error).__name__}: {error}"
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    if owns_writer:
+        destination.writer.close()
 
 
 def _check_writer(writer: object) -> None:
