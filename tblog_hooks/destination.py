@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import weakref
 from typing import Any
 
@@ -22,6 +23,7 @@ from .write import to_proto
 Layout = dict[str, dict[str, list[Any]]]  # {category: {chart: [kind, [tag regex, ...]]}}
 
 _LIVE: weakref.WeakSet[Destination] = weakref.WeakSet()  # destinations of loggers not yet closed
+_LIVE_LOCK = threading.RLock()  # loggers are made and closed (or collected) on any thread
 
 
 def is_closed(writer: SummaryWriter) -> bool:
@@ -49,12 +51,14 @@ class Destination:
     def open(self) -> bool:
         """Count as live; returns whether another live destination already writes the same
         tags (same run directory, same prefix)."""
-        clash = any(d.directory == self.directory and d.prefix == self.prefix for d in _LIVE)
-        _LIVE.add(self)
+        with _LIVE_LOCK:
+            clash = any(d.directory == self.directory and d.prefix == self.prefix for d in list(_LIVE))
+            _LIVE.add(self)
         return clash
 
     def close(self) -> None:
-        _LIVE.discard(self)
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
 
     def write(self, summary: StepSummary) -> None:
         """Append one step's event (the caller flushes once the step's last event is added)."""
@@ -79,7 +83,8 @@ class Destination:
             }
             for category, charts in layout.items()
         }
-        sharing = [self] + [d for d in _LIVE if d is not self and d.directory == self.directory]
+        with _LIVE_LOCK:
+            sharing = [self] + [d for d in list(_LIVE) if d is not self and d.directory == self.directory]
         merged = {c: charts for d in sharing for c, charts in d._layout.items()}
         merged = dict(sorted(merged.items(), key=lambda item: item[0]))
         writers = {id(d.writer): d.writer for d in sharing}

@@ -119,7 +119,7 @@ class Handles:
 
     def __init__(self) -> None:
         self._handles: list[RemovableHandle] = []
-        self._copies: list[tuple[weakref.ref[dict[int, Any]], int]] = []
+        self._copies: dict[int, tuple[weakref.ref[dict[int, Any]], list[int]]] = {}  # id(dict) -> dict, keys
 
     def add(self, handle: RemovableHandle) -> None:
         """Keep ``handle``; the hook it registered learns it, to find the entries of its deep copies."""
@@ -131,16 +131,22 @@ class Handles:
 
     def copied(self, hooks_dict: dict[int, Any], key: int) -> None:
         """A deep copy of one of our hooks is going into ``hooks_dict[key]``."""
-        self._copies.append((weakref.ref(hooks_dict), key))
+        entry = self._copies.get(id(hooks_dict))
+        if entry is None or entry[0]() is not hooks_dict:
+            # A new copied dict: forget copies already collected, so repeated deep copies do not pile up.
+            self._copies = {i: e for i, e in self._copies.items() if e[0]() is not None}
+            entry = self._copies[id(hooks_dict)] = (weakref.ref(hooks_dict), [])
+        entry[1].append(key)
 
     def remove_all(self) -> None:
         while self._handles:
             self._handles.pop().remove()
         while self._copies:
-            ref, key = self._copies.pop()
+            ref, keys = self._copies.popitem()[1]
             hooks_dict = ref()
             if hooks_dict is not None:
-                hooks_dict.pop(key, None)
+                for key in keys:
+                    hooks_dict.pop(key, None)
 
     def __len__(self) -> int:
         return len(self._handles)

@@ -169,7 +169,7 @@ class HookLogger:
         self._detach = weakref.finalize(
             self, _detach, self._handles, self._step_handles, self._collector, self._destination, owns_writer
         )
-        _warn_if_shared(model, self._destination)
+        _warn_if_shared(model, self._destination, self._destination is not None and self._destination.open())
         # Off: a rank that neither writes nor takes part in collectives; later, set once by _switch_off.
         self._off = self._writer is None and not self._ranks.needed
         use_fast_checksum()
@@ -364,9 +364,9 @@ def _check_writer(writer: object) -> None:
         )
 
 
-def _warn_if_shared(model: nn.Module, destination: Destination | None) -> None:
+def _warn_if_shared(model: nn.Module, destination: Destination | None, same_tags: bool) -> None:
     """Warn once if another live logger writes the same tags here, or else watches this model."""
-    if destination is not None and destination.open():
+    if destination is not None and same_tags:
         where = f"{destination.directory!r}" + (f" with prefix={destination.prefix!r}" if destination.prefix else "")
         warnings.warn(
             f"tblog_hooks: another live HookLogger already writes into {where}: both write the same tags "

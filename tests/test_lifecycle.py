@@ -345,3 +345,15 @@ def test_writer_closed_by_the_user_mid_run_is_not_reopened(tmp_path) -> None:
     assert len(caught) == 1
     assert len(list(tmp_path.iterdir())) == 1 and _writer_threads() == threads
     assert set(read_run(tmp_path).scalars["activation/mean/0.0"]) == {0, 1}
+
+
+def test_repeated_deep_copies_do_not_pile_up(tmp_path) -> None:
+    model = _net()
+    model(torch.randn(1, 3, 8, 8))
+    with HookLogger(model, log_dir=tmp_path) as hooks:
+        for _ in range(3):  # e.g. a copy for evaluation every few hundred steps, then dropped
+            copy.deepcopy(model)
+        gc.collect()
+        kept = copy.deepcopy(model)
+        assert len(hooks._handles._copies) == sum(bool(d) for d in _hook_dicts(kept))  # the live copy's only
+    assert not any(_hook_dicts(kept))
