@@ -10,6 +10,8 @@ deep copy are also removed when the logger's hooks are.
 
 from __future__ import annotations
 
+import enum
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -19,9 +21,12 @@ from torch.utils.hooks import RemovableHandle
 
 from .collect import Collector
 
-#: What a copied or unpickled hook is: a built-in that accepts any arguments and returns
-#: ``None`` (a hook returning ``None`` changes nothing), and pickles as ``getattr(None, "__init__")``.
-NOOP: Callable[..., None] = None.__init__  # type: ignore[misc]
+# What a copied or unpickled hook is: a standard-library callable that takes any arguments and
+# returns None (a hook returning None changes nothing). ``Enum.__init__`` is ``def __init__(self,
+# *args, **kwds): pass`` from Python 3.11 on, which torch.compile traces; ``None.__init__`` (a
+# built-in, before 3.11) does the same but is a graph break under torch.compile.
+_NOOP_SOURCE: tuple[object, str] = (enum.Enum, "__init__") if sys.version_info >= (3, 11) else (None, "__init__")
+NOOP: Callable[..., None] = getattr(*_NOOP_SOURCE)
 
 
 class _Hook:
@@ -35,8 +40,8 @@ class _Hook:
         self.handle: RemovableHandle | None = None
         self.handles: Handles | None = None
 
-    def __reduce__(self) -> tuple[Any, tuple[None, str]]:
-        return getattr, (None, "__init__")
+    def __reduce__(self) -> tuple[Any, tuple[object, str]]:
+        return getattr, _NOOP_SOURCE
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
         # ``copy.deepcopy`` copies a hooks dict into memo before its entries: find the copy of
