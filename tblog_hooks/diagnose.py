@@ -13,13 +13,12 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from torch.utils.tensorboard import SummaryWriter
 
 from . import pictures
+from .destination import Destination
 from .health import Health, Thresholds
 from .summarize import StepSummary
 from .tags import escape, tag, unescape
-from .write import write
 
 FLOW_TAG, FINDINGS_TAG, ORDER_TAG = "health/gradient_flow", "health/findings", "health/forward_order"
 #: The heatmap is drawn on the first logged step, then every this many logged steps, and at
@@ -48,7 +47,7 @@ class Diagnostics:
         fired = set(self._forward_order)
         return list(self._forward_order) + [m for m in self._modules if m not in fired]
 
-    def write(self, writer: SummaryWriter, summary: StepSummary) -> None:
+    def write(self, writer: Destination, summary: StepSummary) -> None:
         """Add findings and the heatmap to ``summary``, write it, then the text summaries.
         A failure here is reported once and switches the diagnostics off, not the statistics."""
         order = self.order()
@@ -57,13 +56,13 @@ class Diagnostics:
                 self._annotate(summary, order)
             except Exception as error:
                 self._fail(error)
-        write(writer, summary)
+        writer.write(summary)
         self._latest = summary.scalars
         if not self._failed:
             self._write_text(writer, summary, order)
         writer.flush()  # once per logged step: a crash loses at most the step in flight
 
-    def close(self, writer: SummaryWriter) -> None:
+    def close(self, writer: Destination) -> None:
         """Draw the heatmap of the last written step, if newer steps came since it was drawn."""
         if self._failed or not self._undrawn:
             return
@@ -72,7 +71,7 @@ class Diagnostics:
         except Exception as error:
             self._fail(error)
             return
-        write(writer, StepSummary(next(reversed(self._norms)), {}, {}, {FLOW_TAG: image}))
+        writer.write(StepSummary(next(reversed(self._norms)), {}, {}, {FLOW_TAG: image}))
         self._undrawn = 0
 
     def _fail(self, error: BaseException) -> None:
@@ -84,7 +83,7 @@ class Diagnostics:
             stacklevel=3,
         )
 
-    def _write_text(self, writer: SummaryWriter, summary: StepSummary, order: list[str]) -> None:
+    def _write_text(self, writer: Destination, summary: StepSummary, order: list[str]) -> None:
         """The custom-scalars layout once; the forward order and findings when they change."""
         step = summary.step
         if self._written_order is None:

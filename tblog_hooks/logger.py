@@ -6,6 +6,7 @@ import difflib
 import os
 import tempfile
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from types import TracebackType
@@ -19,11 +20,12 @@ from torch.utils.tensorboard import SummaryWriter
 
 from . import amp
 from .collect import Collector, Options
+from .destination import Destination, is_closed
 from .diagnose import Diagnostics
 from .distributed import Ranks, is_sharded, merge_ranks
 from .errors import HookLoggerError
 from .health import Finding, Thresholds
-from .hooks import ForwardHook, ForwardPreHook, Handles, OptimizerHooks, ParamGradHook
+from .hooks import ForwardHook, ForwardPreHook, Handles, OptimizerHooks, ParamGradHook, ours
 from .records import Layout
 from .selection import Selector, select_modules
 from .summarize import StepSummary, summarize
@@ -34,6 +36,7 @@ from .write import use_fast_checksum
 _OPTIONS = (
     "log_dir", "writer", "modules", "every", "activations", "gradients", "parameters",
     "histograms", "optimizer", "scaler", "eval_passes", "reduce_ranks", "inputs", "feature_maps", "health",
+    "start_step", "prefix",
 )  # fmt: skip
 
 
@@ -42,7 +45,8 @@ class HookLogger:
 
     Call :meth:`step` once per optimizer step; steps ``0, every, 2*every, ...`` are logged
     with that index as TensorBoard's ``global_step``. Use it as a context manager, or call
-    :meth:`close`, to write what is pending and remove every hook.
+    :meth:`close`, to write what is pending and remove every hook; a logger dropped without
+    :meth:`close` removes its hooks when it is garbage-collected.
 
     >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     >>> with HookLogger(model, log_dir=tmp, every=10) as hooks:  # doctest: +SKIP
@@ -70,6 +74,8 @@ class HookLogger:
         inputs: bool = False,
         feature_maps: Selector | Sequence[Selector] | None = None,
         health: Thresholds | None = Thresholds(),  # noqa: B008 (immutable)
+        start_step: int = 0,
+        prefix: str | None = None,
         **unknown: NoReturn,
     ) -> None:
         if unknown:
@@ -89,10 +95,18 @@ class HookLogger:
                 "activations, gradients and parameters are all False, so nothing would be logged; "
                 "leave at least one of them True"
             )
-        if writer is not None and not isinstance(writer, SummaryWriter):
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise HookLoggerError(
-                f"writer must be a torch.utils.tensorboard.SummaryWriter, got {type(writer).__name__}"
+                f"start_step must be an int >= 0 (the index of the first step() call, e.g. the optimizer "
+                f"steps a resumed run already made), got {start_step!r}"
             )
+        if prefix is not None and (not isinstance(prefix, str) or not prefix.strip("/") or prefix.strip("/") != prefix):
+            raise HookLoggerError(
+                f"prefix must be a non-empty str without a leading or trailing '/' (tags become "
+                f"'{{prefix}}/activation/...'; e.g. prefix='generator'), or None, got {prefix!r}"
+            )
+        if writer is not None:
+            _check_writer(writer)
         _check_optimizers(optimizer)
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise HookLoggerError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
@@ -125,7 +139,7 @@ class HookLogger:
         self._handles = Handles()  # live until close()
         self._step_handles = Handles()  # live during one logged step
         self._pending: deque[tuple[int, Transfer, Layout]] = deque()  # logged steps on their way to the host
-        self._step = 0
+        self._step = start_step
         self._closed = False
         self._module_names = tuple(selected)
         self._diagnostics = Diagnostics(self._module_names, self._collector.forward_order, health)
@@ -147,9 +161,15 @@ class HookLogger:
 
         # Rank 0 writes; another rank only into a writer it was given.
         self._writer: SummaryWriter | None = writer
-        self._owns_writer = writer is None and self._ranks.rank == 0
-        if self._owns_writer:
-            self._writer = _make_writer(log_dir)
+        owns_writer = writer is None and self._ranks.rank == 0
+        if owns_writer:
+            self._writer = _make_writer(log_dir, purge_step=start_step or None)
+        self._destination = None if self._writer is None else Destination(self._writer, prefix)
+        # Hooks, tensor hooks and an owned writer go when the logger is closed or collected.
+        self._detach = weakref.finalize(
+            self, _detach, self._handles, self._step_handles, self._collector, self._destination, owns_writer
+        )
+        _warn_if_shared(model, self._destination, self._destination is not None and self._destination.open())
         # Off: a rank that neither writes nor takes part in collectives; later, set once by _switch_off.
         self._off = self._writer is None and not self._ranks.needed
         use_fast_checksum()
@@ -159,7 +179,8 @@ class HookLogger:
         if self._optimizer_hooks is not None:
             self._handles.add(register_optimizer_step_pre_hook(self._optimizer_hooks.pre))
             self._handles.add(register_optimizer_step_post_hook(self._optimizer_hooks.post))
-        self._begin_logged_step()
+        if self._step % self.every == 0:
+            self._begin_logged_step()
 
     # -- public API -------------------------------------------------------------------------
     @property
@@ -217,20 +238,17 @@ class HookLogger:
             if self._collector.active:
                 self._end_logged_step()
             self._write(wait=True)
-            if self._writer is not None and not self._off:
-                self._diagnostics.close(self._writer)
+            if self._destination is not None and not self._off:
+                self._diagnostics.close(self._destination)
+                self._destination.flush()
+        except Exception as error:  # never raise out of close() over a broken writer
+            self._switch_off("writing to TensorBoard", error)
         finally:
-            self._handles.remove_all()
-            self._step_handles.remove_all()
-            self._collector.remove_tensor_hooks()
             self._watched.clear()
             try:
-                if self._writer is not None:
-                    self._writer.flush()
-                    if self._owns_writer:
-                        self._writer.close()
-            except Exception as error:  # never raise out of close() over a broken writer
-                self._switch_off("writing to TensorBoard", error)
+                self._detach()
+            except Exception as error:  # closing a broken writer
+                self._switch_off("closing the writer", error)
 
     def __enter__(self) -> HookLogger:
         if self._closed:
@@ -314,10 +332,10 @@ class HookLogger:
         """Write finished transfers in step order; with ``wait``, all of them."""
         while self._pending and (wait or self._pending[0][1].ready()):
             step, transfer, layout = self._pending.popleft()
-            if self._off or self._writer is None:
+            if self._off or self._destination is None:
                 continue
             try:
-                self._diagnostics.write(self._writer, self._summarize(step, transfer.result(), layout))
+                self._diagnostics.write(self._destination, self._summarize(step, transfer.result(), layout))
             except Exception as error:  # disk full, permission lost, a broken writer
                 self._switch_off(f"writing step {step} to TensorBoard", error)
 
@@ -358,14 +376,66 @@ def _check_optimizers(optimizer: object) -> None:
     )
 
 
-def _make_writer(log_dir: str | os.PathLike[str] | None) -> SummaryWriter:
+def _detach(
+    handles: Handles, step_handles: Handles, collector: Collector, destination: Destination | None, owns_writer: bool
+) -> None:
+    """Remove every hook, stop recording, close an owned writer: the end of ``close()``, and what
+    a logger garbage-collected without ``close()`` gets (``weakref.finalize``; holds no logger)."""
+    collector.active = False
+    handles.remove_all()
+    step_handles.remove_all()
+    collector.remove_tensor_hooks()
+    if destination is None:
+        return
+    destination.close()
+    if owns_writer:
+        destination.writer.close()
+
+
+def _check_writer(writer: object) -> None:
+    if not isinstance(writer, SummaryWriter):
+        kind = type(writer)
+        name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        raise HookLoggerError(
+            f"writer must be a torch.utils.tensorboard.SummaryWriter (or a subclass), got {name}; for another "
+            "library's writer (tensorboardX, ...), pass log_dir= with its directory: the logger makes its own writer"
+        )
+    if is_closed(writer):
+        raise HookLoggerError(
+            f"writer= was closed (SummaryWriter.close(), log_dir={writer.get_logdir()!r}); writing to it would open "
+            "a new event file: pass an open SummaryWriter, or log_dir="
+        )
+
+
+def _warn_if_shared(model: nn.Module, destination: Destination | None, same_tags: bool) -> None:
+    """Warn once if another live logger writes the same tags here, or else watches this model."""
+    if destination is not None and same_tags:
+        where = f"{destination.directory!r}" + (f" with prefix={destination.prefix!r}" if destination.prefix else "")
+        warnings.warn(
+            f"tblog_hooks: another live HookLogger already writes into {where}: both write the same tags "
+            "(activation/mean/0, ...) into one series. Give each logger its own prefix= (e.g. prefix='G' and "
+            "prefix='D'), or close() the other logger first (re-ran a notebook cell? close the old logger)",
+            UserWarning,
+            stacklevel=3,
+        )
+    elif any(ours(hook) for m in model.modules() for hook in m._forward_hooks.values()):
+        warnings.warn(
+            "tblog_hooks: this model already carries the hooks of another live HookLogger, so both record on "
+            "their logged steps; if a notebook cell was re-run, close() the old logger first (a logger dropped "
+            "without close() removes its hooks once it is garbage-collected)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _make_writer(log_dir: str | os.PathLike[str] | None, purge_step: int | None) -> SummaryWriter:
     try:
         if log_dir is not None and "://" not in os.fspath(log_dir):  # remote URLs are the writer's business
             # Probe first: a SummaryWriter that fails to create its file leaves its writer thread behind.
             os.makedirs(log_dir, exist_ok=True)
             with tempfile.TemporaryFile(dir=log_dir):
                 pass
-        return SummaryWriter(log_dir=None if log_dir is None else os.fspath(log_dir))
+        return SummaryWriter(log_dir=None if log_dir is None else os.fspath(log_dir), purge_step=purge_step)
     except OSError as error:
         raise HookLoggerError(
             f"log_dir={log_dir!r} must be a directory this process can create files in: "

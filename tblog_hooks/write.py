@@ -1,4 +1,4 @@
-"""Write a :class:`~tblog_hooks.summarize.StepSummary` through a ``SummaryWriter``.
+"""Encode a :class:`~tblog_hooks.summarize.StepSummary` as the event a ``SummaryWriter`` writes.
 
 A logged step becomes one event holding every scalar and histogram, instead of one event
 per value: a few hundred values cost one record, one queue slot and one checksum.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
-from torch.utils.tensorboard import SummaryWriter
 
 from .pictures import png
 from .summarize import StepSummary
@@ -40,11 +39,6 @@ def image_proto(image: np.ndarray) -> Summary.Image:
     """A PNG-encoded TensorBoard image of a uint8 array, channels first (1 or 3)."""
     channels, height, width = image.shape
     return Summary.Image(height=height, width=width, colorspace=channels, encoded_image_string=png(image))
-
-
-def write(writer: SummaryWriter, summary: StepSummary) -> None:
-    """Append one step's event (the caller flushes once the step's last event is added)."""
-    writer._get_file_writer().add_summary(to_proto(summary), global_step=summary.step)
 
 
 def use_fast_checksum() -> bool:

@@ -39,6 +39,13 @@ def _error(*args: object, **kwargs: object) -> str:
         ({"evry": 10}, ["unknown option(s) 'evry' (did you mean 'every'?)", "valid options: log_dir"]),
         ({"activations": False, "gradients": False, "parameters": False}, ["nothing would be logged"]),
         ({"optimizer": "sgd"}, ["optimizer must be a torch.optim.Optimizer", "str"]),
+        ({"start_step": -1}, ["start_step must be an int >= 0", "-1"]),
+        ({"start_step": 2.0}, ["start_step must be an int >= 0", "2.0"]),
+        ({"start_step": True}, ["start_step must be an int >= 0", "True"]),
+        ({"prefix": ""}, ["prefix must be a non-empty str", "got ''"]),
+        ({"prefix": "/G"}, ["without a leading or trailing '/'", "got '/G'"]),
+        ({"prefix": "G/"}, ["without a leading or trailing '/'", "got 'G/'"]),
+        ({"prefix": 1}, ["prefix must be a non-empty str", "got 1"]),
     ],
 )
 def test_bad_option_names_the_value_and_what_is_valid(tmp_path, kwargs: dict, fragments: list[str]) -> None:
@@ -71,9 +78,32 @@ def test_writer_and_log_dir_together(tmp_path) -> None:
     try:
         message = _error(_model(), writer=writer, log_dir=tmp_path / "other")
         assert "either log_dir" in message and "not both" in message
-        assert "writer must be a torch.utils.tensorboard.SummaryWriter, got str" in _error(_model(), writer="runs")
+        assert "writer must be a torch.utils.tensorboard.SummaryWriter (or a subclass), got str;" in _error(
+            _model(), writer="runs"
+        )
     finally:
         writer.close()
+
+
+def test_writer_of_another_library_is_named_with_its_module() -> None:
+    foreign = type("SummaryWriter", (), {"__module__": "tensorboardX.writer"})()  # as tensorboardX's looks
+    message = _error(_model(), writer=foreign)
+    assert "got tensorboardX.writer.SummaryWriter;" in message
+    assert "torch.utils.tensorboard.SummaryWriter (or a subclass)" in message and "pass log_dir=" in message
+
+
+def _writer_threads() -> int:
+    return sum(type(t).__name__ == "_AsyncWriterThread" for t in threading.enumerate())
+
+
+def test_closed_writer_is_an_error_and_nothing_is_reopened(tmp_path) -> None:
+    writer = SummaryWriter(tmp_path)
+    writer.close()
+    threads, files = _writer_threads(), sorted(tmp_path.iterdir())
+    message = _error(_model(), writer=writer)
+    assert "writer= was closed" in message and repr(str(tmp_path)) in message
+    assert "pass an open SummaryWriter, or log_dir=" in message
+    assert sorted(tmp_path.iterdir()) == files and _writer_threads() == threads
 
 
 def _unwritable_dirs(tmp_path) -> list[str]:
