@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torchvision
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.tensorboard import SummaryWriter
 
 from tblog_hooks import HookLogger
@@ -79,6 +80,7 @@ class Config:
     #: configuration's block starts, so that it is not timed against the wrong one.
     settle: Callable[[], None] = lambda: None
     timings: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
+    hooks: HookLogger | None = None
 
 
 def config_none(model: nn.Module, every: int, log_dir: str) -> Config:
@@ -95,6 +97,7 @@ def config_tblog(model: nn.Module, every: int, log_dir: str) -> Config:
         logs=lambda step: step % every == 0,
         close=hooks.close,
         settle=lambda: hooks.writer.flush(),
+        hooks=hooks,
     )
 
 
@@ -234,6 +237,39 @@ def measure(workload: str, names: list[str], args: argparse.Namespace, device: t
     return results
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts dispatched aten ops: on a GPU nearly each one is a kernel launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_added(workload: str, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+    """Aten ops a logged step of ``HookLogger`` (defaults) adds to one training step, per watched
+    module, and those a step it does not log adds."""
+    model, x, y = make_workload(workload, args.batch, device)
+    with tempfile.TemporaryDirectory() as tmp:
+        counts = {}
+        for name in ("none", "tblog"):
+            cfg = MAKERS[name](copy.deepcopy(model), 2, os.path.join(tmp, name))
+            for step in range(5):  # 0, 2, 4 log; the last two steps are counted
+                counter = _OpCounter()
+                with counter:
+                    train_step(cfg, step, x, y)
+                counts[name, step % 2 == 0] = counter.count
+            modules = len(cfg.hooks.module_names) if cfg.hooks is not None else 0
+            cfg.close()
+    return {
+        "ops_per_module": (counts["tblog", True] - counts["none", True]) / modules,
+        "ops_non_logged": counts["tblog", False] - counts["none", False],
+    }
+
+
 def rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -325,11 +361,20 @@ def main() -> None:
     for workload in args.workload.split(","):
         with quiet_warnings():
             results[workload] = measure(workload, names, args, device)
+        if "tblog" in results[workload]:
+            results[workload]["tblog"].update(ops_added(workload, args, device))
         if args.rss_steps:
             for name in names:
                 results[workload][name].update(rss(workload, name, args))
     print(f"\n{environment(device)}; {args.steps} timed steps per configuration, logging every {args.every}\n")
     print(table(results))
+    for workload, by_config in results.items():
+        if "ops_per_module" in by_config.get("tblog", {}):
+            r = by_config["tblog"]
+            print(
+                f"{workload}: a logged step adds {r['ops_per_module']:.1f} aten ops per watched module "
+                f"(~kernel launches on a GPU); a step it does not log adds {r['ops_non_logged']}"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": environment(device), "args": vars(args), "results": results}, f, indent=2)

@@ -170,8 +170,7 @@ class Collector:
                     divisor = scale.to(norms[0].device).reshape(())
                     norms = list(torch._foreach_div(norms, divisor))
                     for row in samples.values():
-                        for t in (row.sample, row.lo, row.hi):
-                            t.div_(divisor)  # type: ignore[union-attr]  # parameter rows have extremes
+                        row.sample.div_(divisor)
                 # A later read (the next micro-batch's accumulated gradient) replaces an earlier one.
                 for key, grad, norm in zip(keys, grads, norms):
                     self._graded[key] = (Record(PARAM_GRAD, key, grad.numel(), (norm,)), samples.get(key))
@@ -234,12 +233,12 @@ class Collector:
         return values
 
     def _samples(self, kind: str, keys: list[str], tensors: list[Tensor]) -> dict[str, HistRow]:
-        """Histogram samples of parameters or their gradients (empty FSDP2 shards have none)."""
-        keep = [i for i, t in enumerate(tensors) if t.numel()]
-        lows, highs = stats.extremes([tensors[i] for i in keep])
+        """Histogram samples of parameters or their gradients, over the sample's own range (no
+        pass over the whole tensor); empty FSDP2 shards have none."""
         return {
-            keys[i]: HistRow(kind, keys[i], stats.sample(tensors[i]), tensors[i].numel(), lo, hi)
-            for i, lo, hi in zip(keep, lows, highs)
+            key: HistRow(kind, key, stats.sample(t), t.numel(), None, None)
+            for key, t in zip(keys, tensors)
+            if t.numel()
         }
 
     def _nonfinite_input(self, t: Tensor) -> Tensor:

@@ -64,8 +64,9 @@ class Destination:
         """Append one step's event (the caller flushes once the step's last event is added)."""
         self._check_open()
         proto = to_proto(summary)
-        for value in proto.value:
-            value.tag = self.tag(value.tag)
+        if self.prefix is not None:
+            for value in proto.value:
+                value.tag = self.tag(value.tag)
         self.writer._get_file_writer().add_summary(proto, global_step=summary.step)
 
     def add_text(self, tag: str, text: str, step: int) -> None:

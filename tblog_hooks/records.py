@@ -225,6 +225,9 @@ def pooled(entries: Iterable[Entry], values: np.ndarray) -> dict[tuple[Kind, str
         grouped.setdefault((entry.kind, entry.name), []).append(entry)
     out = {}
     for (kind, name), group in grouped.items():
+        if len(group) == 1:  # pooling one record changes nothing
+            out[(kind, name)] = (group[0].read(values), group[0].numel)
+            continue
         counts = np.array([e.numel for e in group], dtype=np.float64)
         read = [e.read(values) for e in group]
         fields = {}

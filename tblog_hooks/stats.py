@@ -21,8 +21,9 @@ from torch import Tensor
 BINS = 32
 #: Histograms of tensors with more elements than this are built from a fixed pseudo-random
 #: sample of this many elements (the same indices for every tensor of a size, step after step).
-#: Random rather than strided: a stride aliases with the layout (every k-th element of an NCHW
-#: map can lie in one column). Statistics, min, max and the histogram's total are exact.
+#: Jittered rather than strided: a stride aliases with the layout (every k-th element of an NCHW
+#: map can lie in one column). Statistics and the histogram's total are exact, and so are its
+#: min and max for activations and output gradients.
 SAMPLE_CAP = 1 << 13
 
 #: Columns of a histogram row, followed by ``BINS`` counts: bucket ``b`` covers
@@ -93,28 +94,20 @@ def norms(tensors: Sequence[Tensor]) -> list[Tensor]:
     return out  # type: ignore[return-value]
 
 
-def extremes(tensors: list[Tensor]) -> tuple[Sequence[Tensor], Sequence[Tensor]]:
-    """Minima and maxima of many tensors (NaN propagates), in a few ops where torch has
-    ``_foreach_max`` (2.6 and later)."""
-    if len(tensors) > 1 and hasattr(torch, "_foreach_max"):
-        return torch._foreach_neg(torch._foreach_max(torch._foreach_neg(tensors))), torch._foreach_max(tensors)
-    pairs = [torch.aminmax(t) for t in tensors]
-    return [lo for lo, _ in pairs], [hi for _, hi in pairs]
-
-
 def sample(x: Tensor) -> Tensor:
     """A flat copy of ``x``'s elements for its histogram: all of them up to :data:`SAMPLE_CAP`,
-    else a fixed pseudo-random subset (sorted indices from an integer hash: uniform, the same
-    for every tensor of a size, no generator state). A copy, so later in-place ops on ``x``
-    cannot change it."""
+    else one element at a pseudo-random place in each of ``SAMPLE_CAP`` equal stretches of it
+    (jittered: no stride to alias with the layout, and every stretch represented; from an
+    integer hash, so the same for every tensor of a size, no generator state). A copy, so later
+    in-place ops on ``x`` cannot change it."""
     n = x.numel()
     if not torch.compiler.is_compiling():
         return torch.take(x, _cached_index(n, x.device))
     # Traced into the graph: a cache would be one more guard, and one more graph.
     if n <= SAMPLE_CAP:
         return torch.take(x, torch.arange(n, device=x.device))
-    picked = _hash(torch.arange(1, SAMPLE_CAP + 1, device=x.device)).double() * (n / 2**32)
-    return torch.take(x, torch.sort(picked.long()).values)
+    jitter = _hash(torch.arange(1, SAMPLE_CAP + 1, device=x.device)).double() / 2**32
+    return torch.take(x, ((torch.arange(SAMPLE_CAP, device=x.device) + jitter) * (n / SAMPLE_CAP)).long())
 
 
 @functools.lru_cache(maxsize=512)
@@ -122,8 +115,8 @@ def _cached_index(n: int, device: torch.device) -> Tensor:
     """The indices :func:`sample` takes, made on the host once per size (no device op)."""
     if n <= SAMPLE_CAP:
         return _device_index(np.arange(n), device)
-    picked = _hash(np.arange(1, SAMPLE_CAP + 1, dtype=np.int64)) * (n / 2**32)
-    return _device_index(np.sort(picked.astype(np.int64)), device)
+    jitter = _hash(np.arange(1, SAMPLE_CAP + 1, dtype=np.int64)) / 2**32
+    return _device_index(((np.arange(SAMPLE_CAP) + jitter) * (n / SAMPLE_CAP)).astype(np.int64), device)
 
 
 H = TypeVar("H", Tensor, np.ndarray)
@@ -147,12 +140,11 @@ def histograms(
     ``[start, half_span, min, max, counts...]``; non-finite elements are left out.
     """
     device = samples[0].device
-    lengths = tuple(s.numel() for s in samples)
-    rows, offsets = _row_index(lengths, device)
     count = len(samples)
     values = torch.cat(samples)
     dtype = acc_dtype(values.dtype)
     values = values.to(dtype)
+    rows, offsets = _row_index(tuple(s.numel() for s in samples), device, dtype)
     inf = math.inf
     lo_s = torch.full((count,), inf, dtype=dtype, device=device)
     lo_s.scatter_reduce_(0, rows, torch.nan_to_num(values, nan=inf, posinf=inf, neginf=inf), "amin")
@@ -166,17 +158,20 @@ def histograms(
     hi = torch.maximum(torch.nan_to_num(hi_x, nan=-inf, posinf=-inf, neginf=-inf), hi_s)
     if len(set(keys)) < count:  # one range per key
         key_index = _device_index(np.asarray(keys, dtype=np.int64), device)
-        lo = torch.full_like(lo, inf).scatter_reduce_(0, key_index, lo, "amin")[key_index]
-        hi = torch.full_like(hi, -inf).scatter_reduce_(0, key_index, hi, "amax")[key_index]
+        lo = torch.full_like(lo, inf).scatter_reduce_(0, key_index, lo, "amin").index_select(0, key_index)
+        hi = torch.full_like(hi, -inf).scatter_reduce_(0, key_index, hi, "amax").index_select(0, key_index)
     # Halves: the span of a range reaching both ends of the dtype (-3e38..3e38 in float32) overflows.
-    half_span = hi / 2 - lo / 2
-    wide = half_span > 0  # false for constant rows and rows with no finite element
+    # Spans below the smallest normal number are widened to it (the edges follow), so that
+    # BINS / half_span stays finite.
+    half_span = (hi / 2 - lo / 2).clamp_min_(torch.finfo(dtype).tiny * BINS)
+    wide = hi > lo  # false for constant rows and rows with no finite element
     start = torch.where(wide, lo, torch.where(torch.isfinite(lo), lo - 0.5, 0.0))
     half_span = torch.where(wide, half_span, 0.5)
     # Row r's bucket b becomes the number r * BINS + b + 0.5, so one histc counts every row.
     # The scale stops just short of BINS, so the maximum lands in the last bucket; NaN and
-    # +-inf fall outside histc's range. Divide, then scale: BINS / half_span overflows for tiny spans.
-    position = values.mul_(0.5).sub_((start / 2)[rows]).div_(half_span[rows]).mul_(BINS * (1 - 2**-16))
+    # +-inf fall outside histc's range.
+    scale = torch.index_select(BINS * (1 - 2**-16) / half_span, 0, rows)
+    position = values.mul_(0.5).sub_(torch.index_select(start / 2, 0, rows)).mul_(scale)
     position = position.floor_().add_(offsets)
     counts = torch.histc(position, bins=count * BINS, min=0, max=count * BINS).view(count, BINS)
     head = torch.stack([start, half_span, lo, hi], dim=1)
@@ -184,10 +179,12 @@ def histograms(
 
 
 @functools.lru_cache(maxsize=64)
-def _row_index(lengths: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
-    """Per sampled element: its row, and ``row * BINS + 0.5`` (the same lengths recur every logged step)."""
+def _row_index(lengths: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Per sampled element: its row, and ``row * BINS + 0.5`` in ``dtype`` (the same lengths
+    recur every logged step)."""
     rows = np.repeat(np.arange(len(lengths)), lengths)
-    return _device_index(rows, device), _device_index(rows * BINS + 0.5, device)
+    offsets = (rows * BINS + 0.5).astype(np.float64 if dtype == torch.float64 else np.float32)
+    return _device_index(rows, device), _device_index(offsets, device)
 
 
 def _device_index(values: np.ndarray, device: torch.device) -> Tensor:

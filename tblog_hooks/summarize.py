@@ -58,32 +58,40 @@ def _histograms(meta: list[HistMeta], rows: np.ndarray) -> dict[str, Histogram]:
     sampled count stands for ``elements / sampled`` elements, so ``num`` is the exact number of
     elements where no sampled element is NaN/Inf. Empty leading and trailing buckets are
     trimmed; histograms without a finite element dropped."""
-    by_tag: dict[str, list[int]] = {}
-    for i, m in enumerate(meta):
-        by_tag.setdefault(tag(m.kind, m.name), []).append(i)
+    tags: dict[str, int] = {}
+    key = np.array([tags.setdefault(tag(m.kind, m.name), len(tags)) for m in meta])
     weights = np.array([m.numel / m.sampled for m in meta])
-    edges_at = np.arange(stats.BINS + 1) / stats.BINS
+    weighted = rows[:, stats.HIST_WIDTH - stats.BINS :] * weights[:, None]
+    first = np.unique(key, return_index=True)[1]  # each tag's first row: its bucket edges
+    if len(tags) == len(meta):
+        counts, lows, highs = weighted, rows[:, stats.H_MIN], rows[:, stats.H_MAX]
+    else:  # rows of one tag add up
+        counts = np.zeros((len(tags), stats.BINS))
+        np.add.at(counts, key, weighted)
+        lows, highs = np.full(len(tags), np.inf), np.full(len(tags), -np.inf)
+        np.minimum.at(lows, key, rows[:, stats.H_MIN])
+        np.maximum.at(highs, key, rows[:, stats.H_MAX])
+    start, half_span = rows[first, stats.H_START, None], rows[first, stats.H_HALF_SPAN, None]
+    edges = start + 2 * half_span * (np.arange(stats.BINS + 1) / stats.BINS)
+    centres = (edges[:, :-1] + edges[:, 1:]) / 2
+    filled = counts > 0
+    a = filled.argmax(axis=1)
+    b = stats.BINS - filled[:, ::-1].argmax(axis=1)
+    totals, sums, squares = counts.sum(axis=1), (counts * centres).sum(axis=1), (counts * centres**2).sum(axis=1)
+    narrow = np.any(np.diff(edges, axis=1) <= 0, axis=1)  # a span below float resolution at this magnitude
     out = {}
-    for key, index in by_tag.items():
-        counts = (rows[index, stats.HIST_WIDTH - stats.BINS :] * weights[index, None]).sum(axis=0)
-        filled = np.flatnonzero(counts > 0)
-        if not filled.size:
+    for name, i in tags.items():
+        if not totals[i]:
             continue  # no finite element
-        start, half_span = rows[index[0], [stats.H_START, stats.H_HALF_SPAN]]
-        edges = start + 2 * half_span * edges_at
-        centres = (edges[:-1] + edges[1:]) / 2
-        a, b = filled[0], filled[-1] + 1
-        limits = edges[a + 1 : b + 1]
-        if np.any(np.diff(limits) <= 0):  # a span below float resolution at this magnitude
-            limits = _strictly_increasing(limits)
-        out[key] = Histogram(
-            min=float(rows[index, stats.H_MIN].min()),
-            max=float(rows[index, stats.H_MAX].max()),
-            num=float(counts.sum()),
-            sum=float(counts @ centres),
-            sum_squares=float(counts @ (centres * centres)),
-            limits=limits.tolist(),
-            counts=counts[a:b].tolist(),
+        limits = edges[i, a[i] + 1 : b[i] + 1]
+        out[name] = Histogram(
+            min=float(lows[i]),
+            max=float(highs[i]),
+            num=float(totals[i]),
+            sum=float(sums[i]),
+            sum_squares=float(squares[i]),
+            limits=(_strictly_increasing(limits) if narrow[i] else limits).tolist(),
+            counts=counts[i, a[i] : b[i]].tolist(),
         )
     return out
 

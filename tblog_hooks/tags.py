@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from urllib.parse import unquote
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the same tags recur every logged step
 def tag(kind: str, *parts: str) -> str:
     """``kind/part/...``; module and parameter names are user data, so each part is escaped
     (see :func:`escape`) and ``/`` only ever separates the parts."""
