@@ -114,7 +114,7 @@ class Collector:
                         values = self._record(ACTIVATION, name, t)
                         if not torch.compiler.is_compiling() and not t.is_inference():  # (no weakref, no version)
                             # Read by the next module's pre-hook if its input is this very tensor.
-                            self._last_output = (weakref.ref(t), t._version, values[_NONFINITE])
+                            self._last_output = (weakref.ref(t), t._version, ACTIVATION.value(values, "nonfinite"))
             if self.options.gradients and counted.gradients:
                 for t in tensors:
                     if t.requires_grad:
@@ -147,10 +147,7 @@ class Collector:
             if not stats.loggable(grad):
                 return
             with torch.no_grad():
-                norm, bad, lo, hi = stats.gradient_stats(grad)
-                self._records.append(Record(GRADIENT, name, grad.numel(), (norm, bad)))
-                if self.options.histograms:
-                    self._hists.append(HistRow(GRADIENT.name, name, stats.sample(grad), grad.numel(), lo, hi))
+                self._record(GRADIENT, name, grad)
         except Exception as error:
             self.fail(name, error)
 
@@ -225,11 +222,13 @@ class Collector:
 
     # -- bookkeeping -----------------------------------------------------------------------
     def _record(self, kind: Kind, name: str, t: Tensor) -> tuple[Tensor, ...]:
-        """Statistics (and a histogram sample) of an output or input; returns the values."""
-        values = stats.tensor_stats(t)
+        """Statistics (and a histogram sample over their exact range) of an output, input or
+        output gradient; returns the values."""
+        values = kind.compute(t)  # type: ignore[misc]  # kinds recorded from tensors have one
         self._records.append(Record(kind, name, t.numel(), values))
         if self.options.histograms:
-            self._hists.append(HistRow(kind.name, name, stats.sample(t), t.numel(), values[_MIN], values[_MAX]))
+            lo, hi = kind.value(values, "min"), kind.value(values, "max")
+            self._hists.append(HistRow(kind.name, name, stats.sample(t), t.numel(), lo, hi))
         return values
 
     def _samples(self, kind: str, keys: list[str], tensors: list[Tensor]) -> dict[str, HistRow]:
@@ -299,10 +298,6 @@ class Collector:
         packed, layout = pack(records, device)
         layout.hists = rows
         return packed, layout
-
-
-#: Positions of the min, max and non-finite count in ``stats.tensor_stats``'s values.
-_MIN, _MAX, _NONFINITE = 2, 3, 5
 
 
 def _histograms(hists: list[HistRow], device: torch.device) -> tuple[Tensor, list[HistMeta]]:

@@ -1,11 +1,12 @@
-"""What a logged step records, declared once: each record kind names its fields, how repeated
-records of one module pool (several calls, micro-batches, ranks) and which scalars they become.
+"""What a logged step records, declared once: each record kind says what it computes on the
+device, its fields, how repeated records of one module pool (several calls, micro-batches,
+ranks) and which scalars they become.
 
 A hook appends a :class:`Record` holding device tensors. At the end of the step
 :func:`pack` turns every record into one float64 tensor (a handful of ops for the whole step)
 and a host-side :class:`Layout` of :class:`Entry` objects that say where each field landed;
 :func:`pooled` reads them back and pools them per module. Adding a statistic is one change
-to a :class:`Kind` below (its device function lives in ``stats.py``).
+to a kind below: its device function, its field, its scalar.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .stats import acc_dtype, nonfinite
 from .tags import tag
 
 Values = dict[str, np.ndarray]
@@ -77,11 +79,36 @@ class Kind:
     scalars: Callable[[Values, int], dict[str, float]]  # (pooled fields, elements in all records) -> {stat: value}
     #: Pooled over ranks with ``reduce_ranks=True`` (one record per call); otherwise rank 0's.
     per_call: bool = False
+    #: The record's values of a tensor, in field order (call under ``no_grad``); for kinds
+    #: recorded from a tensor's statistics.
+    compute: Callable[[Tensor], tuple[Tensor, ...]] | None = None
+
+    def value(self, values: Sequence[Tensor], name: str) -> Tensor:
+        """The device value of the one-part field ``name`` among a record's ``values``."""
+        position = 0
+        for f in self.fields:
+            if f.name == name:
+                return values[position]
+            position += f.parts
+        raise KeyError(name)
 
 
 def _finite(stat: str, value: float) -> dict[str, float]:
     """A scalar left out where undefined (the update ratio of an all-zero weight)."""
     return {stat: value} if math.isfinite(value) else {}
+
+
+def _tensor_values(x: Tensor) -> tuple[Tensor, ...]:
+    """Exact statistics of ``x``: mean and centred L2 norm (float32 or wider; centring costs one
+    pass and keeps the standard deviation accurate when |mean| >> std), min, max, nonzero and
+    non-finite counts, and per channel (dim 1) the largest value."""
+    dtype = acc_dtype(x.dtype)
+    mean = x.mean(dtype=dtype)
+    # 16-bit inputs are centred in float32: a 16-bit x - mean would round each term.
+    centred = x - mean if x.dtype == dtype else x.to(dtype).sub_(mean)
+    lo, hi = torch.aminmax(x)
+    peak = x.amax(dim=(0, *range(2, x.dim()))) if x.dim() >= 2 else x.new_empty(0)
+    return mean, torch.linalg.vector_norm(centred), lo, hi, torch.count_nonzero(x), nonfinite(x), peak
 
 
 def _tensor_scalars(v: Values, count: int) -> dict[str, float]:
@@ -101,6 +128,12 @@ def _tensor_scalars(v: Values, count: int) -> dict[str, float]:
     return out
 
 
+def _gradient_values(g: Tensor) -> tuple[Tensor, ...]:
+    """L2 norm (float32 or wider), non-finite count, min and max (its histogram's range) of a gradient."""
+    lo, hi = torch.aminmax(g)
+    return torch.linalg.vector_norm(g, dtype=acc_dtype(g.dtype)), nonfinite(g), lo, hi
+
+
 def _gradient_scalars(v: Values, count: int) -> dict[str, float]:
     return {"norm": float(v["norm"][0]), "nonfinite": float(v["nonfinite"][0])}
 
@@ -114,11 +147,15 @@ _TENSOR_FIELDS = (
     Field("peak", _pool_max),  # per channel (dim 1): the largest value, for dead units
 )
 #: A watched module's output (``activation/*``) and, with ``inputs=True``, its input (``input/*``).
-ACTIVATION = Kind("activation", _TENSOR_FIELDS, _tensor_scalars, per_call=True)
-INPUT = Kind("input", _TENSOR_FIELDS, _tensor_scalars, per_call=True)
+ACTIVATION = Kind("activation", _TENSOR_FIELDS, _tensor_scalars, per_call=True, compute=_tensor_values)
+INPUT = Kind("input", _TENSOR_FIELDS, _tensor_scalars, per_call=True, compute=_tensor_values)
 #: The gradient w.r.t. a module's output: ``gradient/norm`` and ``gradient/nonfinite``.
 GRADIENT = Kind(
-    "gradient", (Field("norm", _pool_norm), Field("nonfinite", _pool_sum)), _gradient_scalars, per_call=True
+    "gradient",
+    (Field("norm", _pool_norm), Field("nonfinite", _pool_sum), Field("min", _pool_min), Field("max", _pool_max)),
+    _gradient_scalars,
+    per_call=True,
+    compute=_gradient_values,
 )
 #: A parameter's final gradient: ``param_grad/norm`` (``param_grad/global_norm`` is derived from all).
 PARAM_GRAD = Kind("param_grad", (Field("norm", _pool_first),), lambda v, n: {"norm": float(v["norm"][0])})

@@ -54,26 +54,6 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def tensor_stats(x: Tensor) -> tuple[Tensor, ...]:
-    """Exact statistics of ``x`` (call under ``no_grad``), in ``records.ACTIVATION`` field order:
-    mean and centred L2 norm (float32 or wider), min, max, nonzero and non-finite counts, and per
-    channel (dim 1) the largest value. Centring costs one pass and keeps the standard deviation
-    accurate when |mean| >> std."""
-    dtype = acc_dtype(x.dtype)
-    mean = x.mean(dtype=dtype)
-    # 16-bit inputs are centred in float32: a 16-bit x - mean would round each term.
-    centred = x - mean if x.dtype == dtype else x.to(dtype).sub_(mean)
-    lo, hi = torch.aminmax(x)
-    peak = x.amax(dim=(0, *range(2, x.dim()))) if x.dim() >= 2 else x.new_empty(0)
-    return mean, torch.linalg.vector_norm(centred), lo, hi, torch.count_nonzero(x), nonfinite(x), peak
-
-
-def gradient_stats(g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """L2 norm (float32 or wider), non-finite count, min and max of a gradient."""
-    lo, hi = torch.aminmax(g)
-    return torch.linalg.vector_norm(g, dtype=acc_dtype(g.dtype)), nonfinite(g), lo, hi
-
-
 def nonfinite(x: Tensor) -> Tensor:
     """Count of NaN/Inf elements (int64, on the tensor's device)."""
     return torch.count_nonzero(x * 0)  # inf * 0 and nan * 0 are nan, finite * 0 is 0

@@ -3,6 +3,7 @@ logging stops, and the model trains exactly as it would without the logger."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import threading
@@ -17,7 +18,7 @@ from conftest import read_run
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from tblog_hooks import HookLogger, stats
+from tblog_hooks import HookLogger, collect, stats
 
 STEPS = 3
 
@@ -119,7 +120,7 @@ def test_output_type_the_statistics_cannot_handle(tmp_path) -> None:
     ("where", "expected", "logged"),
     [
         # In a tensor hook inside backward: step 0's activations were recorded before it.
-        ("gradient_stats", "logging for '0' failed", {0}),
+        ("gradient", "logging for '0' failed", {0}),
         # In the forward hook, after the statistics row of step 0.
         ("sample", "logging for '0' failed", {0}),
         # When step() packs the step: all logging stops, nothing is written.
@@ -130,7 +131,10 @@ def test_fault_in_a_statistic_is_reported_once(tmp_path, monkeypatch, where: str
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError(f"injected fault in {where}")
 
-    monkeypatch.setattr(stats, where, broken)
+    if where == "gradient":  # the device function of output-gradient records
+        monkeypatch.setattr(collect, "GRADIENT", dataclasses.replace(collect.GRADIENT, compute=broken))
+    else:
+        monkeypatch.setattr(stats, where, broken)
     messages = _run_with_logger(tmp_path, modules=["0"], parameters=False)
     assert len(messages) == 1 and expected in messages[0] and f"injected fault in {where}" in messages[0]
     run = read_run(tmp_path)

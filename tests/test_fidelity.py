@@ -94,7 +94,6 @@ def test_histograms_are_faithful_to_the_full_tensors(tmp_path: Path) -> None:
         truth = _exact_counts(full.reshape(-1), list(logged.bucket_limit))
         distances[tag] = 0.5 * np.abs(np.asarray(logged.bucket) / logged.num - truth / truth.sum()).sum()
     worst = max(distances, key=distances.__getitem__)
-    print("TV median", np.median(list(distances.values())), "worst", worst, distances[worst])
     assert len(distances) == 2 * len(hooks.module_names)
     assert np.median(list(distances.values())) <= 0.02
     assert distances[worst] <= 0.05, (worst, distances[worst])
