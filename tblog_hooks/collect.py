@@ -177,7 +177,7 @@ class Collector:
 
     def on_weights(self, named: list[tuple[str, Tensor]]) -> None:
         """Histograms of the weights whose gradients this step recorded, as they are at the end
-        of the step (after the update); all in a few ops, not a few per parameter."""
+        of the step (after the update)."""
         named = [(key, p) for key, p in named if key in self._graded]
         if not named or not self.options.histograms:
             return
@@ -196,7 +196,7 @@ class Collector:
             return
         try:
             with torch.no_grad():
-                weights = [p.detach() for _, p in named]
+                weights = [p for _, p in named]
                 self._before_update = (named, stats.norms(weights), list(torch._foreach_mul(weights, 1.0)))
         except Exception as error:
             self.fail("update_ratio", error)
@@ -210,7 +210,7 @@ class Collector:
         self._before_update = None
         try:
             with torch.no_grad():
-                torch._foreach_sub_(before, [p.detach() for _, p in named])
+                torch._foreach_sub_(before, [p for _, p in named])
                 for (key, _), ratio in zip(named, torch._foreach_div(stats.norms(before), norms)):
                     self.record_scalar(tag(PARAM, "update_ratio", key), ratio)
         except Exception as error:
