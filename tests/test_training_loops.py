@@ -236,3 +236,28 @@ def test_resnet_reused_relu_pools_both_calls(tmp_path) -> None:
     assert scalars["activation/mean/layer1.0.relu"] == pytest.approx(float(both.mean()), rel=1e-5)
     assert scalars["activation/zero_frac/layer1.0.relu"] == pytest.approx(float((both == 0).double().mean()))
     assert read_run(tmp_path).histograms["activation/layer1.0.relu"][0].num == pytest.approx(both.numel())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_sparse_gradients_are_logged_as_their_dense_values(tmp_path, device: str, with_optimizer: bool) -> None:
+    model = nn.Sequential(nn.Embedding(50, 4, sparse=True), nn.Linear(4, 1)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # Repeated ids within and across two micro-batches: the accumulated .grad repeats indices.
+    batches = [torch.tensor(ids, device=device) for ids in ([[3, 7, 3], [9, 3, 7]], [[7, 11, 3], [3, 3, 40]])]
+    optimizer = opt if with_optimizer else None
+    with HookLogger(model, log_dir=tmp_path, every=1, optimizer=optimizer) as hooks:
+        for ids in batches:
+            model(ids).square().mean().backward()
+        grads = {name: p.grad.to_dense().double().cpu() for name, p in model.named_parameters()}
+        opt.step()
+        hooks.step()
+    assert not model[0].weight.grad.is_coalesced()
+    run = read_run(tmp_path)
+    for name, grad in grads.items():
+        assert run.scalar(f"param_grad/norm/{name}", 0) == pytest.approx(float(grad.norm()), rel=1e-5), name
+    total = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
+    assert run.scalar("param_grad/global_norm", 0) == pytest.approx(total, rel=1e-5)
+    rows = grads["0.weight"][[3, 7, 9, 11, 40]]  # the rows looked up: the sparse gradient's values
+    hist = run.histograms["param_grad/0.weight"][0]
+    assert (hist.num, hist.min, hist.max) == (rows.numel(), pytest.approx(rows.min()), pytest.approx(rows.max()))
