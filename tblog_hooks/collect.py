@@ -157,10 +157,10 @@ class Collector:
     def on_params(self, named: list[tuple[str, Tensor]]) -> None:
         """Record gradient norms (and histograms) of parameters whose ``.grad`` is final."""
         try:
-            graded = [(key, g) for key, p in named if key not in self.disabled and (g := _gradient(p.grad))]
-            if not graded:
-                return
-            with torch.no_grad():
+            with torch.no_grad():  # (a gradient of create_graph=True backward requires grad)
+                graded = [(key, g) for key, p in named if key not in self.disabled and (g := _gradient(p.grad))]
+                if not graded:
+                    return
                 keys = [key for key, _ in graded]
                 grads = [g for _, (g, _) in graded]
                 shown = [h for _, (_, h) in graded]

@@ -110,7 +110,7 @@ def sparse_values(g: Tensor) -> tuple[Tensor, Tensor]:
     first = torch.ones_like(key, dtype=torch.bool)
     first[1:] = key[1:] != key[:-1]
     slot = torch.cumsum(first, 0) - 1  # where each sorted entry's sum goes
-    summed = torch.zeros_like(values).index_add_(0, slot, values[order])
+    summed = torch.zeros_like(values).index_add_(0, slot, values.index_select(0, order))
     used = (torch.arange(key.numel(), device=key.device) <= slot[-1]).view(-1, *[1] * (values.dim() - 1))
     return summed, torch.where(used, summed, math.nan)
 
