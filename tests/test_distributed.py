@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import time
 import warnings
 from pathlib import Path
@@ -133,6 +134,18 @@ def _failures_worker(rank: int, root: str) -> None:
             assert "different calls of the watched modules" in str(warning.message), warning
             caught.clear()
 
+            # Rank 0 cannot write step 0 and stops; at step 1 rank 1 learns it and stops too; no
+            # collective after that (step 2 would wait for rank 0 alone).
+            where = {"writer": _FailingWriter(f"{root}/broken")} if rank == 0 else {}
+            with HookLogger(model, every=1, reduce_ranks=True, **where) as hooks:  # type: ignore[arg-type]
+                for _ in range(3):
+                    model(torch.randn(4, 16)).sum().backward()
+                    hooks.step()
+            (warning,) = caught
+            expected = "writing step 0 to TensorBoard failed" if rank == 0 else "rank(s) [0] stopped logging"
+            assert expected in str(warning.message), warning
+            caught.clear()
+
             # Rank 1 raises inside a logged step, rank 0 once rank 1 is out: neither waits in a collective.
             signal = Path(root, "rank1_out")
             if rank == 1:
@@ -158,6 +171,13 @@ def _failures_worker(rank: int, root: str) -> None:
 
 
 TIMEOUT = datetime.timedelta(seconds=20)
+
+
+class _FailingWriter(SummaryWriter):
+    """A writer whose flush fails, as on a lost network file system."""
+
+    def flush(self) -> None:
+        raise OSError(errno.EIO, "Input/output error")
 
 
 def _one_output() -> nn.Sequential:
