@@ -216,15 +216,17 @@ class HookLogger:
         Called while an exception propagates (a ``with`` block left by one, or ``close()`` in
         an ``except``/``finally``), it enters no collective: the other ranks may never reach
         theirs. A logged step that needs the other ranks is then dropped."""
+        self._close(failing=sys.exc_info()[1] is not None)
+
+    def _close(self, *, failing: bool) -> None:
         if self._closed:
             return
         self._closed = True
         try:
-            if self._in_logged_step:
-                if sys.exc_info()[1] is None or not self._ranks.needed:
-                    self._end_logged_step()
-                else:
-                    self._in_logged_step = self._collector.active = False
+            if self._in_logged_step and failing and self._ranks.needed:
+                self._in_logged_step = self._collector.active = False  # dropped, see close()
+            elif self._in_logged_step:
+                self._end_logged_step()
             self._write(wait=True)
             if self._writer is not None and not self._off:
                 self._diagnostics.close(self._writer)
@@ -249,7 +251,7 @@ class HookLogger:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        self._close(failing=exc is not None)  # an exception handled around the block is not ours
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"step={self._step}"

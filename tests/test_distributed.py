@@ -146,6 +146,12 @@ def _failures_worker(rank: int, root: str) -> None:
             assert expected in str(warning.message), warning
             caught.clear()
 
+            try:  # a with-block left normally inside an except clause ends its step on every rank
+                raise KeyError("handled before the block")
+            except KeyError:
+                with HookLogger(model, log_dir=f"{root}/handled{rank}", every=1, reduce_ranks=True):
+                    model(_batch(rank, 0, inputs=16)).sum().backward()
+
             # Rank 1 raises inside a logged step, rank 0 once rank 1 is out: neither waits in a collective.
             signal = Path(root, "rank1_out")
             if rank == 1:
@@ -214,4 +220,6 @@ def test_failures_and_pooling_on_two_cpu_processes(tmp_path: Path) -> None:
     assert set(run.scalars["param_grad/global_norm"]) == {0, 1}
     assert run.histograms["param_grad/1.bias"][0].num == 1  # rank 0's shard holds the one element
 
+    pooled = _one_output()[0](torch.cat([_batch(rank, 0, inputs=16) for rank in range(WORLD)])).detach()
+    assert read_run(tmp_path / "handled0").scalar("activation/max/0", 0) == pytest.approx(float(pooled.max()))
     assert not read_run(tmp_path / "differ0").scalars  # logging stopped before step 0 was written
