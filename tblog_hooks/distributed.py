@@ -97,7 +97,7 @@ class Ranks:
         (``numels``: their element counts, from :meth:`agree`) as further calls."""
         sharded = [e.spans[0][0] for e in self._sharded(layout)]
         if sharded:
-            index = torch.tensor(sharded, device=packed.device)
+            index = _index(np.array(sharded), packed.device)
             squares = packed[index].square()
             dist.all_reduce(squares)
             packed = packed.index_copy(0, index, squares.sqrt())
@@ -106,8 +106,7 @@ class Ranks:
             return packed, layout
         lengths = [n for e in per_call for _, n in e.spans]
         positions = np.concatenate([np.arange(a, a + n) for e in per_call for a, n in e.spans])
-        # From pageable memory, non_blocking does not wait for the device's queued work.
-        mine = packed.index_select(0, torch.from_numpy(positions).to(packed.device, non_blocking=True))
+        mine = packed.index_select(0, _index(positions, packed.device))
         gathered = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(gathered, mine)
         entries, offset = list(layout.entries), layout.size
@@ -134,3 +133,9 @@ class Ranks:
 
     def _sharded(self, layout: Layout) -> list[Entry]:
         return [e for e in layout.of(PARAM_GRAD) if e.name in self.sharded]
+
+
+def _index(positions: np.ndarray, device: torch.device) -> Tensor:
+    """Host positions as an index tensor on ``device``; copied from pageable memory with
+    ``non_blocking``, which does not wait for the device's queued work (a blocking copy would)."""
+    return torch.from_numpy(positions.astype(np.int64)).to(device, non_blocking=True)
