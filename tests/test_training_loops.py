@@ -261,3 +261,17 @@ def test_sparse_gradients_are_logged_as_their_dense_values(tmp_path, device: str
     rows = grads["0.weight"][[3, 7, 9, 11, 40]]  # the rows looked up: the sparse gradient's values
     hist = run.histograms["param_grad/0.weight"][0]
     assert (hist.num, hist.min, hist.max) == (rows.numel(), pytest.approx(rows.min()), pytest.approx(rows.max()))
+
+
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_clipped_gradients_are_logged_only_with_the_optimizer(tmp_path, with_optimizer: bool) -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt if with_optimizer else None) as hooks:
+        model(torch.randn(8, 6)).square().sum().backward()
+        before = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5))
+        opt.step()
+        hooks.step()
+    assert before > 1  # the clipping changed the gradients
+    expected = 0.5 if with_optimizer else before
+    assert read_run(tmp_path).scalar("param_grad/global_norm", 0) == pytest.approx(expected, rel=1e-5)
