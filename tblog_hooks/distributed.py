@@ -83,7 +83,7 @@ class Ranks:
         dist.all_gather_object(told, mine)
         stopped = [rank for rank, theirs in enumerate(told) if theirs is None]
         if stopped:
-            raise RuntimeError(f"rank(s) {stopped} stopped logging")
+            raise RuntimeError(f"rank(s) {stopped} stopped logging (the warning on that rank says why)")
         if len({theirs[0] for theirs in told if theirs is not None}) > 1:
             counts = [len(theirs[1]) for theirs in told if theirs is not None]
             raise RuntimeError(
