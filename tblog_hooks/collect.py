@@ -155,13 +155,14 @@ class Collector:
         """Record gradient norms (and histograms) of parameters whose ``.grad`` is final; divided
         on the device by ``scale``, the loss scale still in ``.grad`` (see ``amp.grad_scale``)."""
         try:
-            named = [(key, p) for key, p in named if key not in self.disabled and stats.loggable(p.grad)]
-            if not named:
-                return
-            with torch.no_grad():
-                grads = [local_shard(p.grad) for _, p in named]  # type: ignore[arg-type]  # loggable: not None
-                keys = [key for key, _ in named]
-                samples = self._samples(PARAM_GRAD.name, keys, grads) if self.options.histograms else {}
+            with torch.no_grad():  # (a gradient of create_graph=True backward requires grad)
+                graded = [(key, g) for key, p in named if key not in self.disabled and (g := _gradient(p.grad))]
+                if not graded:
+                    return
+                keys = [key for key, _ in graded]
+                grads = [g for _, (g, _) in graded]
+                shown = [h for _, (_, h) in graded]
+                samples = self._samples(PARAM_GRAD.name, keys, shown) if self.options.histograms else {}
                 norms = stats.norms(grads)
                 if scale is not None:  # a fused optimizer's gradients, still scaled: unscaled here
                     divisor = scale.to(norms[0].device).reshape(())
@@ -323,6 +324,18 @@ T = TypeVar("T", Tensor, Optional[Tensor])
 def _on(device: torch.device, tensors: list[T]) -> list[T]:
     """Results of a model spread over several devices, moved to one (a no-op on one device)."""
     return [t if t is None or t.device == device else t.to(device, non_blocking=True) for t in tensors]
+
+
+def _gradient(grad: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    """A parameter's gradient as dense tensors for its norm and its histogram: this rank's shard
+    of an FSDP2 gradient, the summed values of a sparse one (``stats.sparse_values``); ``None``
+    if it is not logged."""
+    if grad is not None and grad.layout == torch.sparse_coo and grad.dtype in stats.FLOAT_DTYPES:
+        return stats.sparse_values(grad)
+    if not stats.loggable(grad):
+        return None
+    local = local_shard(grad)  # type: ignore[arg-type]  # loggable: a tensor
+    return local, local
 
 
 def _loggable_leaves(tree: object) -> list[Tensor]:

@@ -1,19 +1,24 @@
 """Several processes (DDP, FSDP2): who writes, and the collectives of a logged step.
 
 Rank 0 writes (other ranks only when given their own ``writer=``). Every rank packs its
-logged step as usual; then, on all ranks together, at most two collectives per logged step:
+logged step as usual; then, on all ranks together, at the end of each logged step:
 
+- one ``all_gather_object`` of a small host-side description of what each rank recorded (a
+  hash of its layout and its element counts). Ranks that recorded different calls, or a rank
+  that stopped logging, would otherwise make collectives of different sizes, which gloo
+  aborts on and NCCL hangs or misreads; instead every rank learns it and logging stops;
 - FSDP2 parameters are sharded: each rank has the norm of its local shard, so the squares
   are summed with one ``all_reduce`` (the norm of the whole gradient, as unsharded);
-- with ``reduce_ranks=True`` one ``all_gather`` of the packed tensor lets the writer pool the
-  per-call records (activations, inputs, output gradients; ``Kind.per_call``) over every
-  rank's calls, exactly as it pools several calls of a module in one process. Parameter
-  gradients (already averaged by DDP) and histograms are rank 0's.
+- with ``reduce_ranks=True`` one ``all_gather`` of the per-call values (activations, inputs,
+  output gradients; ``Kind.per_call``) lets the writer pool them over every rank's calls,
+  exactly as it pools several calls of a module in one process. Parameter gradients (already
+  averaged by DDP) and histograms are the writing rank's own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .records import PARAM_GRAD, Layout
+from .records import PARAM_GRAD, Entry, Layout
 
 if TYPE_CHECKING:
     from typing import TypeGuard
@@ -65,32 +70,72 @@ class Ranks:
         """Whether every rank must take part in logged steps, writing or not."""
         return self.reduce or bool(self.sharded)
 
-    def combine(self, packed: Tensor, layout: Layout) -> Tensor:
-        """Sum sharded parameter norms, then gather every rank's packed tensor if reducing
-        (rows: ranks). Every rank must call this with the same layout."""
-        sharded = [e.spans[0][0] for e in layout.of(PARAM_GRAD) if e.name in self.sharded]
+    def stop(self) -> None:
+        """No collectives from now on (all ranks stop together, see :meth:`agree`)."""
+        self.reduce, self.sharded = False, set()
+
+    def agree(self, layout: Layout | None) -> list[list[int]]:
+        """Exchange what each rank recorded (``None``: this rank stopped logging); every
+        rank's per-call element counts if all recorded the same calls. Raises ``RuntimeError``
+        on every rank alike otherwise: the collectives that follow would not match."""
+        mine = None if layout is None else (self._fingerprint(layout), [e.numel for e in self._per_call(layout)])
+        told: list[tuple[str, list[int]] | None] = [None] * self.world
+        dist.all_gather_object(told, mine)
+        stopped = [rank for rank, theirs in enumerate(told) if theirs is None]
+        if stopped:
+            raise RuntimeError(f"rank(s) {stopped} stopped logging (the warning on that rank says why)")
+        if len({theirs[0] for theirs in told if theirs is not None}) > 1:
+            counts = [len(theirs[1]) for theirs in told if theirs is not None]
+            raise RuntimeError(
+                f"the ranks recorded different calls of the watched modules (per-call records by rank: {counts}); "
+                "with reduce_ranks=True every rank must call the same watched modules in a logged step"
+            )
+        return [theirs[1] for theirs in told if theirs is not None]
+
+    def combine(self, packed: Tensor, layout: Layout, numels: list[list[int]]) -> tuple[Tensor, Layout]:
+        """Sum sharded parameter norms; if reducing, append every other rank's per-call values
+        (``numels``: their element counts, from :meth:`agree`) as further calls."""
+        sharded = [e.spans[0][0] for e in self._sharded(layout)]
         if sharded:
-            index = torch.tensor(sharded, device=packed.device)
+            index = _index(np.array(sharded), packed.device)
             squares = packed[index].square()
             dist.all_reduce(squares)
             packed = packed.index_copy(0, index, squares.sqrt())
-        if not self.reduce:
-            return packed
-        gathered = [torch.empty_like(packed) for _ in range(self.world)]
-        dist.all_gather(gathered, packed)
-        return torch.stack(gathered)
+        per_call = self._per_call(layout)
+        if not (self.reduce and per_call):
+            return packed, layout
+        lengths = [n for e in per_call for _, n in e.spans]
+        positions = np.concatenate([np.arange(a, a + n) for e in per_call for a, n in e.spans])
+        mine = packed.index_select(0, _index(positions, packed.device))
+        gathered = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(gathered, mine)
+        entries, offset = list(layout.entries), layout.size
+        for rank in range(self.world):
+            if rank == self.rank:
+                continue
+            starts = iter((offset + np.cumsum([0, *lengths[:-1]])).tolist())
+            for entry, numel in zip(per_call, numels[rank]):
+                spans = tuple((next(starts), n) for _, n in entry.spans)
+                entries.append(dataclasses.replace(entry, numel=numel, spans=spans))
+            offset += positions.size
+        others = [t for rank, t in enumerate(gathered) if rank != self.rank]
+        return torch.cat([packed, *others]), dataclasses.replace(layout, entries=entries, size=offset)
+
+    def _fingerprint(self, layout: Layout) -> str:
+        """What must match across ranks for the collectives: the per-call records (kind,
+        module, lengths) and the sharded parameters recorded, hashed; element counts may differ."""
+        shape = [(e.kind.name, e.name, tuple(n for _, n in e.spans)) for e in self._per_call(layout)]
+        described = repr((shape, [e.name for e in self._sharded(layout)])).encode()
+        return hashlib.blake2b(described, digest_size=16).hexdigest()
+
+    def _per_call(self, layout: Layout) -> list[Entry]:
+        return [e for e in layout.entries if e.kind.per_call] if self.reduce else []
+
+    def _sharded(self, layout: Layout) -> list[Entry]:
+        return [e for e in layout.of(PARAM_GRAD) if e.name in self.sharded]
 
 
-def merge_ranks(values: np.ndarray, layout: Layout) -> tuple[np.ndarray, Layout]:
-    """One packed array from a ``(ranks, n)`` gather: every rank's per-call records, as if they
-    were further calls on one rank; the other records (parameters, histograms) of rank 0."""
-    size = values.shape[1]
-    entries = list(layout.entries)
-    for rank in range(1, values.shape[0]):
-        shift = rank * size
-        entries += [
-            dataclasses.replace(e, spans=tuple((a + shift, n) for a, n in e.spans))
-            for e in layout.entries
-            if e.kind.per_call
-        ]
-    return values.reshape(-1), dataclasses.replace(layout, entries=entries)
+def _index(positions: np.ndarray, device: torch.device) -> Tensor:
+    """Host positions as an index tensor on ``device``; copied from pageable memory with
+    ``non_blocking``, which does not wait for the device's queued work (a blocking copy would)."""
+    return torch.from_numpy(positions.astype(np.int64)).to(device, non_blocking=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 import tempfile
 import warnings
 import weakref
@@ -22,7 +23,7 @@ from . import amp
 from .collect import Collector, Options
 from .destination import Destination, is_closed
 from .diagnose import Diagnostics
-from .distributed import Ranks, is_sharded, merge_ranks
+from .distributed import Ranks, is_sharded
 from .errors import HookLoggerError
 from .health import Finding, Thresholds
 from .hooks import ForwardHook, ForwardPreHook, Handles, OptimizerHooks, ParamGradHook, ours
@@ -141,6 +142,7 @@ class HookLogger:
         self._pending: deque[tuple[int, Transfer, Layout]] = deque()  # logged steps on their way to the host
         self._step = start_step
         self._closed = False
+        self._in_logged_step = False  # between _begin_logged_step and _end_logged_step
         self._module_names = tuple(selected)
         self._diagnostics = Diagnostics(self._module_names, self._collector.forward_order, health)
         self._watched = Watched(model, selected, parameters=parameters)
@@ -220,8 +222,9 @@ class HookLogger:
         """Mark the end of one optimizer step; logs it if its index is a multiple of ``every``."""
         if self._closed:
             raise HookLoggerError("step() called after close(); create a new HookLogger to log again")
-        if self._collector.active:
-            self._check_stepped()  # not in close(): a step begun but not trained is no evidence
+        if self._in_logged_step:
+            if self._collector.active:
+                self._check_stepped()  # not in close(): a step begun but not trained is no evidence
             self._end_logged_step()
         self._step += 1
         self._write(wait=False)
@@ -230,12 +233,21 @@ class HookLogger:
 
     def close(self) -> None:
         """Write everything pending, remove every hook, close the writer if the logger made it.
-        Safe to call twice; afterwards the logger holds no reference to the model."""
+        Safe to call twice; afterwards the logger holds no reference to the model.
+
+        Called while an exception propagates (a ``with`` block left by one, or ``close()`` in
+        an ``except``/``finally``), it enters no collective: the other ranks may never reach
+        theirs. A logged step that needs the other ranks is then dropped."""
+        self._close(failing=sys.exc_info()[1] is not None)
+
+    def _close(self, *, failing: bool) -> None:
         if self._closed:
             return
         self._closed = True
         try:
-            if self._collector.active:
+            if self._in_logged_step and failing and self._ranks.needed:
+                self._in_logged_step = self._collector.active = False  # dropped, see close()
+            elif self._in_logged_step:
                 self._end_logged_step()
             self._write(wait=True)
             if self._destination is not None and not self._off:
@@ -258,7 +270,7 @@ class HookLogger:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        self._close(failing=exc is not None)  # an exception handled around the block is not ours
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"step={self._step}"
@@ -269,6 +281,8 @@ class HookLogger:
 
     # -- internals ----------------------------------------------------------------------------
     def _begin_logged_step(self) -> None:
+        # A rank that stopped logging still ends logged steps while the others expect it.
+        self._in_logged_step = not self._off or self._ranks.needed
         if self._off:
             return
         self._collector.active = True
@@ -308,25 +322,32 @@ class HookLogger:
             )
 
     def _end_logged_step(self) -> None:
-        self._collector.active = False
+        self._in_logged_step = self._collector.active = False
         self._collector.passes.reset()
         self._step_handles.remove_all()
         if self._optimizer_hooks is not None:
             self._optimizer_hooks.clear()
+        packed = None
         try:
             self._collector.on_weights(self._watched.params())
             if self._amp is not None and not self._collector.empty:
                 self._amp.finish(self._collector)
             packed = self._collector.finish()
-            if packed is None:
-                return
-            values, layout = packed
-            if self._ranks.needed:
-                values = self._ranks.combine(values, layout)
-            if self._writer is not None:
-                self._pending.append((self._step, Transfer(values), layout))
-        except Exception as error:  # e.g. histc under deterministic CUDA, a broken process group
+        except Exception as error:  # e.g. histc under deterministic CUDA
             self._switch_off(f"packing step {self._step}", error)
+        if self._ranks.needed:
+            # Every rank takes part, even one that recorded nothing or stopped logging; if the
+            # ranks' records cannot be combined, or a collective fails, every rank stops logging
+            # (a warning each) instead of aborting or hanging in mismatched collectives.
+            try:
+                numels = self._ranks.agree(None if self._off else packed[1] if packed else Layout())
+                packed = None if packed is None else self._ranks.combine(*packed, numels)
+            except Exception as error:  # different calls on different ranks, a broken process group
+                packed = None
+                self._ranks.stop()
+                self._switch_off(f"combining step {self._step} over ranks", error)
+        if packed is not None and self._writer is not None and not self._off:
+            self._pending.append((self._step, Transfer(packed[0]), packed[1]))
 
     def _write(self, *, wait: bool) -> None:
         """Write finished transfers in step order; with ``wait``, all of them."""
@@ -340,9 +361,7 @@ class HookLogger:
                 self._switch_off(f"writing step {step} to TensorBoard", error)
 
     def _summarize(self, step: int, values: np.ndarray, layout: Layout) -> StepSummary:
-        """Host side of a logged step: pool the ranks' records, decode, undo the AMP loss scale."""
-        if values.ndim == 2:
-            values, layout = merge_ranks(values, layout)
+        """Host side of a logged step: decode (pooling the ranks' records), undo the AMP loss scale."""
         summary = summarize(step, values, layout)
         amp.unscale(summary, param_grads_scaled=self._optimizer_hooks is None)
         return summary

@@ -6,10 +6,14 @@ per call of a watched module:
 
 - a call in training mode with gradients enabled, outside backward, is a training pass:
   its activations are recorded and its output gradient is watched;
-- a call inside backward is a checkpoint recompute. It stands in for an earlier call of the
-  same module that ran in training mode without gradients (``use_reentrant=True`` runs the
-  first pass under ``no_grad``), so it is counted if such a call is still unmatched, and
-  skipped otherwise (``use_reentrant=False`` already counted the first pass);
+- a call inside backward with gradients enabled is a checkpoint recompute. It stands in for
+  an earlier call of the same module that ran in training mode without gradients
+  (``use_reentrant=True`` runs the first pass under ``no_grad``), so it is counted if such a
+  call is still unmatched, and skipped otherwise (``use_reentrant=False`` already counted the
+  first pass);
+- a call inside backward without gradients is the first pass of a reentrant checkpoint
+  nested in a region being recomputed: a repeat of a first pass already seen, skipped (its
+  own recompute with gradients follows and is the one matched);
 - any other call (eval mode, or ``no_grad`` that no recompute matches) is an evaluation
   pass, recorded only with ``eval_passes=True`` — then a matching recompute adds its output
   gradient but not its activations again.
@@ -43,7 +47,7 @@ class PassFilter:
 
     def classify(self, name: str, training: bool) -> Counted:
         if _in_backward():
-            if self._unmatched[name] == 0:
+            if self._unmatched[name] == 0 or not torch.is_grad_enabled():
                 return _SKIP
             self._unmatched[name] -= 1
             return Counted(not self.eval_passes, True)
@@ -57,7 +61,7 @@ class PassFilter:
         """Whether a call's inputs are recorded (forward pre-hooks, before :meth:`classify`
         sees the call): exactly when its activations will be."""
         if _in_backward():
-            return self._unmatched[name] > 0 and not self.eval_passes
+            return self._unmatched[name] > 0 and not self.eval_passes and torch.is_grad_enabled()
         return self.eval_passes or (training and torch.is_grad_enabled())
 
     def reset(self) -> None:

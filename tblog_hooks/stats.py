@@ -74,6 +74,28 @@ def norms(tensors: Sequence[Tensor]) -> list[Tensor]:
     return out  # type: ignore[return-value]
 
 
+def sparse_values(g: Tensor) -> tuple[Tensor, Tensor]:
+    """The values of a sparse COO tensor (a sparse ``.grad``) with those of repeated indices added
+    up, as the dense tensor holds them: for the norm, one row per stored entry, sums first,
+    then zero rows; for the histogram, the same with NaN rows (left out of histograms). As
+    ``coalesce()``, but without its host sync (how many indices are distinct is known only on
+    the device). An accumulated sparse ``.grad`` repeats every index looked up more than once."""
+    values = g._values()
+    if g.is_coalesced() or values.shape[0] < 2:
+        return values, values
+    indices = g._indices()
+    key = indices[0]
+    for dim in range(1, g.sparse_dim()):  # one integer per index, ordered as the indices are
+        key = key * g.shape[dim] + indices[dim]
+    key, order = torch.sort(key)
+    first = torch.ones_like(key, dtype=torch.bool)
+    first[1:] = key[1:] != key[:-1]
+    slot = torch.cumsum(first, 0) - 1  # where each sorted entry's sum goes
+    summed = torch.zeros_like(values).index_add_(0, slot, values.index_select(0, order))
+    used = (torch.arange(key.numel(), device=key.device) <= slot[-1]).view(-1, *[1] * (values.dim() - 1))
+    return summed, torch.where(used, summed, math.nan)
+
+
 def sample(x: Tensor) -> Tensor:
     """A flat copy of ``x``'s elements for its histogram: all of them up to :data:`SAMPLE_CAP`,
     else one element at a pseudo-random place in each of ``SAMPLE_CAP`` equal stretches of it

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
+import errno
+import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -23,13 +27,13 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
 
 
-def _batch(rank: int, step: int) -> torch.Tensor:
-    return torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + rank))
+def _batch(rank: int, step: int, inputs: int = 6) -> torch.Tensor:
+    return torch.randn(4, inputs, generator=torch.Generator().manual_seed(100 * step + rank))
 
 
-def _train(model: nn.Module, hooks: HookLogger, opt: torch.optim.Optimizer, rank: int) -> None:
+def _train(model: nn.Module, hooks: HookLogger, opt: torch.optim.Optimizer, rank: int, inputs: int = 6) -> None:
     for step in range(2):
-        model(_batch(rank, step)).square().mean().backward()
+        model(_batch(rank, step, inputs)).square().mean().backward()
         opt.step()
         opt.zero_grad()
         hooks.step()
@@ -89,3 +93,133 @@ def test_ddp_and_fsdp2_on_two_cpu_processes(tmp_path: Path) -> None:
             assert given.scalar(tag, 0) == pytest.approx(value, rel=1e-5), tag  # on every rank
     assert ddp.histograms["activation/0"][0].num == 4 * 12  # histograms are rank 0's
     assert set(fsdp.scalars["param_grad/global_norm"]) == {0, 1}
+
+
+def _failures_worker(rank: int, root: str) -> None:
+    """Rank 1 feeds NaN, an empty FSDP2 shard, different calls on the ranks, a rank that raises."""
+    from torch.distributed.fsdp import fully_shard
+
+    # A short timeout: a regression that enters a collective alone fails in seconds, not 30 minutes.
+    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=WORLD, timeout=TIMEOUT)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = _model()
+            for inputs in (False, True):  # input NaN counts (and with inputs=True all statistics) pooled
+                where = f"{root}/nan{inputs}"
+                with HookLogger(model, log_dir=where, every=1, reduce_ranks=True, inputs=inputs) as hooks:
+                    for step in range(2):
+                        model(_nan_batch(rank, step)).sum().backward()
+                        hooks.step()
+                    if rank == 0:
+                        (finding,) = hooks.findings
+                        assert finding.module == "0" and "already in the input of 0" in finding.message, finding
+
+            model = _one_output()
+            for layer in (model[0], model[1], model):
+                fully_shard(layer)  # rank 1's shard of model[1]'s weight and bias is empty
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            with HookLogger(model, log_dir=f"{root}/empty{rank}", every=1, optimizer=opt, reduce_ranks=True) as hooks:
+                _train(model, hooks, opt, rank, inputs=16)
+            assert not caught, [str(w.message) for w in caught]
+
+            # Rank 1 calls the model twice in each step: one warning on each rank, and training goes on.
+            model = _one_output()
+            with HookLogger(model, log_dir=f"{root}/differ{rank}", every=1, reduce_ranks=True) as hooks:
+                for _ in range(2):
+                    for _ in range(1 + rank):
+                        model(torch.randn(4, 16)).sum().backward()
+                    hooks.step()
+            (warning,) = caught
+            assert "different calls of the watched modules" in str(warning.message), warning
+            caught.clear()
+
+            # Rank 0 cannot write step 0 and stops; at step 1 rank 1 learns it and stops too; no
+            # collective after that (step 2 would wait for rank 0 alone).
+            where = {"writer": _FailingWriter(f"{root}/broken")} if rank == 0 else {}
+            with HookLogger(model, every=1, reduce_ranks=True, **where) as hooks:  # type: ignore[arg-type]
+                for _ in range(3):
+                    model(torch.randn(4, 16)).sum().backward()
+                    hooks.step()
+            (warning,) = caught
+            expected = "writing step 0 to TensorBoard failed" if rank == 0 else "rank(s) [0] stopped logging"
+            assert expected in str(warning.message), warning
+            caught.clear()
+
+            try:  # a with-block left normally inside an except clause ends its step on every rank
+                raise KeyError("handled before the block")
+            except KeyError:
+                with HookLogger(model, log_dir=f"{root}/handled{rank}", every=1, reduce_ranks=True):
+                    model(_batch(rank, 0, inputs=16)).sum().backward()
+
+            # Rank 1 raises inside a logged step, rank 0 once rank 1 is out: neither waits in a collective.
+            signal = Path(root, "rank1_out")
+            if rank == 1:
+                hooks = HookLogger(model, log_dir=f"{root}/raise{rank}", every=1, reduce_ranks=True)
+                with pytest.raises(ValueError, match="bad batch"), hooks:
+                    model(torch.randn(4, 16)).sum().backward()
+                    raise ValueError("bad batch")
+                signal.touch()
+            else:
+                hooks = HookLogger(model, log_dir=f"{root}/raise{rank}", every=1, reduce_ranks=True)
+                with pytest.raises(ValueError, match="peer failed"):
+                    try:
+                        model(torch.randn(4, 16)).sum().backward()
+                        while not signal.exists():  # a regression makes rank 1 time out first
+                            time.sleep(0.01)
+                        raise ValueError("peer failed")
+                    finally:
+                        hooks.close()  # a plain close() while the exception propagates
+            assert not caught, [str(w.message) for w in caught]
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+TIMEOUT = datetime.timedelta(seconds=20)
+
+
+class _FailingWriter(SummaryWriter):
+    """A writer whose flush fails, as on a lost network file system."""
+
+    def flush(self) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+
+def _one_output() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 1))
+
+
+def _nan_batch(rank: int, step: int) -> torch.Tensor:
+    x = _batch(rank, step) * (1 + 9 * rank)  # rank 1's inputs spread wider: rank 0's alone differ
+    if rank == 1 and step == 0:
+        x[0, 0] = float("nan")
+    return x
+
+
+def test_failures_and_pooling_on_two_cpu_processes(tmp_path: Path) -> None:
+    mp.spawn(_failures_worker, args=(str(tmp_path),), nprocs=WORLD)
+    for inputs in (False, True):
+        run = read_run(tmp_path / f"nan{inputs}")
+        assert run.scalar("input/nonfinite/0", 0) == 1  # rank 1's NaN
+        assert run.scalar("activation/nonfinite/0", 0) == 12  # its row of the first layer's output
+        pooled = torch.cat([_nan_batch(rank, 1) for rank in range(WORLD)]).double()
+        if inputs:
+            for stat, value in (("mean", pooled.mean()), ("std", pooled.std()), ("max", pooled.max())):
+                assert run.scalar(f"input/{stat}/0", 1) == pytest.approx(float(value), rel=1e-5), stat
+        else:
+            assert not any(tag.startswith("input/mean") for tag in run.scalars)
+
+    reference = _one_output()
+    for rank in range(WORLD):  # FSDP2 averages the gradients of the ranks' batches
+        (reference(_batch(rank, 0, inputs=16)).square().mean() / WORLD).backward()
+    run = read_run(tmp_path / "empty0")
+    for name, p in reference.named_parameters():
+        assert run.scalar(f"param_grad/norm/{name}", 0) == pytest.approx(float(p.grad.norm()), rel=1e-5), name
+    assert set(run.scalars["param_grad/global_norm"]) == {0, 1}
+    assert run.histograms["param_grad/1.bias"][0].num == 1  # rank 0's shard holds the one element
+
+    pooled = _one_output()[0](torch.cat([_batch(rank, 0, inputs=16) for rank in range(WORLD)])).detach()
+    assert read_run(tmp_path / "handled0").scalar("activation/max/0", 0) == pytest.approx(float(pooled.max()))
+    assert not read_run(tmp_path / "differ0").scalars  # logging stopped before step 0 was written

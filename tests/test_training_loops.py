@@ -12,7 +12,7 @@ import torchvision
 from conftest import read_run
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from tblog_hooks import HookLogger
 from tblog_hooks.hooks import NOOP
@@ -49,8 +49,35 @@ def test_evaluation_passes_are_left_out_unless_asked_for(tmp_path) -> None:
             assert mean == pytest.approx(float(train_out.double().mean()), rel=1e-5)
 
 
-@pytest.mark.parametrize("reentrant", [True, False])
-def test_checkpoint_recompute_is_not_counted_twice(tmp_path, reentrant: bool) -> None:
+def _single(model: nn.Sequential, x: torch.Tensor, reentrant: bool) -> torch.Tensor:
+    # the first two layers recomputed in backward; inputs need grad for use_reentrant=True
+    return model[2:](checkpoint(model[:2], x.requires_grad_(reentrant), use_reentrant=reentrant))
+
+
+def _nested(model: nn.Sequential, x: torch.Tensor, outer: bool, inner: bool) -> torch.Tensor:
+    """Layers 0-3 in a checkpoint whose function checkpoints layers 1-2 again."""
+
+    def region(h: torch.Tensor) -> torch.Tensor:
+        return model[3](checkpoint(model[1:3], model[0](h), use_reentrant=inner))
+
+    return model[4](checkpoint(region, x.requires_grad_(True), use_reentrant=outer))
+
+
+_CHECKPOINTS = {
+    "reentrant": lambda m, x: _single(m, x, True),
+    "non-reentrant": lambda m, x: _single(m, x, False),
+    **{
+        f"nested-{a}-{b}": lambda m, x, a=a, b=b: _nested(m, x, a == "reentrant", b == "reentrant")
+        for a in ("reentrant", "non-reentrant")
+        for b in ("reentrant", "non-reentrant")
+    },
+    "sequential": lambda m, x: checkpoint_sequential(m, 2, x.requires_grad_(True), use_reentrant=True),
+}
+
+
+@pytest.mark.parametrize("how", list(_CHECKPOINTS))
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # a nested reentrant first pass
+def test_checkpoint_recompute_is_not_counted_twice(tmp_path, how: str) -> None:
     model = _mlp()
     x = torch.randn(8, 6)
     with HookLogger(model, log_dir=tmp_path / "plain", every=1) as hooks:
@@ -59,15 +86,14 @@ def test_checkpoint_recompute_is_not_counted_twice(tmp_path, reentrant: bool) ->
     plain = _scalars(tmp_path / "plain")
     model.zero_grad()
     with HookLogger(model, log_dir=tmp_path / "ckpt", every=1) as hooks:
-        # the first two layers recomputed in backward; inputs need grad for use_reentrant=True
-        h = checkpoint(model[:2], x.requires_grad_(reentrant), use_reentrant=reentrant)
-        model[2:](h).square().sum().backward()
+        _CHECKPOINTS[how](model, x).square().sum().backward()
         hooks.step()
     checkpointed = _scalars(tmp_path / "ckpt")
     assert set(checkpointed) == set(plain)
     for tag, value in plain.items():
         assert checkpointed[tag] == pytest.approx(value, rel=1e-5, abs=1e-7), tag
-    assert read_run(tmp_path / "ckpt").histograms["activation/0"][0].num == 8 * 16
+    for name in ("0", "2"):
+        assert read_run(tmp_path / "ckpt").histograms[f"activation/{name}"][0].num == 8 * 16
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -210,3 +236,42 @@ def test_resnet_reused_relu_pools_both_calls(tmp_path) -> None:
     assert scalars["activation/mean/layer1.0.relu"] == pytest.approx(float(both.mean()), rel=1e-5)
     assert scalars["activation/zero_frac/layer1.0.relu"] == pytest.approx(float((both == 0).double().mean()))
     assert read_run(tmp_path).histograms["activation/layer1.0.relu"][0].num == pytest.approx(both.numel())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_sparse_gradients_are_logged_as_their_dense_values(tmp_path, device: str, with_optimizer: bool) -> None:
+    model = nn.Sequential(nn.Embedding(50, 4, sparse=True), nn.Linear(4, 1)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # Repeated ids within and across two micro-batches: the accumulated .grad repeats indices.
+    batches = [torch.tensor(ids, device=device) for ids in ([[3, 7, 3], [9, 3, 7]], [[7, 11, 3], [3, 3, 40]])]
+    optimizer = opt if with_optimizer else None
+    with HookLogger(model, log_dir=tmp_path, every=1, optimizer=optimizer) as hooks:
+        for ids in batches:
+            model(ids).square().mean().backward()
+        grads = {name: p.grad.to_dense().double().cpu() for name, p in model.named_parameters()}
+        opt.step()
+        hooks.step()
+    assert not model[0].weight.grad.is_coalesced()
+    run = read_run(tmp_path)
+    for name, grad in grads.items():
+        assert run.scalar(f"param_grad/norm/{name}", 0) == pytest.approx(float(grad.norm()), rel=1e-5), name
+    total = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
+    assert run.scalar("param_grad/global_norm", 0) == pytest.approx(total, rel=1e-5)
+    rows = grads["0.weight"][[3, 7, 9, 11, 40]]  # the rows looked up: the sparse gradient's values
+    hist = run.histograms["param_grad/0.weight"][0]
+    assert (hist.num, hist.min, hist.max) == (rows.numel(), pytest.approx(rows.min()), pytest.approx(rows.max()))
+
+
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_clipped_gradients_are_logged_only_with_the_optimizer(tmp_path, with_optimizer: bool) -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt if with_optimizer else None) as hooks:
+        model(torch.randn(8, 6)).square().sum().backward()
+        before = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5))
+        opt.step()
+        hooks.step()
+    assert before > 1  # the clipping changed the gradients
+    expected = 0.5 if with_optimizer else before
+    assert read_run(tmp_path).scalar("param_grad/global_norm", 0) == pytest.approx(expected, rel=1e-5)
