@@ -210,8 +210,9 @@ class Health:
         for m, v in norms:
             upstream = max(upstream, v)
             if upstream < limit:
+                size = "exactly zero" if upstream == 0 else f"at most {upstream:.3g}"
                 message = (
-                    f"the output-gradient norms of {m} and of every module before it are at most {upstream:.3g}, below "
+                    f"every output-gradient norm from the input up to {m} is {size}, below "
                     f"{self.thresholds.vanishing_ratio:g} of the largest ({top}: {largest:.3g})"
                 )
                 found[(VANISHING, m)] = (Finding(VANISHING, m, step, upstream / largest, message), upstream == 0)
