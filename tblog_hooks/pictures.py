@@ -68,8 +68,8 @@ def gradient_flow(modules: Sequence[str], steps: Sequence[int], norms: np.ndarra
 
     font = _font()
     measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
-    labels = [_fit(measure, m, font) for m in modules]
-    label_w = max([round(measure.textlength(label, font=font)) for label in labels] + [0])
+    labels = _labels(tuple(modules))
+    label_w = labels.shape[1]
     line = FONT_SIZE + 4
     title = "output-gradient norm per module (input at the top) and logged step"
     cell_w = max(1, GRID_WIDTH // max(1, len(steps)))
@@ -89,14 +89,13 @@ def gradient_flow(modules: Sequence[str], steps: Sequence[int], norms: np.ndarra
     canvas[:] = BACKGROUND
     if grid_h and grid_w:
         canvas[top : top + grid_h, left : left + grid_w] = np.repeat(np.repeat(cells, ROW_HEIGHT, 0), cell_w, 1)
+    canvas[top : top + grid_h, PAD : PAD + label_w] = labels
     ramp = np.linspace(1.0, 0.0, bar_h)[:, None].repeat(BAR_WIDTH, axis=1)
     canvas[top : top + bar_h, bar_x : bar_x + BAR_WIDTH] = _colour(ramp)
     image = Image.fromarray(canvas)
     draw = ImageDraw.Draw(image)
 
     _text(draw, (PAD, PAD), title, font, ("left", "top"))
-    for row, label in enumerate(labels):
-        _text(draw, (left - 6, top + row * ROW_HEIGHT + ROW_HEIGHT / 2), label, font, ("right", "middle"))
     axis_y = top + grid_h + 2
     for column in _step_ticks(len(steps), cell_w):
         x = left + column * cell_w + cell_w // 2
@@ -115,7 +114,8 @@ def png(image: np.ndarray) -> bytes:
     """A uint8 ``C x H x W`` array (1 or 3 channels) as PNG bytes, encoded by Pillow."""
     pixels = np.ascontiguousarray(image.transpose(1, 2, 0))
     buffer = io.BytesIO()
-    Image.fromarray(pixels[..., 0] if pixels.shape[2] == 1 else pixels).save(buffer, format="PNG")
+    # Level 1: the heatmap is flat blocks of colour, which compress well at the fastest level.
+    Image.fromarray(pixels[..., 0] if pixels.shape[2] == 1 else pixels).save(buffer, format="PNG", compress_level=1)
     return buffer.getvalue()
 
 
@@ -125,6 +125,21 @@ def _colour(t: np.ndarray) -> np.ndarray:
     i = np.minimum(pos.astype(np.int64), len(_STOPS) - 2)
     frac = (pos - i)[..., None]
     return np.round(_STOPS[i] * (1 - frac) + _STOPS[i + 1] * frac).astype(np.uint8)  # type: ignore[no-any-return]
+
+
+@functools.lru_cache(maxsize=8)
+def _labels(modules: tuple[str, ...]) -> np.ndarray:
+    """The module names right-aligned, one per row, as an RGB array. Cached: the names rarely
+    change between drawings, and rendering them is most of the cost of one."""
+    font = _font()
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    labels = [_fit(measure, m, font) for m in modules]
+    width = max([round(measure.textlength(label, font=font)) for label in labels] + [1])
+    image = Image.new("RGB", (width, max(1, ROW_HEIGHT * len(labels))), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    for row, label in enumerate(labels):
+        _text(draw, (width, row * ROW_HEIGHT + ROW_HEIGHT / 2), label, font, ("right", "middle"))
+    return np.asarray(image)[: ROW_HEIGHT * len(labels)]
 
 
 @functools.cache
