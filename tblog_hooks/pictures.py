@@ -133,7 +133,8 @@ def _labels(modules: tuple[str, ...]) -> np.ndarray:
     change between drawings, and rendering them is most of the cost of one."""
     font = _font()
     measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
-    labels = [_fit(measure, m, font) for m in modules]
+    # Names are user data: unprintable characters (a newline, a lone surrogate) are drawn escaped.
+    labels = [_fit(measure, "".join(c if c.isprintable() else ascii(c)[1:-1] for c in m), font) for m in modules]
     width = max([round(measure.textlength(label, font=font)) for label in labels] + [1])
     image = Image.new("RGB", (width, max(1, ROW_HEIGHT * len(labels))), BACKGROUND)
     draw = ImageDraw.Draw(image)

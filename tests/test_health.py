@@ -15,6 +15,7 @@ from conftest import read_run, read_text
 from torch import nn
 
 from tblog_hooks import HookLogger, HookLoggerError, Thresholds
+from tblog_hooks.cli import main
 from tblog_hooks.demo import run_demo
 from tblog_hooks.health import GROWTH_WINDOW, KINDS, Health
 from tblog_hooks.report import findings, load
@@ -331,6 +332,7 @@ def test_steps_the_scaler_skips_start_nothing_and_restart_nothing(tmp_path) -> N
     assert summaries[3]["grad_norm"] != summaries[1]["grad_norm"]
     replayed = findings(load(tmp_path, "run"))
     assert [(f.kind, f.module, f.step) for f in replayed] == [(f.kind, f.module, f.step) for f in hooks.findings]
+    assert main(["report", str(tmp_path), "--fail-on", "nonfinite,amp_skipped_steps"]) == 0  # a CI gate passes
 
 
 def test_a_scaler_that_keeps_skipping_is_a_finding(tmp_path) -> None:
