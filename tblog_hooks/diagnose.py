@@ -37,7 +37,7 @@ class Diagnostics:
         self._norms: OrderedDict[int, dict[str, float]] = OrderedDict()
         self._written_order: list[str] | None = None
         self._written_table: str | None = None
-        self._latest: dict[str, float] = {}  # scalars of the latest written step
+        self._numbers: dict[str, float] = {}  # summary() numbers of the latest written step that had them
         self._drawn = False
         self._undrawn = 0  # logged steps with gradient norms since the heatmap was last drawn
         self._failed = False
@@ -57,7 +57,7 @@ class Diagnostics:
             except Exception as error:
                 self._fail(error)
         writer.write(summary)
-        self._latest = summary.scalars
+        self._remember(summary.scalars)
         if not self._failed:
             self._write_text(writer, summary, order)
         writer.flush()  # once per logged step: a crash loses at most the step in flight
@@ -113,16 +113,19 @@ class Diagnostics:
                 self._drawn, self._undrawn = True, 0
 
     def summary(self) -> dict[str, float]:
-        """Progress-bar numbers of the latest written step (see ``HookLogger.summary``)."""
-        out: dict[str, float] = {}
-        if "param_grad/global_norm" in self._latest:
-            out["grad_norm"] = self._latest["param_grad/global_norm"]
-        norms = gradient_norms(self._latest)
-        if norms:
-            out["min_layer_grad"] = min(norms.values())
+        """Progress-bar numbers of the latest written step (see ``HookLogger.summary``); a step
+        without gradients (one the ``GradScaler`` skipped) keeps those of the step before."""
+        out = dict(self._numbers)
         if self.health is not None:
             out["findings"] = len(self.health.active)
         return out
+
+    def _remember(self, scalars: Mapping[str, float]) -> None:
+        if "param_grad/global_norm" in scalars:
+            self._numbers["grad_norm"] = scalars["param_grad/global_norm"]
+        norms = gradient_norms(scalars)
+        if norms:
+            self._numbers["min_layer_grad"] = min(norms.values())
 
 
 def gradient_norms(scalars: Mapping[str, float]) -> dict[str, float]:

@@ -1,56 +1,90 @@
 """Health findings: problems a user can act on, read off the statistics already logged.
 
 Host-side only, from one logged step's scalars at a time: the logger feeds it each step it
-writes, and ``tblog-hooks report`` replays a run's event files through the same code.
+writes, and ``tblog-hooks report`` replays a run's event files through the same code. The
+rules compare a model with itself (ratios along the forward order, growth over its own recent
+steps, updates relative to the weights), never with fixed scales that depend on the loss,
+the batch or the layer size; the README says why each default is what it is.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import numbers
 import statistics
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from .errors import HookLoggerError
-from .tags import tag
+from .tags import escape, tag, unescape
 
 VANISHING, EXPLODING, DEAD, NONFINITE = "vanishing_gradient", "exploding_gradient", "dead_units", "nonfinite"
-KINDS = (VANISHING, EXPLODING, DEAD, NONFINITE)
+SKIPPING = "amp_skipped_steps"
+KINDS = (VANISHING, EXPLODING, DEAD, NONFINITE, SKIPPING)
+#: How many earlier logged steps the growth rule of ``exploding_gradient`` compares with (the
+#: latest ones without that finding): a bounded window keeps the cost of a step constant.
+GROWTH_WINDOW = 64
+#: Modules named per kind in the log line (the worst ones) and rows per kind in the text summary.
+LOG_WORST, TABLE_ROWS = 3, 20
 
-#: Findings are reported here, once each when they start (WARNING level).
+#: Findings are reported here, one line per logged step that starts any (WARNING level).
 log = logging.getLogger("tblog_hooks.health")
+
+_SKIPPED, _LOSS_SCALE = tag("amp", "skipped_step"), tag("amp", "loss_scale")
+_UPDATE_RATIO = tag("param", "update_ratio", "")
+_PARAM_GRAD_NORM = tag("param_grad", "norm", "")
 
 
 @dataclass(frozen=True)
 class Thresholds:
-    """When a finding starts; the defaults stay quiet on a stock ResNet-18 (default init)."""
+    """When a finding starts. A rule is switched off by a value that is never crossed:
+    ``vanishing_ratio=0``, ``math.inf`` for the others."""
 
-    #: ``vanishing_gradient``: a module's output-gradient norm is below this fraction of the
-    #: largest one in the model at the same step (four orders of magnitude).
+    #: ``vanishing_gradient``: every output-gradient norm from the input up to a module (in
+    #: forward order) is below this fraction of the largest one in the model at the same step.
     vanishing_ratio: float = 1e-4
-    #: ``exploding_gradient``: the largest output-gradient norm is above this ...
-    exploding_norm: float = 1e3
-    #: ... or above this multiple of the median of the largest norms of earlier logged steps
-    #: (those without this finding).
+    #: ``exploding_gradient``: with ``optimizer=``, the median update-to-weight ratio of the
+    #: watched parameters is above this (the step moved the weights by many times their size) ...
+    exploding_update: float = 10.0
+    #: ... or the largest output-gradient norm is above this multiple of the median of the
+    #: largest norms of the latest :data:`GROWTH_WINDOW` logged steps without this finding ...
     exploding_growth: float = 100.0
+    #: ... or above this absolute value (off by default: norms scale with the loss reduction,
+    #: batch and layer sizes, so no one number suits every model).
+    exploding_norm: float = math.inf
     #: ``dead_units``: this fraction of a module's channels (dim 1) is never positive across
-    #: the batch (the last watched module in forward order, usually the output layer, is skipped).
+    #: the batch (the last module that ran, in forward order, is skipped: usually the output layer).
     dead_fraction: float = 0.9
+    #: Evidence that is exactly zero (a zero output, all gradients up to a module exactly zero) is
+    #: what zero-initialised layers show before their first update: it must last this many logged steps.
+    zero_steps: int = 3
+    #: ``amp_skipped_steps``: the ``GradScaler`` skipped this many logged steps in a row.
+    skipped_steps: float = 20
 
     def __post_init__(self) -> None:
-        limits = {
-            "vanishing_ratio": (0.0, 1.0, "a fraction in (0, 1)"),
-            "exploding_norm": (0.0, math.inf, "a positive number"),
-            "exploding_growth": (1.0, math.inf, "a number above 1"),
-            "dead_fraction": (0.0, 1.0, "a fraction in (0, 1]"),
-        }
+        limits = {  # name: (low, high, low allowed, high allowed, integral, what is valid)
+            "vanishing_ratio": (0.0, 1.0, True, False, False, "a fraction in [0, 1) (0: off)"),
+            "exploding_update": (0.0, math.inf, False, True, False, "a positive number (inf: off)"),
+            "exploding_growth": (1.0, math.inf, False, True, False, "a number above 1 (inf: off)"),
+            "exploding_norm": (0.0, math.inf, False, True, False, "a positive number (inf: off)"),
+            "dead_fraction": (0.0, math.inf, False, True, False, "a fraction in (0, 1] (above 1: off)"),
+            "zero_steps": (1.0, math.inf, True, False, True, "a whole number of logged steps, at least 1"),
+            "skipped_steps": (1.0, math.inf, True, True, True, "a whole number of logged steps, at least 1 (inf: off)"),
+        }  # fmt: skip
         for f in fields(self):
             value = getattr(self, f.name)
-            low, high, valid = limits[f.name]
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and low < value < high
-            if not ok and not (f.name == "dead_fraction" and value == 1.0):
+            low, high, low_ok, high_ok, integral, valid = limits[f.name]
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            if ok:
+                number = float(value)
+                ok = (low < number or (low_ok and number == low)) and (number < high or (high_ok and number == high))
+                ok = ok and (not integral or number == math.inf or number.is_integer())
+            if not ok:
                 raise HookLoggerError(f"Thresholds({f.name}={value!r}) is invalid: it must be {valid}")
+            # numpy scalars become plain numbers, whole step counts ints
+            object.__setattr__(self, f.name, int(number) if integral and number != math.inf else number)
 
 
 @dataclass(frozen=True)
@@ -64,28 +98,83 @@ class Finding:
     message: str
 
 
+_Key = tuple[str, str]  # (kind, module or "" for the whole model)
+#: Candidates of one step: the finding and whether its evidence is exactly zero.
+_Candidates = dict[_Key, tuple[Finding, bool]]
+
+
 class Health:
-    """Tracks which findings hold, step after step; each is reported once when it starts."""
+    """Tracks which findings hold, step after step; each is reported once when it starts.
+
+    Its state is bounded: the findings that hold, a streak count per candidate and the
+    :data:`GROWTH_WINDOW` latest largest norms, whatever the length of the run."""
 
     def __init__(self, thresholds: Thresholds) -> None:
         self.thresholds = thresholds
-        self.active: dict[tuple[str, str], Finding] = {}  # (kind, module or "" for the model) -> finding
+        self.active: dict[_Key, Finding] = {}
         self.started: list[Finding] = []
-        self._largest: list[float] = []  # largest output-gradient norm of earlier steps without exploding
+        self._largest: deque[float] = deque(maxlen=GROWTH_WINDOW)  # of recent steps without exploding
+        self._streaks: dict[_Key, int] = {}  # consecutive judged steps each candidate held
+        self._from_zero: set[_Key] = set()  # candidates whose streak holds exactly-zero evidence
+        self._skipped = 0  # consecutive logged steps the GradScaler skipped
 
     def update(self, step: int, scalars: Mapping[str, float], order: Sequence[str]) -> list[Finding]:
         """Findings of one logged step's scalars (``order``: watched modules in forward order);
-        returns those that start now."""
-        current = {**self._gradient_findings(step, scalars, order), **self._dead_units(step, scalars, order)}
-        origin = _nonfinite_origin(step, scalars, order)
-        if origin is not None:
-            current[(NONFINITE, "")] = origin
-        new = [finding for key, finding in current.items() if key not in self.active]
+        returns those that start now. A kind is only judged on a step that carries its evidence:
+        a step the ``GradScaler`` skipped has no gradient norms, so the gradient findings (and
+        ``nonfinite``: the scaler's overflow is expected) keep the state they had."""
+        skipped = scalars.get(_SKIPPED, 0.0) > 0
+        norms = [(m, v) for m in order if (v := scalars.get(tag("gradient", "norm", m))) is not None]
+        finite = [(m, v) for m, v in norms if math.isfinite(v)]
+        ratios = {unescape(t[len(_UPDATE_RATIO) :]): v for t, v in scalars.items() if t.startswith(_UPDATE_RATIO)}
+        candidates: _Candidates = {}
+        judged = {DEAD}
+        candidates.update(self._dead_units(step, scalars, order))
+        if finite:
+            judged.add(VANISHING)
+            candidates.update(self._vanishing(step, finite))
+        if finite or ratios:
+            judged.add(EXPLODING)
+            candidates.update(self._exploding(step, finite, ratios))
+        if not skipped:
+            judged.add(NONFINITE)
+            origin = _nonfinite_origin(step, scalars, order)
+            if origin is not None:
+                candidates[(NONFINITE, "")] = (origin, False)
+        if _SKIPPED in scalars:
+            judged.add(SKIPPING)
+            self._skipped = self._skipped + 1 if skipped else 0
+            if self._skipped >= self.thresholds.skipped_steps:
+                scale = scalars.get(_LOSS_SCALE, math.nan)
+                message = (
+                    f"the GradScaler skipped the last {self._skipped} logged steps (inf/NaN gradients at every "
+                    f"loss scale down to {scale:.3g}): the weights are not being updated"
+                )
+                candidates[(SKIPPING, "")] = (Finding(SKIPPING, "", step, float(self._skipped), message), False)
+        return self._advance(step, judged, candidates)
+
+    def _advance(self, step: int, judged: set[str], candidates: _Candidates) -> list[Finding]:
+        """Findings of judged kinds hold while their candidate does; others keep their state."""
+        before = self._streaks
+        self._streaks = {key: n for key, n in before.items() if key[0] not in judged}  # kinds not judged: as they were
+        self._streaks.update({key: before.get(key, 0) + 1 for key in candidates})
+        # A streak that began with exactly-zero evidence waits out zero_steps even once the
+        # evidence turns small but non-zero: a zero-initialised layer grows out of zero gradually.
+        self._from_zero = {key for key in self._from_zero if key in self._streaks} | {
+            key for key, (_, zero) in candidates.items() if zero
+        }
         # A finding that goes on keeps its start; one that stops is dropped, and reported again if it returns.
-        self.active = {key: self.active.get(key, finding) for key, finding in current.items()}
+        active = {key: finding for key, finding in self.active.items() if key[0] not in judged or key in candidates}
+        new = []
+        for key, (finding, _) in candidates.items():
+            patient = key not in self._from_zero or self._streaks[key] >= self.thresholds.zero_steps
+            if key not in active and patient:
+                active[key] = finding
+                new.append(finding)
+        self.active = active
         self.started += new
-        for finding in new:
-            log.warning("tblog_hooks: step %d: %s", finding.step, finding.message)
+        if new:
+            log.warning("tblog_hooks: step %d: %s", step, started_line(new))
         return new
 
     def counts(self) -> dict[str, float]:
@@ -93,56 +182,117 @@ class Health:
         return {f"health/{kind}": float(sum(k == kind for k, _ in self.active)) for kind in KINDS}
 
     def table(self) -> str:
-        """The current findings as a Markdown table."""
+        """The current findings as Markdown, one table per kind, worst first."""
         if not self.active:
             return "No findings."
-        rows = ["| finding | module | since step | value | what it means |", "|---|---|---|---|---|"]
-        for f in sorted(self.active.values(), key=lambda f: (f.step, f.kind, f.module)):
-            rows.append(f"| {f.kind} | `{f.module}` | {f.step} | {f.value:.3g} | {f.message} |")
-        return "\n".join(rows)
+        parts = []
+        for kind, found in _by_kind(self.active.values()):
+            parts.append(
+                f"**{kind}**: {_count(found)}" + (f", the worst {TABLE_ROWS}" if len(found) > TABLE_ROWS else "")
+            )
+            rows = ["| module | since step | value | what it means |", "|---|---|---|---|"]
+            rows += [f"| `{escape(f.module)}` | {f.step} | {f.value:.3g} | {f.message} |" for f in found[:TABLE_ROWS]]
+            parts.append("\n".join(rows))
+        return "\n\n".join(parts)
 
-    def _gradient_findings(
-        self, step: int, scalars: Mapping[str, float], order: Sequence[str]
-    ) -> dict[tuple[str, str], Finding]:
-        logged = {m: scalars.get(tag("gradient", "norm", m)) for m in order}
-        norms = {m: v for m, v in logged.items() if v is not None and math.isfinite(v)}
-        if not norms:
+    def _vanishing(self, step: int, norms: list[tuple[str, float]]) -> _Candidates:
+        """Modules that every gradient from the input up to them has left: the largest norm
+        of the module and all modules before it in forward order is far below the largest in
+        the model. Decay along the network, not a small module: a residual branch scaled
+        down at init (layer scale, zero-initialised last norm) sits behind a trunk whose
+        modules before it carry the full gradient."""
+        top, largest = max(norms, key=lambda item: item[1])
+        if largest <= 0:
             return {}
-        top = max(norms, key=norms.__getitem__)
-        largest = norms[top]
-        found = {}
+        limit = self.thresholds.vanishing_ratio * largest
+        found: _Candidates = {}
+        upstream = 0.0  # the largest norm from the input up to the module
+        for m, v in norms:
+            upstream = max(upstream, v)
+            if upstream < limit:
+                size = "exactly zero" if upstream == 0 else f"at most {upstream:.3g}"
+                message = (
+                    f"every output-gradient norm from the input up to {m} is {size}, below "
+                    f"{self.thresholds.vanishing_ratio:g} of the largest ({top}: {largest:.3g})"
+                )
+                found[(VANISHING, m)] = (Finding(VANISHING, m, step, upstream / largest, message), upstream == 0)
+        return found
+
+    def _exploding(self, step: int, norms: list[tuple[str, float]], ratios: Mapping[str, float]) -> _Candidates:
+        """The whole model: updates many times the weights, or a sudden growth of the largest norm."""
         t = self.thresholds
-        if largest > 0:
-            for m, v in norms.items():
-                if v < t.vanishing_ratio * largest:
-                    message = (
-                        f"output-gradient norm of {m} is {v:.3g}, below {t.vanishing_ratio:g} of the largest "
-                        f"({top}: {largest:.3g})"
-                    )
-                    found[(VANISHING, m)] = Finding(VANISHING, m, step, v / largest, message)
+        found: _Candidates = {}
+        finite = {name: r for name, r in ratios.items() if math.isfinite(r)}
+        update = statistics.median(finite.values()) if finite else math.nan
+        if update > t.exploding_update:
+            worst = max(finite, key=finite.__getitem__)
+            message = (
+                f"the optimizer step changed half the watched parameters by more than {update:.3g} times their "
+                f"norm (median update-to-weight ratio; largest {worst}: {finite[worst]:.3g}): the learning rate "
+                "is too high for these gradients"
+            )
+            found[(EXPLODING, "")] = (Finding(EXPLODING, worst, step, update, message), False)
+        if not norms:
+            return found
+        top, largest = max(norms, key=lambda item: item[1])
         typical = statistics.median(self._largest) if self._largest else math.nan
         reason = None
         if largest > t.exploding_norm:
             reason = f"above {t.exploding_norm:g}"
         elif typical > 0 and largest > t.exploding_growth * typical:
-            reason = f"{largest / typical:.3g} times the median of earlier logged steps ({typical:.3g})"
-        if reason is None:
-            self._largest.append(largest)  # the typical scale is that of steps without this finding
-        else:
+            reason = f"{largest / typical:.3g} times the median of recent logged steps ({typical:.3g})"
+        if reason is not None and not found:
             message = f"largest output-gradient norm ({top}: {largest:.3g}) is {reason}"
-            found[(EXPLODING, "")] = Finding(EXPLODING, top, step, largest, message)
+            found[(EXPLODING, "")] = (Finding(EXPLODING, top, step, largest, message), False)
+        if not found:
+            self._largest.append(largest)  # the typical scale is that of steps without this finding
         return found
 
-    def _dead_units(
-        self, step: int, scalars: Mapping[str, float], order: Sequence[str]
-    ) -> dict[tuple[str, str], Finding]:
-        found = {}
-        for m in order[:-1]:
+    def _dead_units(self, step: int, scalars: Mapping[str, float], order: Sequence[str]) -> _Candidates:
+        """Modules whose channels are never positive, except the last one that ran in this step
+        (its channels are outputs, e.g. classes). A module that ran is one with statistics of
+        this step, so a watched module that never runs cannot take the output layer's place."""
+        ran = [m for m in order if tag("activation", "mean", m) in scalars or tag("input", "nonfinite", m) in scalars]
+        found: _Candidates = {}
+        for m in ran[:-1]:
             frac = scalars.get(tag("activation", "dead_frac", m))
             if frac is not None and frac >= self.thresholds.dead_fraction:
-                message = f"{frac:.0%} of the channels of {m} are never positive across the batch"
-                found[(DEAD, m)] = Finding(DEAD, m, step, frac, message)
+                zero = scalars.get(tag("activation", "min", m)) == 0 == scalars.get(tag("activation", "max", m))
+                message = f"{frac:.0%} of the channels of {m} are never positive across the batch" + (
+                    " (its output is exactly zero)" if zero else ""
+                )
+                found[(DEAD, m)] = (Finding(DEAD, m, step, frac, message), zero)
         return found
+
+
+def started_line(new: Sequence[Finding]) -> str:
+    """One line for the findings a step starts: per kind, how many and the worst few."""
+    parts = []
+    for kind, found in _by_kind(new):
+        if len(found) == 1:
+            parts.append(f"{kind}: {found[0].message}")
+            continue
+        worst = ", ".join(f"{f.module} ({f.value:.3g})" for f in found[:LOG_WORST])
+        more = f", +{len(found) - LOG_WORST} more" if len(found) > LOG_WORST else ""
+        parts.append(f"{kind} in {_count(found)}, worst: {worst}{more}")
+    return "; ".join(parts)
+
+
+def _by_kind(found: Iterable[Finding]) -> list[tuple[str, list[Finding]]]:
+    """Findings grouped by kind (in :data:`KINDS` order), the worst first within a kind."""
+    groups: dict[str, list[Finding]] = {}
+    for f in found:
+        groups.setdefault(f.kind, []).append(f)
+    # The smaller a vanishing ratio, the worse; for the other kinds, the larger the value.
+    return [
+        (kind, sorted(groups[kind], key=lambda f: (f.value if kind == VANISHING else -f.value, f.step)))
+        for kind in KINDS
+        if kind in groups
+    ]
+
+
+def _count(found: Sequence[Finding]) -> str:
+    return f"{len(found)} module" + ("s" if len(found) > 1 else "")
 
 
 def _nonfinite_origin(step: int, scalars: Mapping[str, float], order: Sequence[str]) -> Finding | None:
@@ -170,7 +320,7 @@ def _nonfinite_origin(step: int, scalars: Mapping[str, float], order: Sequence[s
                 NONFINITE, m, step, count, f"{count:.0f} NaN/Inf in the gradient w.r.t. the output of {m} (backward)"
             )
     for key, norm in scalars.items():
-        if key.startswith("param_grad/norm/") and not math.isfinite(norm):
-            name = key[len("param_grad/norm/") :]
+        if key.startswith(_PARAM_GRAD_NORM) and not math.isfinite(norm):
+            name = unescape(key[len(_PARAM_GRAD_NORM) :])
             return Finding(NONFINITE, name, step, norm, f"the gradient of parameter {name} is not finite")
     return None

@@ -1,17 +1,18 @@
-"""Pictures: the gradient-flow heatmap (drawn on the host from logged norms) and
-feature-map grids (assembled on the device). Only torch/torchvision, no plotting library."""
+"""Pictures: the gradient-flow heatmap (drawn on the host from logged norms, with Pillow) and
+feature-map grids (assembled on the device with torchvision)."""
 
 from __future__ import annotations
 
 import functools
+import io
 import math
-import struct
-import zlib
 from collections.abc import Sequence
+from typing import Union
 
 import numpy as np
 import torch
 import torchvision
+from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
 
 #: Most channels a feature-map grid shows (the first ones), and the largest side of a tile:
@@ -20,28 +21,16 @@ MAX_FEATURE_CHANNELS, MAX_FEATURE_SIDE = 64, 64
 #: Most logged steps (the latest ones) a heatmap shows.
 MAX_COLUMNS = 240
 
-# A 3x5 bitmap font: five rows of three pixels per glyph, "#" is ink.
-_GLYPHS = {
-    "0": "####.##.##.####", "1": ".#.##..#..#.###", "2": "###..#####..###", "3": "###..#.##..####",
-    "4": "#.##.####..#..#", "5": "####..###..####", "6": "####..####.####", "7": "###..#.#..#..#.",
-    "8": "####.#####.####", "9": "####.####..####", "a": ".#.#.#####.##.#", "b": "##.#.###.#.###.",
-    "c": ".###..#..#...##", "d": "##.#.##.##.###.", "e": "####..##.#..###", "f": "####..##.#..#..",
-    "g": ".###..#.##.#.##", "h": "#.##.#####.##.#", "i": "###.#..#..#.###", "j": "..#..#..##.#.#.",
-    "k": "#.##.###.#.##.#", "l": "#..#..#..#..###", "m": "#.########.##.#", "n": "##.#.##.##.##.#",
-    "o": ".#.#.##.##.#.#.", "p": "##.#.###.#..#..", "q": ".#.#.##.###..##", "r": "##.#.###.#.##.#",
-    "s": ".###...#...###.", "t": "###.#..#..#..#.", "u": "#.##.##.##.####", "v": "#.##.##.##.#.#.",
-    "w": "#.##.########.#", "x": "#.##.#.#.#.##.#", "y": "#.##.#.#..#..#.", "z": "###..#.#.#..###",
-    ".": ".............#.", "-": "......###......", "_": "............###", "+": "....#.###.#....",
-    "/": "..#..#.#.#..#..", "|": ".#..#..#..#..#.", "(": ".#.#..#..#...#.", ")": ".#...#..#..#.#.",
-    " ": "...............", "?": "###..#.#.....#.", ":": "....#.....#....", "=": "...###...###...",
-}  # fmt: skip
-_SCALE = 2  # pixels per font pixel
-_CHAR_W, _CHAR_H = 4 * _SCALE, 5 * _SCALE  # advance (glyph + 1 column gap) and height
+# Sizes in pixels, for a picture about 500 px wide: TensorBoard scales an image to its card
+# (roughly 350-500 px) unless asked for the actual size, so the text stays legible there.
+FONT_SIZE, ROW_HEIGHT, GRID_WIDTH, MAX_LABEL_WIDTH, PAD = 12, 14, 240, 170, 8
+BAR_WIDTH, MIN_BAR_HEIGHT = 14, 112
 
 # Viridis at five stops: dark purple (small) to yellow (large); readable in grey scale too.
 _STOPS = np.array([(68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37)], dtype=np.float64)
-BACKGROUND, INK = (24, 24, 24), (230, 230, 230)
+BACKGROUND, INK = (255, 255, 255), (20, 20, 20)
 ZERO, NONFINITE = (0, 0, 0), (255, 0, 0)  # a gradient of exactly zero; NaN/Inf
+_Font = Union[ImageFont.FreeTypeFont, ImageFont.ImageFont]
 
 
 def feature_grid(x: Tensor) -> Tensor:
@@ -65,7 +54,8 @@ def feature_grid(x: Tensor) -> Tensor:
 
 def gradient_flow(modules: Sequence[str], steps: Sequence[int], norms: np.ndarray, logged: np.ndarray) -> np.ndarray:
     """Heatmap of ``norms[module, step]`` (where ``logged``) as a uint8 ``3 x H x W`` array:
-    rows are modules, columns logged steps, colour log10 of the norm, with a labelled colour bar.
+    rows are modules (names as they are, long ones keep their end), columns logged steps
+    (the latest :data:`MAX_COLUMNS`), colour the norm on a log scale with a labelled colour bar.
     Exact zeros are black, NaN/Inf red, cells not logged the background."""
     norms = np.asarray(norms, dtype=np.float64)[:, -MAX_COLUMNS:]
     missing = ~np.asarray(logged, dtype=bool)[:, -MAX_COLUMNS:]
@@ -76,62 +66,57 @@ def gradient_flow(modules: Sequence[str], steps: Sequence[int], norms: np.ndarra
     lo = math.floor(logs[positive].min()) if positive.any() else -1
     hi = max(math.ceil(logs[positive].max()) if positive.any() else 0, lo + 1)
 
-    labels = [_fit(m, 28) for m in modules]
-    cell_h = _CHAR_H + 2
-    cell_w = max(2, min(12, 480 // max(1, len(steps))))
-    left = 6 + _CHAR_W * max([len(s) for s in labels] + [4])
-    top = 6 + 2 * _CHAR_H
-    grid_h, grid_w = cell_h * len(modules), cell_w * len(steps)
-    bar_h = max(grid_h, 8 * _CHAR_H)
-    title = "log10 output-gradient norm per module (forward order) and step"
-    width = max(left + grid_w + 12 + 16 + 6 + _CHAR_W * 4 + 6, 12 + _CHAR_W * len(title))
-    height = top + max(grid_h, bar_h) + 2 * _CHAR_H + 10
-    image = np.empty((height, width, 3), dtype=np.uint8)
-    image[:] = BACKGROUND
+    font = _font()
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    labels = _labels(tuple(modules))
+    label_w = labels.shape[1]
+    line = FONT_SIZE + 4
+    title = "output-gradient norm per module (input at the top) and logged step"
+    cell_w = max(1, GRID_WIDTH // max(1, len(steps)))
+    left, top = PAD + label_w + 6, PAD + line + 6
+    grid_w, grid_h = cell_w * len(steps), ROW_HEIGHT * len(modules)
+    bar_x, bar_h = left + grid_w + 14, max(grid_h, MIN_BAR_HEIGHT)
+    ticks = [f"1e{value}" for value in range(lo, hi + 1)]
+    width = max(bar_x + BAR_WIDTH + 6 + max(round(measure.textlength(t, font=font)) for t in ticks) + PAD,
+                PAD + round(measure.textlength(title, font=font)) + PAD)  # fmt: skip
+    height = top + max(grid_h, bar_h) + 2 * line + 8 + PAD
 
-    _text(image, 6, 4, title)
     cells = _colour((logs - lo) / (hi - lo))
     cells[finite & ~positive] = ZERO
     cells[~finite & ~missing] = NONFINITE
     cells[missing] = BACKGROUND
-    block = np.repeat(np.repeat(cells, cell_h, axis=0), cell_w, axis=1)
-    image[top : top + grid_h, left : left + grid_w] = block
-    for row, label in enumerate(labels):
-        _text(image, left - 4 - _CHAR_W * len(label), top + row * cell_h + 1, label)
-    below = top + grid_h + 4
-    if steps:
-        _text(image, left, below, str(steps[0]))
-        last = str(steps[-1])
-        _text(image, max(left + grid_w - _CHAR_W * len(last), left + _CHAR_W * (len(str(steps[0])) + 1)), below, last)
-    _text(image, left, below + _CHAR_H + 2, "step")
+    canvas = np.empty((height, width, 3), dtype=np.uint8)
+    canvas[:] = BACKGROUND
+    if grid_h and grid_w:
+        canvas[top : top + grid_h, left : left + grid_w] = np.repeat(np.repeat(cells, ROW_HEIGHT, 0), cell_w, 1)
+    canvas[top : top + grid_h, PAD : PAD + label_w] = labels
+    ramp = np.linspace(1.0, 0.0, bar_h)[:, None].repeat(BAR_WIDTH, axis=1)
+    canvas[top : top + bar_h, bar_x : bar_x + BAR_WIDTH] = _colour(ramp)
+    image = Image.fromarray(canvas)
+    draw = ImageDraw.Draw(image)
 
-    bar_x = left + grid_w + 12
-    ramp = np.linspace(1.0, 0.0, bar_h)[:, None]
-    image[top : top + bar_h, bar_x : bar_x + 16] = _colour(np.repeat(ramp, 16, axis=1))
-    decades = hi - lo
-    stride = max(1, math.ceil(decades / max(1, bar_h // (2 * _CHAR_H))))
-    for value in range(lo, hi + 1, stride):
-        y = top + round((hi - value) / decades * (bar_h - 1))
-        image[y, bar_x + 16 : bar_x + 20] = INK
-        _text(image, bar_x + 22, min(max(y - _CHAR_H // 2, top), top + bar_h - _CHAR_H), str(value))
-    return np.ascontiguousarray(image.transpose(2, 0, 1))
+    _text(draw, (PAD, PAD), title, font, ("left", "top"))
+    axis_y = top + grid_h + 2
+    for column in _step_ticks(len(steps), cell_w):
+        x = left + column * cell_w + cell_w // 2
+        draw.line([(x, axis_y), (x, axis_y + 3)], fill=INK)
+        _text(draw, (x, axis_y + 4), str(steps[column]), font, ("centre", "top"))
+    _text(draw, (left + grid_w / 2, axis_y + 4 + line), "logged step", font, ("centre", "top"))
+    stride = max(1, math.ceil((hi - lo) / max(1, bar_h // (2 * line))))
+    for value in range(hi, lo - 1, -stride):  # from the top, so the largest decade is labelled
+        y = top + round((hi - value) / (hi - lo) * (bar_h - 1))
+        draw.line([(bar_x + BAR_WIDTH, y), (bar_x + BAR_WIDTH + 3, y)], fill=INK)
+        _text(draw, (bar_x + BAR_WIDTH + 5, y), f"1e{value}", font, ("left", "middle"))
+    return np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1))
 
 
 def png(image: np.ndarray) -> bytes:
-    """A uint8 ``C x H x W`` array (1 or 3 channels) as PNG bytes. Written with ``zlib``:
-    ``torchvision.io.encode_png`` is deprecated since torchvision 0.29."""
-    channels, height, width = image.shape
-    rows = np.ascontiguousarray(image.transpose(1, 2, 0)).reshape(height, width * channels)
-    up = rows.copy()
-    up[1:] -= rows[:-1]  # PNG filter "Up" (2): repeated rows, most of a heatmap, become zeros
-    raw = np.concatenate([np.full((height, 1), 2, dtype=np.uint8), up], axis=1).tobytes()
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    colour_type = {1: 0, 3: 2}[channels]  # grey, RGB
-    header = struct.pack(">IIBBBBB", width, height, 8, colour_type, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+    """A uint8 ``C x H x W`` array (1 or 3 channels) as PNG bytes, encoded by Pillow."""
+    pixels = np.ascontiguousarray(image.transpose(1, 2, 0))
+    buffer = io.BytesIO()
+    # Level 1: the heatmap is flat blocks of colour, which compress well at the fastest level.
+    Image.fromarray(pixels[..., 0] if pixels.shape[2] == 1 else pixels).save(buffer, format="PNG", compress_level=1)
+    return buffer.getvalue()
 
 
 def _colour(t: np.ndarray) -> np.ndarray:
@@ -142,20 +127,53 @@ def _colour(t: np.ndarray) -> np.ndarray:
     return np.round(_STOPS[i] * (1 - frac) + _STOPS[i + 1] * frac).astype(np.uint8)  # type: ignore[no-any-return]
 
 
-def _fit(text: str, limit: int) -> str:
-    """``text`` cut to ``limit`` characters, keeping its end (the most specific part of a name)."""
-    return text if len(text) <= limit else ".." + text[-(limit - 2) :]
-
-
-def _text(image: np.ndarray, x: int, y: int, text: str) -> None:
-    """Draw ``text`` with its top-left corner at (x, y); characters outside the font show as ``?``."""
-    mask = np.concatenate([_ink(char) for char in text.lower()], axis=1)[:, :-_SCALE]  # no gap after the last
-    image[y : y + mask.shape[0], x : x + mask.shape[1]][mask] = INK
+@functools.lru_cache(maxsize=8)
+def _labels(modules: tuple[str, ...]) -> np.ndarray:
+    """The module names right-aligned, one per row, as an RGB array. Cached: the names rarely
+    change between drawings, and rendering them is most of the cost of one."""
+    font = _font()
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    # Names are user data: unprintable characters (a newline, a lone surrogate) are drawn escaped.
+    labels = [_fit(measure, "".join(c if c.isprintable() else ascii(c)[1:-1] for c in m), font) for m in modules]
+    width = max([round(measure.textlength(label, font=font)) for label in labels] + [1])
+    image = Image.new("RGB", (width, max(1, ROW_HEIGHT * len(labels))), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    for row, label in enumerate(labels):
+        _text(draw, (width, row * ROW_HEIGHT + ROW_HEIGHT / 2), label, font, ("right", "middle"))
+    return np.asarray(image)[: ROW_HEIGHT * len(labels)]
 
 
 @functools.cache
-def _ink(char: str) -> np.ndarray:
-    """A glyph as a boolean mask, scaled, with its one-column gap on the right."""
-    rows = np.array([c == "#" for c in _GLYPHS.get(char, _GLYPHS["?"])]).reshape(5, 3)
-    rows = np.concatenate([rows, np.zeros((5, 1), dtype=bool)], axis=1)
-    return np.repeat(np.repeat(rows, _SCALE, axis=0), _SCALE, axis=1)
+def _font() -> _Font:
+    """Pillow's own font at :data:`FONT_SIZE` (its small bitmap font where Pillow is older than 10.1)."""
+    try:
+        return ImageFont.load_default(size=FONT_SIZE)
+    except (TypeError, ImportError, OSError):
+        return ImageFont.load_default()
+
+
+def _text(draw: ImageDraw.ImageDraw, at: tuple[float, float], text: str, font: _Font, align: tuple[str, str]) -> None:
+    """Draw ``text`` so that ``at`` is its (left|right|centre, top|middle) point; measured with
+    ``getbbox``, which bitmap fonts support too (unlike ``anchor=``)."""
+    x0, y0, x1, y1 = font.getbbox(text)
+    x = at[0] - {"left": x0, "right": x1, "centre": (x0 + x1) / 2}[align[0]]
+    y = at[1] - {"top": y0, "middle": (y0 + y1) / 2}[align[1]]
+    draw.text((round(x), round(y)), text, fill=INK, font=font)
+
+
+def _fit(draw: ImageDraw.ImageDraw, text: str, font: _Font) -> str:
+    """``text`` cut to :data:`MAX_LABEL_WIDTH` pixels, keeping its end (the most specific part of a name)."""
+    if draw.textlength(text, font=font) <= MAX_LABEL_WIDTH:
+        return text
+    cut = 1
+    while cut < len(text) and draw.textlength("…" + text[cut:], font=font) > MAX_LABEL_WIDTH:
+        cut += 1
+    return "…" + text[cut:]
+
+
+def _step_ticks(columns: int, cell_w: int) -> list[int]:
+    """Columns to label: the first, the last and evenly spaced ones between, about 60 px apart."""
+    if columns == 0:
+        return []
+    count = max(2, min(columns, (columns * cell_w) // 60))
+    return sorted({round(i * (columns - 1) / (count - 1)) for i in range(count)} if columns > 1 else {0})

@@ -16,7 +16,7 @@ from torch import nn
 
 from tblog_hooks import HookLogger
 from tblog_hooks.diagnose import gradient_flow_image
-from tblog_hooks.pictures import BACKGROUND, NONFINITE, ZERO, feature_grid, gradient_flow, png
+from tblog_hooks.pictures import BACKGROUND, MAX_COLUMNS, NONFINITE, ZERO, feature_grid, gradient_flow, png
 
 PURPLE, YELLOW = (68, 1, 84), (253, 231, 37)  # the ends of the colour scale
 
@@ -47,6 +47,25 @@ def test_heatmap_rows_are_modules_columns_steps_colour_log10() -> None:
     unlogged = gradient_flow(["a", "b"], [0, 5], norms, np.array([[True, True], [False, True]]))
     assert not _where(unlogged.transpose(1, 2, 0), NONFINITE)[0].size
     assert tuple(unlogged.transpose(1, 2, 0)[int(bad_y.mean()), int(bad_x.mean())]) == BACKGROUND
+
+
+def test_heatmap_names_keep_their_case_and_the_picture_fits_a_tensorboard_card() -> None:
+    norms, logged = np.ones((1, 3)), np.ones((1, 3), dtype=bool)
+    lower = gradient_flow(["layer1.0.conv1"], [0, 1, 2], norms, logged)
+    upper = gradient_flow(["LAYER1.0.CONV1"], [0, 1, 2], norms, logged)
+    assert not np.array_equal(lower, upper)  # drawn as given, not upper-cased
+    # Many modules with long names over the most steps: as wide as a card, one row per module.
+    names = [f"encoder.layers.encoder_layer_{i}.self_attention.out_proj" for i in range(100)]
+    steps = list(range(0, 10 * MAX_COLUMNS, 10))
+    wide = gradient_flow(names, steps, np.ones((100, MAX_COLUMNS)), np.ones((100, MAX_COLUMNS), dtype=bool))
+    assert wide.shape[0] == 3 and wide.shape[2] <= 520 and wide.shape[1] >= 100 * 12
+    # Names that differ only at the start are cut there, so their ends stay readable.
+    end_a = gradient_flow(["a." + "block." * 20 + "conv1"], [0], np.ones((1, 1)), np.ones((1, 1), dtype=bool))
+    end_b = gradient_flow(["b." + "block." * 20 + "conv1"], [0], np.ones((1, 1)), np.ones((1, 1), dtype=bool))
+    assert np.array_equal(end_a, end_b)
+    # The colour scale runs from purple (small) to yellow (large) beside the grid.
+    image = wide.transpose(1, 2, 0)
+    assert _where(image, PURPLE)[0].size and _where(image, YELLOW)[0].size
 
 
 def _nested() -> nn.Module:
