@@ -81,6 +81,7 @@ class Collector:
         self._mapped: set[str] = set()  # feature maps taken this step
         # Parameters whose gradient was read this step: its record and histogram sample.
         self._graded: dict[str, tuple[Record, HistRow | None]] = {}
+        self._indices = stats.IndexCache()  # sample and histogram-row indices, made once per size
         self.forward_order: list[str] = []  # watched modules in the order their forward hooks first fired
         self._fired: set[str] = set()
 
@@ -229,14 +230,14 @@ class Collector:
         self._records.append(Record(kind, name, t.numel(), values))
         if self.options.histograms:
             lo, hi = kind.value(values, "min"), kind.value(values, "max")
-            self._hists.append(HistRow(kind.name, name, stats.sample(t), t.numel(), lo, hi))
+            self._hists.append(HistRow(kind.name, name, stats.sample(t, self._indices), t.numel(), lo, hi))
         return values
 
     def _samples(self, kind: str, keys: list[str], tensors: list[Tensor]) -> dict[str, HistRow]:
         """Histogram samples of parameters or their gradients, over the sample's own range (no
         pass over the whole tensor); empty FSDP2 shards have none."""
         return {
-            key: HistRow(kind, key, stats.sample(t), t.numel(), None, None)
+            key: HistRow(kind, key, stats.sample(t, self._indices), t.numel(), None, None)
             for key, t in zip(keys, tensors)
             if t.numel()
         }
@@ -279,6 +280,12 @@ class Collector:
             handle.remove()
         self._tensor_handles.clear()
 
+    def release(self) -> None:
+        """The logger is done: stop recording, remove tensor hooks, drop cached tensors."""
+        self.active = False
+        self.remove_tensor_hooks()
+        self._indices.clear()
+
     def finish(self) -> tuple[Tensor, Layout] | None:
         """Bin this step's histograms and pack every record into one float64 tensor; reset."""
         self.remove_tensor_hooks()
@@ -294,14 +301,14 @@ class Collector:
         device = (records[0].values[0] if records else hists[0].sample).device
         rows: list[HistMeta] = []
         if hists:
-            binned, rows = _histograms(hists, device)
+            binned, rows = _histograms(hists, device, self._indices)
             records.append(Record(HISTOGRAM, "", binned.numel(), (binned,), (len(rows), stats.HIST_WIDTH)))
         packed, layout = pack(records, device)
         layout.hists = rows
         return packed, layout
 
 
-def _histograms(hists: list[HistRow], device: torch.device) -> tuple[Tensor, list[HistMeta]]:
+def _histograms(hists: list[HistRow], device: torch.device, cache: stats.IndexCache) -> tuple[Tensor, list[HistMeta]]:
     """Every histogram of the step binned at once (``stats.histograms`` rows, flattened), and
     what each row is; the log10 histograms of the output gradients are derived here."""
     gradients = [h for h in hists if h.kind == GRADIENT.name]
@@ -314,7 +321,8 @@ def _histograms(hists: list[HistRow], device: torch.device) -> tuple[Tensor, lis
         rows += [HistRow(GRADIENT_LOG10, h.name, h.sample, h.numel, None, None) for h in gradients]
     keys: dict[tuple[str, str], int] = {}
     index = [keys.setdefault((h.kind, h.name), len(keys)) for h in rows]
-    binned = stats.histograms(samples, _on(device, [h.lo for h in rows]), _on(device, [h.hi for h in rows]), index)
+    lows, highs = _on(device, [h.lo for h in rows]), _on(device, [h.hi for h in rows])
+    binned = stats.histograms(samples, lows, highs, index, cache)
     return binned.reshape(-1), [HistMeta(h.kind, h.name, h.numel, h.sample.numel()) for h in rows]
 
 

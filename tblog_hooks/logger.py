@@ -400,10 +400,9 @@ def _detach(
 ) -> None:
     """Remove every hook, stop recording, close an owned writer: the end of ``close()``, and what
     a logger garbage-collected without ``close()`` gets (``weakref.finalize``; holds no logger)."""
-    collector.active = False
     handles.remove_all()
     step_handles.remove_all()
-    collector.remove_tensor_hooks()
+    collector.release()
     if destination is None:
         return
     destination.close()

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
-from typing import TypeVar
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -96,7 +98,35 @@ def sparse_values(g: Tensor) -> tuple[Tensor, Tensor]:
     return summed, torch.where(used, summed, math.nan)
 
 
-def sample(x: Tensor) -> Tensor:
+class IndexCache:
+    """Index tensors made on the host once per size (the same sizes recur every logged step, and
+    making one on the host costs no device op); one per logger, emptied when it closes, at most
+    ``size`` of them (variable sequence lengths make new sizes)."""
+
+    def __init__(self, size: int = 256) -> None:
+        self._size = size
+        self._made: OrderedDict[tuple[object, ...], Any] = OrderedDict()
+        self._lock = threading.Lock()  # hooks run on several threads
+
+    def get(self, key: tuple[object, ...], make: Callable[[], T]) -> T:
+        with self._lock:
+            made = self._made.get(key)
+            if made is not None:
+                self._made.move_to_end(key)
+                return made  # type: ignore[no-any-return]
+        made = make()
+        with self._lock:
+            self._made[key] = made
+            while len(self._made) > self._size:
+                self._made.popitem(last=False)
+        return made
+
+    def clear(self) -> None:
+        with self._lock:
+            self._made.clear()
+
+
+def sample(x: Tensor, cache: IndexCache | None = None) -> Tensor:
     """A flat copy of ``x``'s elements for its histogram: all of them up to :data:`SAMPLE_CAP`,
     else one element at a pseudo-random place in each of ``SAMPLE_CAP`` equal stretches of it
     (jittered: no stride to alias with the layout, and every stretch represented; from an
@@ -104,7 +134,8 @@ def sample(x: Tensor) -> Tensor:
     in-place ops on ``x`` cannot change it."""
     n = x.numel()
     if not torch.compiler.is_compiling():
-        return torch.take(x, _cached_index(n, x.device))
+        make = functools.partial(_sample_index, n, x.device)
+        return torch.take(x, make() if cache is None else cache.get(("sample", n, x.device), make))
     # Traced into the graph: a cache would be one more guard, and one more graph.
     if n <= SAMPLE_CAP:
         return torch.take(x, torch.arange(n, device=x.device))
@@ -112,9 +143,8 @@ def sample(x: Tensor) -> Tensor:
     return torch.take(x, ((torch.arange(SAMPLE_CAP, device=x.device) + jitter) * (n / SAMPLE_CAP)).long())
 
 
-@functools.lru_cache(maxsize=512)
-def _cached_index(n: int, device: torch.device) -> Tensor:
-    """The indices :func:`sample` takes, made on the host once per size (no device op)."""
+def _sample_index(n: int, device: torch.device) -> Tensor:
+    """The indices :func:`sample` takes, made on the host (no device op)."""
     if n <= SAMPLE_CAP:
         return _device_index(np.arange(n), device)
     jitter = _hash(np.arange(1, SAMPLE_CAP + 1, dtype=np.int64)) / 2**32
@@ -122,6 +152,7 @@ def _cached_index(n: int, device: torch.device) -> Tensor:
 
 
 H = TypeVar("H", Tensor, np.ndarray)
+T = TypeVar("T")
 
 
 def _hash(h: H) -> H:
@@ -132,7 +163,11 @@ def _hash(h: H) -> H:
 
 
 def histograms(
-    samples: list[Tensor], lows: Sequence[Tensor | None], highs: Sequence[Tensor | None], keys: Sequence[int]
+    samples: list[Tensor],
+    lows: Sequence[Tensor | None],
+    highs: Sequence[Tensor | None],
+    keys: Sequence[int],
+    cache: IndexCache | None = None,
 ) -> Tensor:
     """Histograms of all ``samples`` in a fixed number of ops, with no host-device copy.
 
@@ -146,7 +181,9 @@ def histograms(
     values = torch.cat(samples)
     dtype = acc_dtype(values.dtype)
     values = values.to(dtype)
-    rows, offsets = _row_index(tuple(s.numel() for s in samples), device, dtype)
+    lengths = tuple(s.numel() for s in samples)
+    make = functools.partial(_row_index, lengths, device, dtype)
+    rows, offsets = make() if cache is None else cache.get(("rows", lengths, device, dtype), make)
     inf = math.inf
     lo_s = torch.full((count,), inf, dtype=dtype, device=device)
     lo_s.scatter_reduce_(0, rows, torch.nan_to_num(values, nan=inf, posinf=inf, neginf=inf), "amin")
@@ -180,7 +217,6 @@ def histograms(
     return torch.cat([head, counts.to(dtype)], dim=1).to(torch.float64)
 
 
-@functools.lru_cache(maxsize=64)
 def _row_index(lengths: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Per sampled element: its row, and ``row * BINS + 0.5`` in ``dtype`` (the same lengths
     recur every logged step)."""
