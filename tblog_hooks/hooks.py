@@ -92,17 +92,36 @@ class Handles:
 class OptimizerHook(_Inert):
     """``Optimizer.register_step_pre_hook`` callable: reads ``.grad`` right before the update,
     i.e. after gradient accumulation, DDP averaging and ``GradScaler.unscale_``, and copies
-    the weights to measure the update."""
+    the weights to measure the update. Given ``step(closure)`` (Lightning, LBFGS), the closure
+    computes the gradients inside the step, so they are read after it returns (its last call)."""
 
     __slots__ = ("collector", "params")
 
     def __init__(self, collector: Collector, params: list[tuple[str, Tensor]]) -> None:
         self.collector, self.params = collector, params
 
-    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.collector.active:
-            self.collector.on_params(self.params)
-            self.collector.before_update(self.params)
+    def __call__(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self.collector.active:
+            return None
+        # args is (optimizer, *step's positional arguments): a closure is args[1] or kwargs["closure"]
+        if len(args) > 1 and args[1] is not None:
+            return (args[0], self._read_after(args[1]), *args[2:]), kwargs
+        if kwargs.get("closure") is not None:
+            return args, {**kwargs, "closure": self._read_after(kwargs["closure"])}
+        self._read()
+        return None
+
+    def _read(self) -> None:
+        self.collector.on_params(self.params)
+        self.collector.before_update(self.params)
+
+    def _read_after(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        def closure_then_read() -> Any:
+            loss = closure()
+            self._read()
+            return loss
+
+        return closure_then_read
 
 
 class OptimizerPostHook(_Inert):
