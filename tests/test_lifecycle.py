@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 import torchvision
-from conftest import read_run
+from conftest import hook_dicts, read_run
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
@@ -23,17 +23,6 @@ def _net() -> nn.Module:
         nn.Flatten(),
         nn.LazyLinear(2),
     )
-
-
-def _hook_dicts(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> list[dict]:
-    dicts: list[dict] = []
-    for m in model.modules():
-        dicts += [m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks]
-    for p in model.parameters():
-        dicts += [p._post_accumulate_grad_hooks or {}, p._backward_hooks or {}]
-    if opt is not None:
-        dicts += [opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks]
-    return dicts
 
 
 def _train(model: nn.Module, hooks: HookLogger, steps: int = 2, opt: torch.optim.Optimizer | None = None) -> None:
@@ -80,12 +69,12 @@ def test_close_removes_every_handle_and_is_idempotent(tmp_path) -> None:
     for optimizer in (False, True):
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         hooks = HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt if optimizer else None)
-        assert any(_hook_dicts(model, opt))
+        assert any(hook_dicts(model, opt))
         _train(model, hooks, opt=opt)
         model(torch.randn(2, 3, 8, 8))  # a logged forward whose backward never comes
         hooks.close()
         hooks.close()
-        assert not any(_hook_dicts(model, opt))
+        assert not any(hook_dicts(model, opt))
         with pytest.raises(HookLoggerError, match="after close"):
             hooks.step()
 
@@ -97,7 +86,7 @@ def test_exception_inside_with_still_removes_hooks_and_writes(tmp_path) -> None:
         _train(model, hooks, steps=1)
         model(torch.randn(2, 3, 8, 8)).sum().backward()
         raise KeyError("boom")
-    assert not any(_hook_dicts(model))
+    assert not any(hook_dicts(model))
     assert set(read_run(tmp_path).scalars["activation/mean/0.0"]) == {0, 1}  # the step in flight too
 
 
@@ -162,5 +151,5 @@ def test_copies_of_the_optimizer_get_inert_hooks(tmp_path) -> None:
     with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt) as hooks:
         clone = copy.deepcopy(opt)  # e.g. checkpointing code that copies the optimizer
         _train(model, hooks, steps=1, opt=opt)
-    assert not any(_hook_dicts(model, opt))
+    assert not any(hook_dicts(model, opt))
     assert all(h.__name__ == "inert_hook" for h in clone._optimizer_step_pre_hooks.values())
