@@ -190,7 +190,7 @@ class _Samples(torch.utils.data.Dataset):
         return {"x": X[i], "labels": Y[i]}
 
 
-def _train(tmp_path: Path, model: _HFNet, callbacks: list, **args) -> transformers.Trainer:
+def _trainer(tmp_path: Path, model: _HFNet, callbacks: list, **args) -> transformers.Trainer:
     """Two epochs of 12 batches of 2; with gradient_accumulation_steps=3, 8 optimizer steps."""
     training_args = transformers.TrainingArguments(
         output_dir=str(tmp_path),
@@ -206,7 +206,11 @@ def _train(tmp_path: Path, model: _HFNet, callbacks: list, **args) -> transforme
         disable_tqdm=True,
         **args,
     )
-    trainer = transformers.Trainer(model=model, args=training_args, train_dataset=_Samples(), callbacks=callbacks)
+    return transformers.Trainer(model=model, args=training_args, train_dataset=_Samples(), callbacks=callbacks)
+
+
+def _train(tmp_path: Path, model: _HFNet, callbacks: list, **args) -> transformers.Trainer:
+    trainer = _trainer(tmp_path, model, callbacks, **args)
     trainer.train()
     return trainer
 
@@ -248,9 +252,11 @@ def test_transformers_leaves_no_hook_after_train_and_after_an_exception(tmp_path
     assert not any(hook_dicts(model, trainer.optimizer.optimizer))
 
     model, callback = _HFNet(fail_at=8), transformers_hooks.HookLoggerCallback(every=1)
+    trainer = _trainer(tmp_path / "failed", model, [callback])
     with pytest.raises(RuntimeError, match="failed on purpose"):
-        _train(tmp_path / "failed", model, [callback])
+        trainer.train()
     # The Trainer tells callbacks of no exception: close() in a finally (or the next train()) removes them.
     callback.close()
     assert not any(hook_dicts(model))
+    trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)  # its own writer too
     assert sorted(read_run(_one_run(tmp_path / "failed")).scalars["param_grad/global_norm"]) == [1, 2]

@@ -47,7 +47,7 @@ class HookLoggerCallback(TrainerCallback):
             # accelerate wraps the optimizer (and holds the scaler); hooks go on the optimizer that steps
             optimizer=getattr(optimizer, "optimizer", optimizer),
             scaler=_scaler(optimizer),
-            **{"every": state.logging_steps, **self.options},
+            **{"every": int(state.logging_steps), **self.options},  # a float when given as one
         )
         # The Trainer shows an optimizer step at the global_step it ends with: the first is step 1.
         advance(self.hooks, state.global_step + 1)
