@@ -86,13 +86,12 @@ def _fit(tmp_path: Path, module: _LitNet, callbacks: list, ckpt_path: Path | Non
     """Two epochs of 12 batches of 2; with accumulate_grad_batches=3, 8 optimizer steps."""
     trainer = pl.Trainer(
         accelerator="cpu",
-        accumulate_grad_batches=3,
         default_root_dir=tmp_path,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
-        **{"max_epochs": 2, "log_every_n_steps": 1, **args},
+        **{"max_epochs": 2, "log_every_n_steps": 1, "accumulate_grad_batches": 3, **args},
     )
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=2)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
@@ -128,6 +127,22 @@ def test_lightning_every_defaults_to_log_every_n_steps_and_writes_to_log_dir_wit
     trainer = _fit(tmp_path, _LitNet(), [lightning_hooks.HookLoggerCallback()], log_every_n_steps=4, logger=False)
     assert trainer.log_dir == str(tmp_path)
     assert sorted(read_run(tmp_path).scalars["param_grad/global_norm"]) == [0, 4]
+
+
+class _TwoOptimizers(_LitNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+
+
+def test_lightning_with_several_optimizers_is_a_clear_error(tmp_path) -> None:
+    module = _TwoOptimizers()
+    with pytest.raises(HookLoggerError, match=r"exactly one optimizer .* the Trainer has 2"):
+        _fit(tmp_path, module, [lightning_hooks.HookLoggerCallback()], accumulate_grad_batches=1)
+    assert not any(hook_dicts(module))
 
 
 def test_lightning_resumed_fit_continues_the_step_numbers(tmp_path) -> None:
@@ -199,12 +214,11 @@ def _trainer(tmp_path: Path, model: _HFNet, callbacks: list, **args) -> transfor
         num_train_epochs=2,
         learning_rate=0.1,
         max_grad_norm=0,  # the Trainer's grad_norm is then the unclipped norm the optimizer sees
-        report_to=["tensorboard"],
         save_strategy="no",
         use_cpu=True,
         dataloader_num_workers=0,
         disable_tqdm=True,
-        **args,
+        **{"report_to": ["tensorboard"], **args},
     )
     return transformers.Trainer(model=model, args=training_args, train_dataset=_Samples(), callbacks=callbacks)
 
@@ -234,6 +248,11 @@ def test_transformers_honours_tensorboard_logging_dir(tmp_path, monkeypatch) -> 
     _train(tmp_path / "out", _HFNet(), [transformers_hooks.HookLoggerCallback()], logging_steps=4)
     scalars = read_run(tmp_path / "tb").scalars
     assert sorted(scalars["train/loss"]) == sorted(scalars["param_grad/global_norm"]) == [4, 8]
+
+
+def test_transformers_without_tensorboard_reporting_writes_where_the_trainer_would(tmp_path) -> None:
+    _train(tmp_path, _HFNet(), [transformers_hooks.HookLoggerCallback()], logging_steps=4, report_to=[])
+    assert sorted(read_run(_one_run(tmp_path)).scalars["param_grad/global_norm"]) == [4, 8]
 
 
 def test_transformers_training_is_unchanged_bit_for_bit(tmp_path) -> None:
