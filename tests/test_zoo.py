@@ -17,7 +17,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 from tblog_hooks import HookLogger
 
-STEPS = 3
+STEPS = 2  # the second step uses the momentum buffers of the first
 
 
 @dataclass
@@ -150,7 +150,7 @@ def _transformers(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
 
 
 CASES = {
-    "torchvision-mobilenet_v3_small": _classifier(lambda: torchvision.models.mobilenet_v3_small(num_classes=10), 64),
+    "torchvision-mobilenet_v3_small": _classifier(lambda: torchvision.models.mobilenet_v3_small(num_classes=10), 32),
     "torchvision-fasterrcnn": _detection(),
     "timm-vit": _classifier(_timm_vit, 32),
     "timm-convnext": _classifier(_timm_convnext, 32),
