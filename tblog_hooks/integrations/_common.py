@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
+
 from ..errors import HookLoggerError
 from ..logger import _OPTIONS, HookLogger, _unknown_options
 
@@ -30,6 +32,12 @@ def check_options(options: Mapping[str, object], framework: str) -> None:
     unknown = {key: value for key, value in options.items() if key not in _OPTIONS}
     if unknown:
         raise HookLoggerError(_unknown_options(unknown))
+
+
+def grad_scaler(owner: object) -> torch.amp.GradScaler | None:
+    """``owner.scaler`` (a precision plugin's, an accelerate optimizer's) when it is a ``GradScaler``."""
+    scaler = getattr(owner, "scaler", None)
+    return scaler if isinstance(scaler, torch.amp.GradScaler) else None
 
 
 def advance(hooks: HookLogger, step: int) -> None:

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ..errors import HookLoggerError
 from ..logger import HookLogger
-from ._common import advance, check_options, missing_framework
+from ._common import advance, check_options, grad_scaler, missing_framework
 
 try:
     import lightning.pytorch as pl
@@ -36,13 +34,11 @@ class HookLoggerCallback(pl.Callback):
         self.hooks: HookLogger | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.close()  # a logger left by an earlier fit of this callback
         if len(trainer.optimizers) != 1:
             raise HookLoggerError(
                 f"HookLoggerCallback needs exactly one optimizer (its steps are the logged steps), the Trainer has "
                 f"{len(trainer.optimizers)}; with several, use tblog_hooks.HookLogger in the LightningModule"
             )
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
         target: dict[str, Any] = {}
         if trainer.is_global_zero:  # other ranks write nothing (HookLogger makes no writer there either)
             tensorboard = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
@@ -51,7 +47,7 @@ class HookLoggerCallback(pl.Callback):
         self.hooks = HookLogger(
             pl_module,
             optimizer=trainer.optimizers[0],
-            scaler=scaler if isinstance(scaler, torch.amp.GradScaler) else None,
+            scaler=grad_scaler(trainer.precision_plugin),
             **{"every": every, **self.options, **target},
         )
         advance(self.hooks, trainer.global_step)

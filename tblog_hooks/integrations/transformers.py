@@ -9,10 +9,8 @@ import inspect
 import os
 from typing import Any
 
-import torch
-
 from ..logger import HookLogger
-from ._common import advance, check_options, missing_framework
+from ._common import advance, check_options, grad_scaler, missing_framework
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -46,7 +44,7 @@ class HookLoggerCallback(TrainerCallback):
             log_dir=_tensorboard_dir(args) if state.is_world_process_zero else None,
             # accelerate wraps the optimizer (and holds the scaler); hooks go on the optimizer that steps
             optimizer=getattr(optimizer, "optimizer", optimizer),
-            scaler=_scaler(optimizer),
+            scaler=grad_scaler(optimizer),
             **{"every": int(state.logging_steps), **self.options},  # a float when given as one
         )
         # The Trainer shows an optimizer step at the global_step it ends with: the first is step 1.
@@ -68,25 +66,23 @@ class HookLoggerCallback(TrainerCallback):
             self.hooks = None
 
 
-def _scaler(optimizer: object) -> torch.amp.GradScaler | None:
-    scaler = getattr(optimizer, "scaler", None)
-    return scaler if isinstance(scaler, torch.amp.GradScaler) else None
-
-
 def _tensorboard_dir(args: TrainingArguments) -> str:
     """The run directory of the Trainer's ``TensorBoardCallback`` (``report_to="tensorboard"``), so its
     scalars and ours are one run; without one, where it would write."""
     frame = inspect.currentframe()
     # A callback is not told the Trainer's other callbacks; the CallbackHandler calling it holds them.
     # The TensorBoardCallback comes before user callbacks, so it has chosen its directory by now.
-    while frame is not None:
-        handler = frame.f_locals.get("self")
-        if isinstance(handler, CallbackHandler):
-            for callback in handler.callbacks:
-                if isinstance(callback, TensorBoardCallback) and callback.tb_writer is not None:
-                    return str(callback.tb_writer.log_dir)
-            break
-        frame = frame.f_back
+    try:
+        while frame is not None:
+            handler = frame.f_locals.get("self")
+            if isinstance(handler, CallbackHandler):
+                for callback in handler.callbacks:
+                    if isinstance(callback, TensorBoardCallback) and callback.tb_writer is not None:
+                        return str(callback.tb_writer.log_dir)
+                break
+            frame = frame.f_back
+    finally:
+        del frame  # a frame that refers to itself would be a reference cycle
     env = os.environ.get("TENSORBOARD_LOGGING_DIR")
     # output_dir is never None once TrainingArguments.__post_init__ ran
     return os.path.expanduser(env) if env else os.path.join(str(args.output_dir), default_logdir())
