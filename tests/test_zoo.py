@@ -138,7 +138,14 @@ def _timm_vit() -> nn.Module:
 
 def _timm_convnext() -> nn.Module:
     timm = pytest.importorskip("timm")
-    return timm.create_model("convnext_atto", pretrained=False, num_classes=10, drop_path_rate=0.1)
+    return timm.create_model(
+        "convnext_atto",
+        pretrained=False,
+        num_classes=10,
+        drop_path_rate=0.1,
+        depths=(1, 1, 2, 1),
+        dims=(16, 32, 64, 128),
+    )
 
 
 def _transformers(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
