@@ -34,6 +34,18 @@ def read_run(log_dir: str | Path) -> Run:
     return Run(scalars, histograms)
 
 
+def hook_dicts(model: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> list[dict]:
+    """Every hook dict of the model's modules and parameters (and the optimizer's step hooks)."""
+    dicts: list[dict] = []
+    for m in model.modules():
+        dicts += [m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks]
+    for p in model.parameters():
+        dicts += [p._post_accumulate_grad_hooks or {}, p._backward_hooks or {}]
+    if opt is not None:
+        dicts += [opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks]
+    return dicts
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

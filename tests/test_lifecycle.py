@@ -13,7 +13,7 @@ import weakref
 import pytest
 import torch
 import torchvision
-from conftest import read_run, read_tags, read_text
+from conftest import hook_dicts, read_run, read_tags, read_text
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
@@ -31,17 +31,6 @@ def _net() -> nn.Module:
         nn.Flatten(),
         nn.LazyLinear(2),
     )
-
-
-def _hook_dicts(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> list[dict]:
-    dicts: list[dict] = []
-    for m in model.modules():
-        dicts += [m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks]
-    for p in model.parameters():
-        dicts += [p._post_accumulate_grad_hooks or {}, p._backward_hooks or {}]
-    if opt is not None:
-        dicts += [opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks]
-    return dicts
 
 
 def _train(model: nn.Module, hooks: HookLogger, steps: int = 2, opt: torch.optim.Optimizer | None = None) -> None:
@@ -88,12 +77,12 @@ def test_close_removes_every_handle_and_is_idempotent(tmp_path) -> None:
     for optimizer in (False, True):
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         hooks = HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt if optimizer else None)
-        assert any(_hook_dicts(model, opt))
+        assert any(hook_dicts(model, opt))
         _train(model, hooks, opt=opt)
         model(torch.randn(2, 3, 8, 8))  # a logged forward whose backward never comes
         hooks.close()
         hooks.close()
-        assert not any(_hook_dicts(model, opt))
+        assert not any(hook_dicts(model, opt))
         with pytest.raises(HookLoggerError, match="after close"):
             hooks.step()
 
@@ -105,7 +94,7 @@ def test_exception_inside_with_still_removes_hooks_and_writes(tmp_path) -> None:
         _train(model, hooks, steps=1)
         model(torch.randn(2, 3, 8, 8)).sum().backward()
         raise KeyError("boom")
-    assert not any(_hook_dicts(model))
+    assert not any(hook_dicts(model))
     assert set(read_run(tmp_path).scalars["activation/mean/0.0"]) == {0, 1}  # the step in flight too
 
 
@@ -170,15 +159,15 @@ def test_copies_hold_no_hook_of_ours_after_close(tmp_path) -> None:
     with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt) as hooks:
         clone = copy.deepcopy(opt)  # e.g. checkpointing code that copies the optimizer
         twin, ema = copy.deepcopy(model), AveragedModel(model)  # EMA: deep copies made while attached
-        twin_hooks = [h for d in _hook_dicts(twin) for h in d.values()]
+        twin_hooks = [h for d in hook_dicts(twin) for h in d.values()]
         assert twin_hooks and all(h is NOOP for h in twin_hooks)  # in place of ours, until close()
         if sys.version_info >= (3, 11):  # NOOP is then a Python function that torch.compile traces
             torch.compile(copy.deepcopy(twin), backend="aot_eager", fullgraph=True)(torch.randn(2, 3, 8, 8))
         twin(torch.randn(5, 3, 8, 8)).sum().backward()  # in logged step 0: a copy never calls into the logger
         _train(model, hooks, steps=1, opt=opt)
     assert read_run(tmp_path).histograms["activation/0.0"][0].num == 2 * 4 * 6 * 6  # the model's batch only
-    assert not any(_hook_dicts(model, opt)) and not any(_hook_dicts(twin, clone))
-    assert not any(_hook_dicts(ema))
+    assert not any(hook_dicts(model, opt)) and not any(hook_dicts(twin, clone))
+    assert not any(hook_dicts(ema))
 
 
 _LOAD_WITHOUT_TBLOG_HOOKS = """
@@ -226,7 +215,7 @@ def test_dropped_logger_stops_recording_and_closes_its_writer(tmp_path) -> None:
     hooks = None  # re-bound: the logger is dropped without close()
     gc.collect()
     assert logger() is None
-    assert not any(_hook_dicts(model)) and not collector.active
+    assert not any(hook_dicts(model)) and not collector.active
     assert _writer_threads() == threads  # the writer was closed, its thread joined
     sizes, rows = sorted(p.stat().st_size for p in tmp_path.iterdir()), len(collector._records)
     for _ in range(3):  # the model trains on
@@ -357,5 +346,5 @@ def test_repeated_deep_copies_do_not_pile_up(tmp_path) -> None:
             copy.deepcopy(model)
         gc.collect()
         kept = copy.deepcopy(model)
-        assert len(hooks._handles._copies) == sum(bool(d) for d in _hook_dicts(kept))  # the live copy's only
-    assert not any(_hook_dicts(kept))
+        assert len(hooks._handles._copies) == sum(bool(d) for d in hook_dicts(kept))  # the live copy's only
+    assert not any(hook_dicts(kept))

@@ -275,3 +275,30 @@ def test_clipped_gradients_are_logged_only_with_the_optimizer(tmp_path, with_opt
     assert before > 1  # the clipping changed the gradients
     expected = 0.5 if with_optimizer else before
     assert read_run(tmp_path).scalar("param_grad/global_norm", 0) == pytest.approx(expected, rel=1e-5)
+
+
+def test_optimizer_step_with_closure_reads_the_gradients_the_closure_computes(tmp_path) -> None:
+    # optimizer.step(closure), as Lightning calls it: the step pre-hook runs before the closure's backward.
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    norms, ratios = [], []
+    with HookLogger(model, log_dir=tmp_path, every=1, optimizer=optimizer) as hooks:
+        for _ in range(3):
+            optimizer.zero_grad()
+            before = [p.detach().clone() for p in model.parameters()]
+
+            def closure() -> torch.Tensor:
+                loss = (model(x) - y).pow(2).mean()
+                loss.backward()
+                return loss
+
+            optimizer.step(closure)
+            grads = [p.grad for p in model.parameters()]
+            norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+            weight = model[0].weight.detach()
+            ratios.append(((weight - before[0]).norm() / before[0].norm()).item())
+            hooks.step()
+    run = read_run(tmp_path)
+    assert run.scalars["param_grad/global_norm"] == pytest.approx(dict(enumerate(norms)), rel=1e-5)
+    assert run.scalars["param/update_ratio/0.weight"] == pytest.approx(dict(enumerate(ratios)), rel=1e-4)

@@ -1,0 +1,72 @@
+"""Lightning: ``HookLoggerCallback`` attaches a ``HookLogger`` to the ``LightningModule`` being fit.
+
+>>> trainer = lightning.pytorch.Trainer(callbacks=[HookLoggerCallback(modules=["encoder.*"])])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import HookLoggerError
+from ..logger import HookLogger
+from ._common import advance, check_options, grad_scaler, missing_framework
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger
+except ImportError as error:
+    raise missing_framework("lightning", error) from None
+
+
+class HookLoggerCallback(pl.Callback):
+    """Log the module's statistics into the Trainer's TensorBoard run, indexed by ``trainer.global_step``.
+
+    Takes every ``HookLogger`` option except ``writer``, ``log_dir``, ``optimizer`` and ``scaler``,
+    which come from the Trainer: the experiment of its ``TensorBoardLogger`` (else a writer in
+    ``trainer.log_dir``), its one optimizer and the precision plugin's ``GradScaler``. ``every``
+    defaults to ``trainer.log_every_n_steps``. Attaches when training starts (after a checkpoint
+    is restored, so a resumed run continues its step numbers), closes at fit end and on exceptions.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        check_options(options, "Lightning's Trainer")
+        self.options = options
+        self.hooks: HookLogger | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if len(trainer.optimizers) != 1:
+            raise HookLoggerError(
+                f"HookLoggerCallback needs exactly one optimizer (its steps are the logged steps), the Trainer has "
+                f"{len(trainer.optimizers)}; with several, use tblog_hooks.HookLogger in the LightningModule"
+            )
+        target: dict[str, Any] = {}
+        if trainer.is_global_zero:  # other ranks write nothing (HookLogger makes no writer there either)
+            tensorboard = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
+            target = {"writer": tensorboard.experiment} if tensorboard is not None else {"log_dir": trainer.log_dir}
+        every: int = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set at runtime by Lightning
+        self.hooks = HookLogger(
+            pl_module,
+            optimizer=trainer.optimizers[0],
+            scaler=grad_scaler(trainer.precision_plugin),
+            **{"every": every, **self.options, **target},
+        )
+        advance(self.hooks, trainer.global_step)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Called for every batch; under accumulate_grad_batches only some of them step the optimizer.
+        if self.hooks is not None:
+            advance(self.hooks, trainer.global_step)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Write what is pending and remove every hook (done at fit end; safe to call again)."""
+        if self.hooks is not None:
+            self.hooks.close()
+            self.hooks = None
