@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tblog_hooks import HookLogger
 
-WARMUP, STEPS = 200, 3000
+WARMUP, STEPS = 300, 3000  # warm-up past the heatmap window (240 logged steps), which fills first
 
 
 def _rss_mib() -> float:
@@ -26,7 +27,21 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _writers_idle() -> None:
+    """Wait until every TensorBoard writer thread waits for its queue: a thread between two
+    records holds other (transient) objects than one that waits, which the census would count."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        frames = sys._current_frames()
+        busy = [t for t in threading.enumerate() if type(t).__name__ == "_AsyncWriterThread"]
+        if all(t.ident in frames and frames[t.ident].f_code.co_name == "wait" for t in busy):
+            return
+        time.sleep(0.001)
+    raise AssertionError("a TensorBoard writer thread stayed busy for 10 s")
+
+
 def _census(model: nn.Module) -> dict[str, int]:
+    _writers_idle()
     gc.collect()
     objects = gc.get_objects()
     hook_dicts = [d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks)]
