@@ -8,6 +8,7 @@ float64 tensor plus the :class:`~tblog_hooks.records.Layout` that says what each
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -15,10 +16,11 @@ from typing import NamedTuple, Optional, TypeVar
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from . import pictures, stats
+from . import pictures, probes, stats
 from .distributed import is_sharded, local_shard
 from .passes import PassFilter
 from .records import (
@@ -61,6 +63,9 @@ class HistRow(NamedTuple):
     numel: int  # elements of the tensor
     lo: Tensor | None
     hi: Tensor | None
+    #: Elements each sampled one stands for, where only the device knows (``probes.Unpacked``):
+    #: then ``numel`` is the sample's length and the counts are scaled on the device.
+    weight: Tensor | None = None
 
 
 class Collector:
@@ -74,6 +79,8 @@ class Collector:
         self.disabled: set[str] = set()
         self._records: list[Record] = []
         self._hists: list[HistRow] = []
+        # Records of earlier forwards, set aside by the backward (see ``_settle``).
+        self._settled: tuple[list[Record], list[HistRow]] = ([], [])
         self._tensor_handles: list[RemovableHandle] = []
         self._before_update: tuple[list[tuple[str, Tensor]], list[Tensor], list[Tensor]] | None = None
         # The latest activation recorded: (weakref to it, its version, its NaN/Inf count).
@@ -83,18 +90,29 @@ class Collector:
         self._graded: dict[str, tuple[Record, HistRow | None]] = {}
         self.forward_order: list[str] = []  # watched modules in the order their forward hooks first fired
         self._fired: set[str] = set()
+        self._probes: dict[str, probes.Probe] = {}  # output gradients under torch.compile
+
+    def place_probes(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
+        """A probe per watched module, on the device its outputs will be on: made now, before
+        ``torch.compile`` traces the hooks (one made later would be one more graph)."""
+        if self.options.gradients:
+            width = stats.SAMPLE_CAP if self.options.histograms else 0
+            for name, module in modules.items():
+                deliver = functools.partial(self.on_probe, name)
+                self._probes[name] = probes.Probe(probes.home_device(module, model), width, deliver)
 
     @property
     def empty(self) -> bool:
         """Whether nothing was recorded since the last :meth:`finish`."""
-        return not (self._records or self._hists or self._graded)
+        return not (self._records or self._hists or self._graded or any(self._settled))
 
     # -- called from hooks ---------------------------------------------------------------
-    def on_output(self, name: str, output: object, training: bool) -> None:
+    def on_output(self, name: str, output: object, training: bool) -> object | None:
         """Forward hook body: statistics of the output now, a gradient hook for later
-        (of training passes only, see ``passes.py``)."""
+        (of training passes only, see ``passes.py``). Under ``torch.compile``, returns the
+        output passed through the module's probe instead (``probes.py``)."""
         if name in self.disabled:
-            return
+            return None
         if name not in self._fired and not torch.compiler.is_compiling():
             # Not while compiling: a set that grows would be one more guard and one more graph.
             self._fired.add(name)
@@ -102,10 +120,10 @@ class Collector:
         try:
             counted = self.passes.classify(name, training)
             if not any(counted):
-                return
+                return None
             tensors = _loggable_leaves(output)
             if not tensors:
-                return
+                return None
             with torch.no_grad():
                 if name in self.options.feature_maps and name not in self._mapped:
                     self._add_feature_map(name, tensors)
@@ -116,11 +134,14 @@ class Collector:
                             # Read by the next module's pre-hook if its input is this very tensor.
                             self._last_output = (weakref.ref(t), t._version, values[_NONFINITE])
             if self.options.gradients and counted.gradients:
+                if torch.compiler.is_compiling():
+                    return self._tap(name, output)
                 for t in tensors:
                     if t.requires_grad:
-                        self._watch_gradient(name, t)
+                        self._tensor_handles.append(t.register_hook(_GradientHook(self, name)))
         except Exception as error:  # the logger must never stop training
             self.fail(name, error)
+        return None
 
     def on_input(self, name: str, inputs: object, training: bool) -> None:
         """Forward pre-hook body: the inputs' non-finite count (to tell where NaN/Inf start),
@@ -153,6 +174,31 @@ class Collector:
                     self._hists.append(HistRow(GRADIENT.name, name, stats.sample(grad), grad.numel(), lo, hi))
         except Exception as error:
             self.fail(name, error)
+
+    def on_probe(self, name: str, summed: Tensor) -> None:
+        """A probe's gradient: the summary of one backward through the module (``probes.py``)."""
+        if name in self.disabled or not self.active:  # a backward after its logged step ended
+            return
+        try:
+            self._settle()
+            records, hists = self._settled
+            with torch.no_grad():
+                got = probes.Unpacked(summed)
+                # Elements are on the device only; GRADIENT's fields pool without them.
+                records.append(Record(GRADIENT, name, 0, (got.norm, got.nonfinite)))
+                if self.options.histograms:
+                    hists.append(HistRow(GRADIENT.name, name, got.sample, got.sample.numel(), got.lo, got.hi, got.weight))
+        except Exception as error:
+            self.fail(name, error)
+
+    def _settle(self) -> None:
+        """Empty the lists that compiled hooks append to into ``_settled``: dynamo guards their
+        lengths, so the next forward of the step (gradient accumulation) would otherwise be
+        one more graph."""
+        records, hists = self._settled
+        records += self._records
+        hists += self._hists
+        self._records, self._hists = [], []
 
     def on_params(self, named: list[tuple[str, Tensor]]) -> None:
         """Record gradient norms (and histograms) of parameters whose ``.grad`` is final."""
@@ -242,12 +288,20 @@ class Collector:
             return last[2]
         return stats.nonfinite(t)
 
-    def _watch_gradient(self, name: str, t: Tensor) -> None:
-        # Inside torch.compile a hook that writes to the collector breaks the graph at every
-        # module (dynamo cannot trace the mutation, and a disabled hook is a break too), so
-        # compiled forwards record activations and leave output gradients out.
-        if not torch.compiler.is_compiling():
-            self._tensor_handles.append(t.register_hook(_GradientHook(self, name)))
+    def _tap(self, name: str, output: object) -> object | None:
+        """The output with each tensor that carries a gradient passed through the module's
+        probe, or ``None`` (keep the output) if there is none: a tensor hook that writes into
+        the collector would break the compiled graph at every module."""
+        probe = self._probes.get(name)
+        if probe is None:
+            return None
+        leaves, spec = tree_flatten(output)
+        tapped = [
+            probe.tap(t) if stats.loggable(t) and t.requires_grad and t.device == probe.device else t for t in leaves
+        ]
+        if all(a is b for a, b in zip(tapped, leaves)):
+            return None
+        return tree_unflatten(tapped, spec)
 
     def _add_feature_map(self, name: str, tensors: list[Tensor]) -> None:
         """Channels of the first sample of the first 3-D-or-more output, first call only."""
@@ -275,7 +329,9 @@ class Collector:
     def finish(self) -> tuple[Tensor, Layout] | None:
         """Bin this step's histograms and pack every record into one float64 tensor; reset."""
         self.remove_tensor_hooks()
-        records, hists = self._records, self._hists
+        self._settle()
+        records, hists = self._settled
+        self._settled = ([], [])
         for record, row in self._graded.values():
             records.append(record)
             if row is not None:
@@ -308,10 +364,15 @@ def _histograms(hists: list[HistRow], device: torch.device) -> tuple[Tensor, lis
         # Zeros become -inf and, like NaN/Inf, stay out of the histogram.
         logs = torch.cat(_on(device, [h.sample for h in gradients])).float().abs_().log10_()
         samples += list(logs.split([h.sample.numel() for h in gradients]))
-        rows += [HistRow(GRADIENT_LOG10, h.name, h.sample, h.numel, None, None) for h in gradients]
+        rows += [h._replace(kind=GRADIENT_LOG10, lo=None, hi=None) for h in gradients]
     keys: dict[tuple[str, str], int] = {}
     index = [keys.setdefault((h.kind, h.name), len(keys)) for h in rows]
     binned = stats.histograms(samples, _on(device, [h.lo for h in rows]), _on(device, [h.hi for h in rows]), index)
+    weights = [h.weight for h in rows]
+    if any(w is not None for w in weights):  # probes' rows: scale their counts here
+        one = binned.new_ones(())
+        scale = torch.stack(_on(device, [one if w is None else w for w in weights])).to(binned.dtype)
+        binned[:, stats.HIST_WIDTH - stats.BINS :] *= scale[:, None]
     return binned.reshape(-1), [HistMeta(h.kind, h.name, h.numel, h.sample.numel()) for h in rows]
 
 

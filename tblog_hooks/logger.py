@@ -157,6 +157,7 @@ class HookLogger:
         for name, module in selected.items():
             self._handles.add(module.register_forward_pre_hook(ForwardPreHook(self._collector, name), with_kwargs=True))
             self._handles.add(module.register_forward_hook(ForwardHook(self._collector, name)))
+        self._collector.place_probes(model, selected)
         if optimizer is not None and self._params:
             self._handles.add(optimizer.register_step_pre_hook(OptimizerHook(self._collector, self._params)))
             self._handles.add(optimizer.register_step_post_hook(OptimizerPostHook(self._collector)))
