@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional, TypeVar
 
 import torch
-from torch import Tensor
-from torch import nn
+from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
@@ -187,7 +186,8 @@ class Collector:
                 # Elements are on the device only; GRADIENT's fields pool without them.
                 records.append(Record(GRADIENT, name, 0, (got.norm, got.nonfinite)))
                 if self.options.histograms:
-                    hists.append(HistRow(GRADIENT.name, name, got.sample, got.sample.numel(), got.lo, got.hi, got.weight))
+                    sampled = got.sample.numel()
+                    hists.append(HistRow(GRADIENT.name, name, got.sample, sampled, got.lo, got.hi, got.weight))
         except Exception as error:
             self.fail(name, error)
 
@@ -301,7 +301,8 @@ class Collector:
         ]
         if all(a is b for a, b in zip(tapped, leaves)):
             return None
-        return tree_unflatten(tapped, spec)
+        replaced: object = tree_unflatten(tapped, spec)
+        return replaced
 
     def _add_feature_map(self, name: str, tensors: list[Tensor]) -> None:
         """Channels of the first sample of the first 3-D-or-more output, first call only."""

@@ -60,7 +60,7 @@ class Unpacked:
     histogram the sample, exact extremes and the elements each sampled element stands for.
     A summary of several calls added up keeps its norm and count; its histogram part is NaN."""
 
-    __slots__ = ("norm", "nonfinite", "sample", "lo", "hi", "weight")
+    __slots__ = ("hi", "lo", "nonfinite", "norm", "sample", "weight")
 
     def __init__(self, summed: Tensor) -> None:
         self.norm, self.nonfinite = summed[SQUARES].sqrt(), summed[NONFINITE]
