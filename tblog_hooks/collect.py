@@ -283,7 +283,7 @@ class Collector:
     def _nonfinite_input(self, t: Tensor) -> Tensor:
         """NaN/Inf count of an input; reused when the input is the unchanged output of the
         watched module that ran just before (conv -> bn in a ResNet), saving a pass over it."""
-        last = self._last_output
+        last = None if torch.compiler.is_compiling() else self._last_output  # is_inference() breaks a graph
         if last is not None and last[0]() is t and not t.is_inference() and t._version == last[1]:
             return last[2]
         return stats.nonfinite(t)
