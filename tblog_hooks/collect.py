@@ -12,7 +12,7 @@ import functools
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, TypeVar
+from typing import Generic, NamedTuple, Optional, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -78,8 +78,7 @@ class Collector:
         self.disabled: set[str] = set()
         self._records: list[Record] = []
         self._hists: list[HistRow] = []
-        # Records of earlier forwards, set aside by the backward (see ``_settle``).
-        self._settled: tuple[list[Record], list[HistRow]] = ([], [])
+        self._traced: _Sink[tuple[Record, HistRow | None]] = _Sink()  # what compiled forward hooks recorded
         self._tensor_handles: list[RemovableHandle] = []
         self._before_update: tuple[list[tuple[str, Tensor]], list[Tensor], list[Tensor]] | None = None
         # The latest activation recorded: (weakref to it, its version, its NaN/Inf count).
@@ -95,15 +94,25 @@ class Collector:
         """A probe per watched module, on the device its outputs will be on: made now, before
         ``torch.compile`` traces the hooks (one made later would be one more graph)."""
         if self.options.gradients:
-            width = stats.SAMPLE_CAP if self.options.histograms else 0
             for name, module in modules.items():
-                deliver = functools.partial(self.on_probe, name)
-                self._probes[name] = probes.Probe(probes.home_device(module, model), width, deliver)
+                self._place_probe(name, probes.home_device(module, model))
+
+    def _place_probe(self, name: str, device: torch.device) -> None:
+        width = stats.SAMPLE_CAP if self.options.histograms else 0
+        self._probes[name] = probes.Probe(device, width, functools.partial(self.on_probe, name))
+
+    def _move_probes(self, records: list[Record]) -> None:
+        """Probes of modules whose outputs turned out to be on another device (the model was
+        moved after the logger was made) follow them, at the cost of one more graph."""
+        for record in records:
+            probe = self._probes.get(record.name)
+            if record.kind is ACTIVATION and probe is not None and probe.device != record.values[0].device:
+                self._place_probe(record.name, record.values[0].device)
 
     @property
     def empty(self) -> bool:
         """Whether nothing was recorded since the last :meth:`finish`."""
-        return not (self._records or self._hists or self._graded or any(self._settled))
+        return not (self._records or self._hists or self._graded or self._traced)
 
     # -- called from hooks ---------------------------------------------------------------
     def on_output(self, name: str, output: object, training: bool) -> object | None:
@@ -156,7 +165,7 @@ class Collector:
                         self._record(INPUT, name, t)
                     else:
                         count = self._nonfinite_input(t)
-                        self._records.append(Record(COUNT, tag(INPUT.name, "nonfinite", name), 1, (count,)))
+                        self._add(Record(COUNT, tag(INPUT.name, "nonfinite", name), 1, (count,)))
         except Exception as error:
             self.fail(name, error)
 
@@ -179,26 +188,15 @@ class Collector:
         if name in self.disabled or not self.active:  # a backward after its logged step ended
             return
         try:
-            self._settle()
-            records, hists = self._settled
             with torch.no_grad():
                 got = probes.Unpacked(summed)
                 # Elements are on the device only; GRADIENT's fields pool without them.
-                records.append(Record(GRADIENT, name, 0, (got.norm, got.nonfinite)))
+                self._records.append(Record(GRADIENT, name, 0, (got.norm, got.nonfinite)))
                 if self.options.histograms:
                     sampled = got.sample.numel()
-                    hists.append(HistRow(GRADIENT.name, name, got.sample, sampled, got.lo, got.hi, got.weight))
+                    self._hists.append(HistRow(GRADIENT.name, name, got.sample, sampled, got.lo, got.hi, got.weight))
         except Exception as error:
             self.fail(name, error)
-
-    def _settle(self) -> None:
-        """Empty the lists that compiled hooks append to into ``_settled``: dynamo guards their
-        lengths, so the next forward of the step (gradient accumulation) would otherwise be
-        one more graph."""
-        records, hists = self._settled
-        records += self._records
-        hists += self._hists
-        self._records, self._hists = [], []
 
     def on_params(self, named: list[tuple[str, Tensor]]) -> None:
         """Record gradient norms (and histograms) of parameters whose ``.grad`` is final."""
@@ -266,9 +264,10 @@ class Collector:
     def _record(self, kind: Kind, name: str, t: Tensor) -> tuple[Tensor, ...]:
         """Statistics (and a histogram sample) of an output or input; returns the values."""
         values = stats.tensor_stats(t)
-        self._records.append(Record(kind, name, t.numel(), values))
+        row = None
         if self.options.histograms:
-            self._hists.append(HistRow(kind.name, name, stats.sample(t), t.numel(), values[_MIN], values[_MAX]))
+            row = HistRow(kind.name, name, stats.sample(t), t.numel(), values[_MIN], values[_MAX])
+        self._add(Record(kind, name, t.numel(), values), row)
         return values
 
     def _samples(self, kind: str, keys: list[str], tensors: list[Tensor]) -> dict[str, HistRow]:
@@ -279,6 +278,15 @@ class Collector:
             keys[i]: HistRow(kind, keys[i], stats.sample(tensors[i]), tensors[i].numel(), lo, hi)
             for i, lo, hi in zip(keep, lows, highs)
         }
+
+    def _add(self, record: Record, row: HistRow | None = None) -> None:
+        """A forward hook's record (and histogram sample)."""
+        if torch.compiler.is_compiling():
+            self._traced.append((record, row))
+        else:
+            self._records.append(record)
+            if row is not None:
+                self._hists.append(row)
 
     def _nonfinite_input(self, t: Tensor) -> Tensor:
         """NaN/Inf count of an input; reused when the input is the unchanged output of the
@@ -310,7 +318,7 @@ class Collector:
         if maps:
             self._mapped.add(name)
             grid = pictures.feature_grid(maps[0][0])
-            self._records.append(Record(IMAGE, tag("feature_map", name), grid.numel(), (grid,), tuple(grid.shape)))
+            self._add(Record(IMAGE, tag("feature_map", name), grid.numel(), (grid,), tuple(grid.shape)))
 
     def fail(self, name: str, error: BaseException) -> None:
         """Report a failure once and stop logging ``name``; training carries on."""
@@ -330,9 +338,12 @@ class Collector:
     def finish(self) -> tuple[Tensor, Layout] | None:
         """Bin this step's histograms and pack every record into one float64 tensor; reset."""
         self.remove_tensor_hooks()
-        self._settle()
-        records, hists = self._settled
-        self._settled = ([], [])
+        records, hists = self._records, self._hists
+        for record, row in self._traced.drain():
+            records.append(record)
+            if row is not None:
+                hists.append(row)
+        self._move_probes(records)
         for record, row in self._graded.values():
             records.append(record)
             if row is not None:
@@ -378,6 +389,7 @@ def _histograms(hists: list[HistRow], device: torch.device) -> tuple[Tensor, lis
 
 
 T = TypeVar("T", Tensor, Optional[Tensor])
+Item = TypeVar("Item")
 
 
 def _on(device: torch.device, tensors: list[T]) -> list[T]:
@@ -389,6 +401,37 @@ def _loggable_leaves(tree: object) -> list[Tensor]:
     """The tensors of a (nested) input or output that statistics are taken of."""
     leaves = [tree] if isinstance(tree, Tensor) else tree_flatten(tree)[0]
     return [t for t in leaves if stats.loggable(t)]
+
+
+class _Link(Generic[Item]):
+    __slots__ = ("item", "prev")
+
+    def __init__(self, item: Item | None, prev: _Link[Item] | None) -> None:
+        self.item, self.prev = item, prev
+
+
+class _Sink(Generic[Item]):
+    """What compiled forward hooks append to, instead of a list: dynamo guards a list's length,
+    so every further forward of a logged step (gradient accumulation) would compile one more
+    graph; of an object attribute it guards only the type. Single-threaded: forwards only."""
+
+    def __init__(self) -> None:
+        self._head: _Link[Item] = _Link(None, None)
+
+    def append(self, item: Item) -> None:
+        self._head = _Link(item, self._head)
+
+    def drain(self) -> list[Item]:
+        """Everything appended, oldest first; empties the sink."""
+        items, link = [], self._head
+        while link.prev is not None:
+            items.append(link.item)
+            link = link.prev
+        self._head = _Link(None, None)
+        return items[::-1]  # type: ignore[return-value]  # every linked item but the sentinel's is set
+
+    def __bool__(self) -> bool:
+        return self._head.prev is not None
 
 
 class _GradientHook:

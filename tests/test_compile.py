@@ -45,15 +45,32 @@ class _Net(nn.Module):
 
 
 def _train(
-    log_dir: Path, *, backend: str | None, device: str = "cpu", recompute: bool = False, scale: float | None = None
+    log_dir: Path,
+    *,
+    backend: str | None,
+    device: str = "cpu",
+    recompute: bool = False,
+    scale: float | None = None,
+    histograms: bool = True,
+    moved: bool = False,
 ) -> tuple[Run, nn.Module]:
-    """5 optimizer steps of 2 micro-batches each (gradient accumulation), every=2: steps 0, 2, 4 logged."""
+    """5 optimizer steps of 2 micro-batches each (gradient accumulation), every=2: steps 0, 2, 4
+    logged. With ``moved``, the logger is made while the model is on the meta device."""
     torch.manual_seed(0)
     model = _Net(recompute).to(device)
+    data = torch.randn(5, 2, 8, 6).to(device)
+    weights = model.state_dict()
+    if moved:  # the logger's parameters are the meta ones: no parameter gradients then
+        model = _Net(recompute).to("meta")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = None if scale is None else torch.amp.GradScaler(device, init_scale=scale)
-    data = torch.randn(5, 2, 8, 6, device=device)
-    with HookLogger(model, log_dir=log_dir, every=2, optimizer=opt, scaler=scaler) as hooks:
+    optimizer = None if moved else opt
+    with HookLogger(
+        model, log_dir=log_dir, every=2, optimizer=optimizer, scaler=scaler, histograms=histograms
+    ) as hooks:
+        if moved:
+            model.to_empty(device=device).load_state_dict(weights)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
         run = model if backend is None else torch.compile(model, backend=backend)
         for batches in data:
             for x in batches:
@@ -128,6 +145,23 @@ def test_compiled_output_gradients_with_checkpointing_and_grad_scaler(tmp_path: 
     assert "gradient/shared" in eager.histograms
     assert "gradient/shared" not in compiled.histograms
     assert {"gradient/block.fc", "gradient_log10/block.fc"} <= set(compiled.histograms)
+
+
+def test_a_model_moved_after_the_logger_was_made_gets_output_gradients_from_the_next_logged_step(
+    tmp_path: Path,
+) -> None:
+    eager, _ = _train(tmp_path / "eager", backend=None, histograms=False)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, _ = _train(tmp_path / "compiled", backend="aot_eager", histograms=False, moved=True)
+    # Step 0 found the probes on the meta device; they followed the outputs, which made one more graph.
+    assert counters["stats"]["unique_graphs"] == 3
+    assert not counters["graph_break"]
+    for tag in ("gradient/norm/block.fc", "gradient/nonfinite/out", "gradient/norm/shared"):
+        assert set(compiled.scalars[tag]) == {2, 4}
+        for step in (2, 4):
+            assert compiled.scalar(tag, step) == pytest.approx(eager.scalar(tag, step), rel=1e-4, abs=1e-7)
+    assert not compiled.histograms
 
 
 def test_attaching_to_a_compiled_model_is_a_clear_error(tmp_path: Path) -> None:
