@@ -78,7 +78,7 @@ class Collector:
         self.disabled: set[str] = set()
         self._records: list[Record] = []
         self._hists: list[HistRow] = []
-        self._traced: _Sink[tuple[Record, HistRow | None]] = _Sink()  # what compiled forward hooks recorded
+        self._traced: _Sink[Record | HistRow] = _Sink()  # what compiled forward hooks recorded
         self._tensor_handles: list[RemovableHandle] = []
         self._before_update: tuple[list[tuple[str, Tensor]], list[Tensor], list[Tensor]] | None = None
         # The latest activation recorded: (weakref to it, its version, its NaN/Inf count).
@@ -264,10 +264,9 @@ class Collector:
     def _record(self, kind: Kind, name: str, t: Tensor) -> tuple[Tensor, ...]:
         """Statistics (and a histogram sample) of an output or input; returns the values."""
         values = stats.tensor_stats(t)
-        row = None
+        self._add(Record(kind, name, t.numel(), values))
         if self.options.histograms:
-            row = HistRow(kind.name, name, stats.sample(t), t.numel(), values[_MIN], values[_MAX])
-        self._add(Record(kind, name, t.numel(), values), row)
+            self._add(HistRow(kind.name, name, stats.sample(t), t.numel(), values[_MIN], values[_MAX]))
         return values
 
     def _samples(self, kind: str, keys: list[str], tensors: list[Tensor]) -> dict[str, HistRow]:
@@ -279,14 +278,14 @@ class Collector:
             for i, lo, hi in zip(keep, lows, highs)
         }
 
-    def _add(self, record: Record, row: HistRow | None = None) -> None:
-        """A forward hook's record (and histogram sample)."""
+    def _add(self, item: Record | HistRow) -> None:
+        """A forward hook's record or histogram sample."""
         if torch.compiler.is_compiling():
-            self._traced.append((record, row))
+            self._traced.append(item)
+        elif isinstance(item, HistRow):
+            self._hists.append(item)
         else:
-            self._records.append(record)
-            if row is not None:
-                self._hists.append(row)
+            self._records.append(item)
 
     def _nonfinite_input(self, t: Tensor) -> Tensor:
         """NaN/Inf count of an input; reused when the input is the unchanged output of the
@@ -339,10 +338,11 @@ class Collector:
         """Bin this step's histograms and pack every record into one float64 tensor; reset."""
         self.remove_tensor_hooks()
         records, hists = self._records, self._hists
-        for record, row in self._traced.drain():
-            records.append(record)
-            if row is not None:
-                hists.append(row)
+        for item in self._traced.drain():
+            if isinstance(item, HistRow):
+                hists.append(item)
+            else:
+                records.append(item)
         self._move_probes(records)
         for record, row in self._graded.values():
             records.append(record)
