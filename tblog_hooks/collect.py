@@ -62,7 +62,7 @@ class HistRow(NamedTuple):
     numel: int  # elements of the tensor
     lo: Tensor | None
     hi: Tensor | None
-    #: Elements each sampled one stands for, where only the device knows (``probes.Unpacked``):
+    #: Elements each sampled one stands for, where only the device knows (``probes.histogram``):
     #: then ``numel`` is the sample's length and the counts are scaled on the device.
     weight: Tensor | None = None
 
@@ -99,7 +99,8 @@ class Collector:
 
     def _place_probe(self, name: str, device: torch.device) -> None:
         width = stats.SAMPLE_CAP if self.options.histograms else 0
-        self._probes[name] = probes.Probe(device, width, functools.partial(self.on_probe, name))
+        # A weak reference: the probe's tensor hook must not keep the collector alive.
+        self._probes[name] = probes.Probe(device, width, functools.partial(_on_probe, weakref.ref(self), name))
 
     def _move_probes(self, records: list[Record]) -> None:
         """Probes of modules whose outputs turned out to be on another device (the model was
@@ -189,12 +190,11 @@ class Collector:
             return
         try:
             with torch.no_grad():
-                got = probes.Unpacked(summed)
                 # Elements are on the device only; GRADIENT's fields pool without them.
-                self._records.append(Record(GRADIENT, name, 0, (got.norm, got.nonfinite)))
+                self._records.append(Record(GRADIENT, name, 0, probes.gradient(summed)))
                 if self.options.histograms:
-                    sampled = got.sample.numel()
-                    self._hists.append(HistRow(GRADIENT.name, name, got.sample, sampled, got.lo, got.hi, got.weight))
+                    sample, lo, hi, weight = probes.histogram(summed)
+                    self._hists.append(HistRow(GRADIENT.name, name, sample, sample.numel(), lo, hi, weight))
         except Exception as error:
             self.fail(name, error)
 
@@ -330,13 +330,18 @@ class Collector:
             )
 
     def remove_tensor_hooks(self) -> None:
+        """At close: every gradient hook of the logger, the probes' included."""
+        self._unhook_outputs()
+        self._probes.clear()
+
+    def _unhook_outputs(self) -> None:
         for handle in self._tensor_handles:
             handle.remove()
         self._tensor_handles.clear()
 
     def finish(self) -> tuple[Tensor, Layout] | None:
         """Bin this step's histograms and pack every record into one float64 tensor; reset."""
-        self.remove_tensor_hooks()
+        self._unhook_outputs()
         records, hists = self._records, self._hists
         for item in self._traced.drain():
             if isinstance(item, HistRow):
@@ -432,6 +437,12 @@ class _Sink(Generic[Item]):
 
     def __bool__(self) -> bool:
         return self._head.prev is not None
+
+
+def _on_probe(collector: weakref.ref[Collector], name: str, summed: Tensor) -> None:
+    alive = collector()
+    if alive is not None:
+        alive.on_probe(name, summed)
 
 
 class _GradientHook:

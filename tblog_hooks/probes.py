@@ -12,6 +12,7 @@ collector: the graph itself has no side effect for dynamo to trace.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -55,21 +56,17 @@ def summary(grad: Tensor, width: int) -> Tensor:
     return torch.cat(parts)
 
 
-class Unpacked:
-    """A summary as the collector records it: gradient norm and non-finite count, and for the
-    histogram the sample, exact extremes and the elements each sampled element stands for.
-    A summary of several calls added up keeps its norm and count; its histogram part is NaN."""
+def gradient(summed: Tensor) -> tuple[Tensor, Tensor]:
+    """L2 norm and non-finite count from a summary (or several added up)."""
+    return summed[SQUARES].sqrt(), summed[NONFINITE]
 
-    __slots__ = ("hi", "lo", "nonfinite", "norm", "sample", "weight")
 
-    def __init__(self, summed: Tensor) -> None:
-        self.norm, self.nonfinite = summed[SQUARES].sqrt(), summed[NONFINITE]
-        single = summed[CALLS] == 1  # sums of extremes and samples mean nothing
-        self.sample = torch.where(single, summed[HEAD:], math.nan)
-        self.lo = torch.where(single, summed[MIN], math.nan)
-        self.hi = torch.where(single, summed[MAX], math.nan)
-        numel = summed[NUMEL]
-        self.weight = numel / numel.clamp(max=self.sample.numel())
+def histogram(summed: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The sample, exact min and max, and the elements each sampled one stands for, from a
+    summary; all NaN where several summaries were added up (their sums mean nothing)."""
+    kept = torch.where(summed[CALLS] == 1, summed, math.nan)
+    sample, numel = kept[HEAD:], summed[NUMEL]
+    return sample, kept[MIN], kept[MAX], numel / numel.clamp(max=sample.numel())
 
 
 class Probe:
@@ -80,8 +77,8 @@ class Probe:
         self.width = width
         # Stride 0: one element of storage whatever the summary's length.
         self.tensor = torch.empty_strided((HEAD + width,), (0,), dtype=torch.float64, device=device).requires_grad_()
-        self._deliver = deliver
-        self.tensor.register_post_accumulate_grad_hook(self._take)
+        # The hook holds neither the probe nor its tensor: no reference cycle through a tensor hook.
+        self.tensor.register_post_accumulate_grad_hook(functools.partial(_take, deliver))
 
     @property
     def device(self) -> torch.device:
@@ -91,10 +88,11 @@ class Probe:
         """``x`` (a copy) whose gradient will be summarised into the probe."""
         return _Tap.apply(x, self.tensor, self.width)  # type: ignore[no-any-return]
 
-    def _take(self, tensor: Tensor) -> None:
-        grad, tensor.grad = tensor.grad, None  # one summary at a time: nothing accumulates
-        if grad is not None:
-            self._deliver(grad)
+
+def _take(deliver: Callable[[Tensor], None], tensor: Tensor) -> None:
+    grad, tensor.grad = tensor.grad, None  # one summary at a time: nothing accumulates
+    if grad is not None:
+        deliver(grad)
 
 
 def home_device(module: nn.Module, model: nn.Module) -> torch.device:
