@@ -8,17 +8,18 @@ float64 tensor plus the :class:`~tblog_hooks.records.Layout` that says what each
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, TypeVar
+from typing import Generic, NamedTuple, Optional, TypeVar
 
 import torch
-from torch import Tensor
-from torch.utils._pytree import tree_flatten
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from . import pictures, stats
+from . import pictures, probes, stats
 from .distributed import is_sharded, local_shard
 from .passes import PassFilter
 from .records import (
@@ -61,6 +62,9 @@ class HistRow(NamedTuple):
     numel: int  # elements of the tensor
     lo: Tensor | None
     hi: Tensor | None
+    #: Elements each sampled one stands for, where only the device knows (``probes.histogram``):
+    #: then ``numel`` is the sample's length and the counts are scaled on the device.
+    weight: Tensor | None = None
 
 
 class Collector:
@@ -74,6 +78,7 @@ class Collector:
         self.disabled: set[str] = set()
         self._records: list[Record] = []
         self._hists: list[HistRow] = []
+        self._traced: _Sink[Record | HistRow] = _Sink()  # what compiled forward hooks recorded
         self._tensor_handles: list[RemovableHandle] = []
         self._before_update: tuple[list[tuple[str, Tensor]], list[Tensor], list[Tensor]] | None = None
         # The latest activation recorded: (weakref to it, its version, its NaN/Inf count).
@@ -84,18 +89,40 @@ class Collector:
         self._indices = stats.IndexCache()  # sample and histogram-row indices, made once per size
         self.forward_order: list[str] = []  # watched modules in the order their forward hooks first fired
         self._fired: set[str] = set()
+        self._probes: dict[str, probes.Probe] = {}  # output gradients under torch.compile
+
+    def place_probes(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
+        """A probe per watched module, on the device its outputs will be on: made now, before
+        ``torch.compile`` traces the hooks (one made later would be one more graph)."""
+        if self.options.gradients:
+            for name, module in modules.items():
+                self._place_probe(name, probes.home_device(module, model))
+
+    def _place_probe(self, name: str, device: torch.device) -> None:
+        width = stats.SAMPLE_CAP if self.options.histograms else 0
+        # A weak reference: the probe's tensor hook must not keep the collector alive.
+        self._probes[name] = probes.Probe(device, width, functools.partial(_on_probe, weakref.ref(self), name))
+
+    def _move_probes(self, records: list[Record]) -> None:
+        """Probes of modules whose outputs turned out to be on another device (the model was
+        moved after the logger was made) follow them, at the cost of one more graph."""
+        for record in records:
+            probe = self._probes.get(record.name)
+            if record.kind is ACTIVATION and probe is not None and probe.device != record.values[0].device:
+                self._place_probe(record.name, record.values[0].device)
 
     @property
     def empty(self) -> bool:
         """Whether nothing was recorded since the last :meth:`finish`."""
-        return not (self._records or self._hists or self._graded)
+        return not (self._records or self._hists or self._graded or self._traced)
 
     # -- called from hooks ---------------------------------------------------------------
-    def on_output(self, name: str, output: object, training: bool) -> None:
+    def on_output(self, name: str, output: object, training: bool) -> object | None:
         """Forward hook body: statistics of the output now, a gradient hook for later
-        (of training passes only, see ``passes.py``)."""
+        (of training passes only, see ``passes.py``). Under ``torch.compile``, returns the
+        output passed through the module's probe instead (``probes.py``)."""
         if name in self.disabled:
-            return
+            return None
         if name not in self._fired and not torch.compiler.is_compiling():
             # Not while compiling: a set that grows would be one more guard and one more graph.
             self._fired.add(name)
@@ -103,10 +130,10 @@ class Collector:
         try:
             counted = self.passes.classify(name, training)
             if not any(counted):
-                return
+                return None
             tensors = _loggable_leaves(output)
             if not tensors:
-                return
+                return None
             with torch.no_grad():
                 if name in self.options.feature_maps and name not in self._mapped:
                     self._add_feature_map(name, tensors)
@@ -117,11 +144,14 @@ class Collector:
                             # Read by the next module's pre-hook if its input is this very tensor.
                             self._last_output = (weakref.ref(t), t._version, ACTIVATION.value(values, "nonfinite"))
             if self.options.gradients and counted.gradients:
+                if torch.compiler.is_compiling():
+                    return self._tap(name, output)
                 for t in tensors:
                     if t.requires_grad:
-                        self._watch_gradient(name, t)
+                        self._tensor_handles.append(t.register_hook(_GradientHook(self, name)))
         except Exception as error:  # the logger must never stop training
             self.fail(name, error)
+        return None
 
     def on_input(self, name: str, inputs: object, training: bool) -> None:
         """Forward pre-hook body: the inputs' non-finite count (to tell where NaN/Inf start),
@@ -137,7 +167,7 @@ class Collector:
                         self._record(INPUT, name, t)
                     else:
                         count = self._nonfinite_input(t)
-                        self._records.append(Record(COUNT, tag(INPUT.name, "nonfinite", name), 1, (count,)))
+                        self._add(Record(COUNT, tag(INPUT.name, "nonfinite", name), 1, (count,)))
         except Exception as error:
             self.fail(name, error)
 
@@ -149,6 +179,20 @@ class Collector:
                 return
             with torch.no_grad():
                 self._record(GRADIENT, name, grad)
+        except Exception as error:
+            self.fail(name, error)
+
+    def on_probe(self, name: str, summed: Tensor) -> None:
+        """A probe's gradient: the summary of one backward through the module (``probes.py``)."""
+        if name in self.disabled or not self.active:  # a backward after its logged step ended
+            return
+        try:
+            with torch.no_grad():
+                # Elements are on the device only; GRADIENT's fields pool without them.
+                self._records.append(Record(GRADIENT, name, 0, probes.gradient(summed)))
+                if self.options.histograms:
+                    sample, lo, hi, weight = probes.histogram(summed)
+                    self._hists.append(HistRow(GRADIENT.name, name, sample, sample.numel(), lo, hi, weight))
         except Exception as error:
             self.fail(name, error)
 
@@ -227,11 +271,20 @@ class Collector:
         """Statistics (and a histogram sample over their exact range) of an output, input or
         output gradient; returns the values."""
         values = kind.compute(t)  # type: ignore[misc]  # kinds recorded from tensors have one
-        self._records.append(Record(kind, name, t.numel(), values))
+        self._add(Record(kind, name, t.numel(), values))
         if self.options.histograms:
             lo, hi = kind.value(values, "min"), kind.value(values, "max")
-            self._hists.append(HistRow(kind.name, name, stats.sample(t, self._indices), t.numel(), lo, hi))
+            self._add(HistRow(kind.name, name, stats.sample(t, self._indices), t.numel(), lo, hi))
         return values
+
+    def _add(self, item: Record | HistRow) -> None:
+        """A hook's record or histogram sample."""
+        if torch.compiler.is_compiling():
+            self._traced.append(item)
+        elif isinstance(item, HistRow):
+            self._hists.append(item)
+        else:
+            self._records.append(item)
 
     def _samples(self, kind: str, keys: list[str], tensors: list[Tensor]) -> dict[str, HistRow]:
         """Histogram samples of parameters or their gradients, over the sample's own range (no
@@ -245,17 +298,26 @@ class Collector:
     def _nonfinite_input(self, t: Tensor) -> Tensor:
         """NaN/Inf count of an input; reused when the input is the unchanged output of the
         watched module that ran just before (conv -> bn in a ResNet), saving a pass over it."""
-        last = self._last_output
+        last = None if torch.compiler.is_compiling() else self._last_output  # is_inference() breaks a graph
         if last is not None and last[0]() is t and not t.is_inference() and t._version == last[1]:
             return last[2]
         return stats.nonfinite(t)
 
-    def _watch_gradient(self, name: str, t: Tensor) -> None:
-        # Inside torch.compile a hook that writes to the collector breaks the graph at every
-        # module (dynamo cannot trace the mutation, and a disabled hook is a break too), so
-        # compiled forwards record activations and leave output gradients out.
-        if not torch.compiler.is_compiling():
-            self._tensor_handles.append(t.register_hook(_GradientHook(self, name)))
+    def _tap(self, name: str, output: object) -> object | None:
+        """The output with each tensor that carries a gradient passed through the module's
+        probe, or ``None`` (keep the output) if there is none: a tensor hook that writes into
+        the collector would break the compiled graph at every module."""
+        probe = self._probes.get(name)
+        if probe is None:
+            return None
+        leaves, spec = tree_flatten(output)
+        tapped = [
+            probe.tap(t) if stats.loggable(t) and t.requires_grad and t.device == probe.device else t for t in leaves
+        ]
+        if all(a is b for a, b in zip(tapped, leaves)):
+            return None
+        replaced: object = tree_unflatten(tapped, spec)
+        return replaced
 
     def _add_feature_map(self, name: str, tensors: list[Tensor]) -> None:
         """Channels of the first sample of the first 3-D-or-more output, first call only."""
@@ -263,7 +325,7 @@ class Collector:
         if maps:
             self._mapped.add(name)
             grid = pictures.feature_grid(maps[0][0])
-            self._records.append(Record(IMAGE, tag("feature_map", name), grid.numel(), (grid,), tuple(grid.shape)))
+            self._add(Record(IMAGE, tag("feature_map", name), grid.numel(), (grid,), tuple(grid.shape)))
 
     def fail(self, name: str, error: BaseException) -> None:
         """Report a failure once and stop logging ``name``; training carries on."""
@@ -275,21 +337,29 @@ class Collector:
                 stacklevel=2,
             )
 
-    def remove_tensor_hooks(self) -> None:
+    def _unhook_outputs(self) -> None:
         for handle in self._tensor_handles:
             handle.remove()
         self._tensor_handles.clear()
 
     def release(self) -> None:
-        """The logger is done: stop recording, remove tensor hooks, drop cached tensors."""
+        """The logger is done: stop recording, remove every gradient hook (the probes' too),
+        drop cached tensors."""
         self.active = False
-        self.remove_tensor_hooks()
+        self._unhook_outputs()
+        self._probes.clear()
         self._indices.clear()
 
     def finish(self) -> tuple[Tensor, Layout] | None:
         """Bin this step's histograms and pack every record into one float64 tensor; reset."""
-        self.remove_tensor_hooks()
+        self._unhook_outputs()
         records, hists = self._records, self._hists
+        for item in self._traced.drain():
+            if isinstance(item, HistRow):
+                hists.append(item)
+            else:
+                records.append(item)
+        self._move_probes(records)
         for record, row in self._graded.values():
             records.append(record)
             if row is not None:
@@ -318,15 +388,21 @@ def _histograms(hists: list[HistRow], device: torch.device, cache: stats.IndexCa
         # Zeros become -inf and, like NaN/Inf, stay out of the histogram.
         logs = torch.cat(_on(device, [h.sample for h in gradients])).float().abs_().log10_()
         samples += list(logs.split([h.sample.numel() for h in gradients]))
-        rows += [HistRow(GRADIENT_LOG10, h.name, h.sample, h.numel, None, None) for h in gradients]
+        rows += [h._replace(kind=GRADIENT_LOG10, lo=None, hi=None) for h in gradients]
     keys: dict[tuple[str, str], int] = {}
     index = [keys.setdefault((h.kind, h.name), len(keys)) for h in rows]
     lows, highs = _on(device, [h.lo for h in rows]), _on(device, [h.hi for h in rows])
     binned = stats.histograms(samples, lows, highs, index, cache)
+    weights = [h.weight for h in rows]
+    if any(w is not None for w in weights):  # probes' rows: scale their counts here
+        one = binned.new_ones(())
+        scale = torch.stack(_on(device, [one if w is None else w for w in weights])).to(binned.dtype)
+        binned[:, stats.HIST_WIDTH - stats.BINS :] *= scale[:, None]
     return binned.reshape(-1), [HistMeta(h.kind, h.name, h.numel, h.sample.numel()) for h in rows]
 
 
 T = TypeVar("T", Tensor, Optional[Tensor])
+Item = TypeVar("Item")
 
 
 def _on(device: torch.device, tensors: list[T]) -> list[T]:
@@ -350,6 +426,43 @@ def _loggable_leaves(tree: object) -> list[Tensor]:
     """The tensors of a (nested) input or output that statistics are taken of."""
     leaves = [tree] if isinstance(tree, Tensor) else tree_flatten(tree)[0]
     return [t for t in leaves if stats.loggable(t)]
+
+
+class _Link(Generic[Item]):
+    __slots__ = ("item", "prev")
+
+    def __init__(self, item: Item | None, prev: _Link[Item] | None) -> None:
+        self.item, self.prev = item, prev
+
+
+class _Sink(Generic[Item]):
+    """What compiled forward hooks append to, instead of a list: dynamo guards a list's length,
+    so every further forward of a logged step (gradient accumulation) would compile one more
+    graph; of an object attribute it guards only the type. Single-threaded: forwards only."""
+
+    def __init__(self) -> None:
+        self._head: _Link[Item] = _Link(None, None)
+
+    def append(self, item: Item) -> None:
+        self._head = _Link(item, self._head)
+
+    def drain(self) -> list[Item]:
+        """Everything appended, oldest first; empties the sink."""
+        items, link = [], self._head
+        while link.prev is not None:
+            items.append(link.item)
+            link = link.prev
+        self._head = _Link(None, None)
+        return items[::-1]  # type: ignore[return-value]  # every linked item but the sentinel's is set
+
+    def __bool__(self) -> bool:
+        return self._head.prev is not None
+
+
+def _on_probe(collector: weakref.ref[Collector], name: str, summed: Tensor) -> None:
+    alive = collector()
+    if alive is not None:
+        alive.on_probe(name, summed)
 
 
 class _GradientHook:

@@ -68,13 +68,16 @@ class _NamedHook(_Hook):
 
 
 class ForwardHook(_NamedHook):
-    """``register_forward_hook`` callable: statistics of the output on logged steps."""
+    """``register_forward_hook`` callable: statistics of the output on logged steps. Under
+    ``torch.compile`` it returns the output passed through the module's probe (``probes.py``);
+    otherwise ``None``, which keeps the output."""
 
     __slots__ = ()
 
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.collector.active:
-            self.collector.on_output(self.name, output, module.training)
+            return self.collector.on_output(self.name, output, module.training)
+        return None
 
 
 class ForwardPreHook(_NamedHook):

@@ -178,6 +178,7 @@ class HookLogger:
         for name, module in selected.items():
             self._handles.add(module.register_forward_pre_hook(ForwardPreHook(self._collector, name), with_kwargs=True))
             self._handles.add(module.register_forward_hook(ForwardHook(self._collector, name)))
+        self._collector.place_probes(model, selected)
         if self._optimizer_hooks is not None:
             self._handles.add(register_optimizer_step_pre_hook(self._optimizer_hooks.pre))
             self._handles.add(register_optimizer_step_post_hook(self._optimizer_hooks.post))

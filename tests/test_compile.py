@@ -1,59 +1,171 @@
-"""A logger attached before ``torch.compile`` keeps logging, with two graphs and no graph break."""
+"""A logger attached before ``torch.compile`` logs what it logs in eager mode (output gradients
+included), with two graphs and no graph break, and leaves training unchanged."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from conftest import read_run
+from conftest import Run, read_run
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.utils.checkpoint import checkpoint
 
 from tblog_hooks import HookLogger, HookLoggerError
 
 
-def _mlp() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+class _Block(nn.Module):
+    """A residual block with the in-place ops of torchvision's ResNet (``out += x``, ``ReLU(inplace=True)``)
+    after the watched ``fc``; with ``recompute``, run under activation checkpointing."""
+
+    def __init__(self, recompute: bool = False) -> None:
+        super().__init__()
+        self.fc, self.act, self.recompute = nn.Linear(16, 16), nn.ReLU(inplace=True), recompute
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc(x)
+        out += x
+        return self.act(out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self._forward, x, use_reentrant=False) if self.recompute else self._forward(x)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])  # inductor builds C++ kernels: ~20 s here
-def test_logger_attached_before_compile_keeps_logging(tmp_path, backend: str) -> None:
-    torch._dynamo.reset()
-    counters.clear()
-    model, reference = _mlp(), _mlp()
-    reference.load_state_dict(model.state_dict())
+class _Net(nn.Module):
+    """``shared`` runs twice per forward (one module, two calls)."""
+
+    def __init__(self, recompute: bool = False) -> None:
+        super().__init__()
+        self.inp, self.block = nn.Linear(6, 16), _Block(recompute)
+        self.shared, self.out = nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.shared(torch.tanh(self.shared(self.block(self.inp(x))))))
+
+
+def _train(
+    log_dir: Path,
+    *,
+    backend: str | None,
+    device: str = "cpu",
+    recompute: bool = False,
+    scale: float | None = None,
+    histograms: bool = True,
+    moved: bool = False,
+) -> tuple[Run, nn.Module]:
+    """5 optimizer steps of 2 micro-batches each (gradient accumulation), every=2: steps 0, 2, 4
+    logged. With ``moved``, the logger is made while the model is on the meta device."""
+    torch.manual_seed(0)
+    model = _Net(recompute).to(device)
+    data = torch.randn(5, 2, 8, 6).to(device)
+    weights = model.state_dict()
+    if moved:  # the logger's parameters are the meta ones: no parameter gradients then
+        model = _Net(recompute).to("meta")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    tags = ("activation/mean/0", "activation/max/2", "param_grad/norm/0.weight")
-    expected: dict[str, dict[int, float]] = {tag: {} for tag in tags}
-    with HookLogger(model, log_dir=tmp_path, every=2, optimizer=opt) as hooks:
-        compiled = torch.compile(model, backend=backend)
-        for step in range(5):
-            x = torch.randn(8, 6)
-            compiled(x).square().mean().backward()
-            opt.step()
+    scaler = None if scale is None else torch.amp.GradScaler(device, init_scale=scale)
+    optimizer = None if moved else opt
+    with HookLogger(
+        model, log_dir=log_dir, every=2, optimizer=optimizer, scaler=scaler, histograms=histograms
+    ) as hooks:
+        if moved:
+            model.to_empty(device=device).load_state_dict(weights)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        run = model if backend is None else torch.compile(model, backend=backend)
+        for batches in data:
+            for x in batches:
+                loss = run(x).square().mean()
+                (loss if scaler is None else scaler.scale(loss)).backward()
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
             opt.zero_grad()
             hooks.step()
-            h = reference[0](x)
-            out = reference[2](reference[1](h))
-            out.square().mean().backward()
-            expected["activation/mean/0"][step] = float(h.detach().double().mean())
-            expected["activation/max/2"][step] = float(out.detach().max())
-            expected["param_grad/norm/0.weight"][step] = float(reference[0].weight.grad.double().norm())
-            ref_opt.step()
-            ref_opt.zero_grad()
-    # One graph for logged steps, one for the others: no recompilation per step, no graph break.
+    return read_run(log_dir), model
+
+
+def _assert_same_scalars(compiled: Run, eager: Run, prefixes: tuple[str, ...] = ("",)) -> None:
+    tags = {tag for tag in eager.scalars if tag.startswith(prefixes)}
+    assert tags == {tag for tag in compiled.scalars if tag.startswith(prefixes)}
+    for tag in tags:
+        assert set(compiled.scalars[tag]) == set(eager.scalars[tag]) == {0, 2, 4}, tag
+        for step, value in eager.scalars[tag].items():
+            assert compiled.scalar(tag, step) == pytest.approx(value, rel=1e-4, abs=1e-7), (tag, step)
+
+
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    [
+        ("aot_eager", "cpu"),
+        ("inductor", "cpu"),  # inductor builds C++ kernels: ~45 s here with a cold cache
+        pytest.param(
+            "inductor",
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ),
+    ],
+)
+def test_compiled_model_logs_what_eager_logs(tmp_path: Path, backend: str, device: str) -> None:
+    eager, eager_model = _train(tmp_path / "eager", backend=None, device=device)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, compiled_model = _train(tmp_path / "compiled", backend=backend, device=device)
+    # One graph for logged steps, one for the others: no recompilation per step or micro-batch, no graph break.
     assert counters["stats"]["unique_graphs"] == 2
     assert not counters["graph_break"]
-    run = read_run(tmp_path)
-    for tag, by_step in expected.items():
-        assert set(run.scalars[tag]) == {0, 2, 4}
-        for step in (0, 2, 4):
-            assert run.scalar(tag, step) == pytest.approx(by_step[step], rel=1e-4, abs=1e-6), (tag, step)
-    assert not any(tag.startswith("gradient/") for tag in run.scalars)  # not recorded when compiled
+    assert {"gradient/norm/block.fc", "gradient/nonfinite/shared", "gradient/norm/out"} <= set(compiled.scalars)
+    _assert_same_scalars(compiled, eager)
+    for tag, by_step in eager.histograms.items():
+        if tag.endswith("/shared") and tag.startswith("gradient"):  # see the next test
+            continue
+        for step, want in by_step.items():
+            got = compiled.histograms[tag][step]
+            assert (got.min, got.max) == pytest.approx((want.min, want.max), rel=1e-4, abs=1e-7), (tag, step)
+            assert got.num == want.num, (tag, step)
+    for a, b in zip(eager_model.parameters(), compiled_model.parameters()):  # training is unchanged
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_attaching_to_a_compiled_model_is_a_clear_error(tmp_path) -> None:
-    model = _mlp()
+def test_compiled_output_gradients_with_checkpointing_and_grad_scaler(tmp_path: Path) -> None:
+    eager, _ = _train(tmp_path / "eager", backend=None)
+    torch._dynamo.reset()
+    counters.clear()
+    # Activation records are side effects, which dynamo refuses inside a checkpointed region
+    # unless told that eager checkpointing's replay of them in backward may be skipped.
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        compiled, _ = _train(tmp_path / "compiled", backend="aot_eager", recompute=True, scale=1024.0)
+    assert counters["stats"]["unique_graphs"] == 2
+    assert not counters["graph_break"]
+    assert not any(compiled.scalars["amp/skipped_step"].values())
+    _assert_same_scalars(compiled, eager, ("gradient/", "activation/"))  # unscaled gradients
+    # Autograd adds up the gradients of a module's two calls in one forward before the logger
+    # sees them: the norm is right, a histogram of them would not be, so none is written.
+    assert "gradient/shared" in eager.histograms
+    assert "gradient/shared" not in compiled.histograms
+    assert {"gradient/block.fc", "gradient_log10/block.fc"} <= set(compiled.histograms)
+
+
+def test_a_model_moved_after_the_logger_was_made_gets_output_gradients_from_the_next_logged_step(
+    tmp_path: Path,
+) -> None:
+    eager, _ = _train(tmp_path / "eager", backend=None, histograms=False)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, _ = _train(tmp_path / "compiled", backend="aot_eager", histograms=False, moved=True)
+    # Step 0 found the probes on the meta device; they followed the outputs, which made one more graph.
+    assert counters["stats"]["unique_graphs"] == 3
+    assert not counters["graph_break"]
+    for tag in ("gradient/norm/block.fc", "gradient/nonfinite/out", "gradient/norm/shared"):
+        assert set(compiled.scalars[tag]) == {2, 4}
+        for step in (2, 4):
+            assert compiled.scalar(tag, step) == pytest.approx(eager.scalar(tag, step), rel=1e-4, abs=1e-7)
+    assert not compiled.histograms
+
+
+def test_attaching_to_a_compiled_model_is_a_clear_error(tmp_path: Path) -> None:
+    model = _Net()
     with pytest.raises(HookLoggerError, match="create the HookLogger first"):
         HookLogger(torch.compile(model, backend="aot_eager"), log_dir=tmp_path)
     model.compile(backend="aot_eager")

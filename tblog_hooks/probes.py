@@ -1,0 +1,106 @@
+"""Gradients w.r.t. module outputs under ``torch.compile``, recorded without a graph break.
+
+A tensor hook that writes into the collector cannot be traced (dynamo would break the graph
+at every module). Instead, on logged steps, the forward hook passes each output through
+:class:`_Tap`: its forward returns a copy (a view would make a later in-place op such as
+``ReLU(inplace=True)`` fail, as it does with full backward hooks); its backward passes the
+gradient on unchanged and returns, as the gradient of the module's *probe* (a leaf tensor the
+logger owns), a :func:`summary` of that gradient. Autograd delivers it to the probe outside the
+compiled graph, like any leaf's gradient, and a post-accumulate-grad hook hands it to the
+collector: the graph itself has no side effect for dynamo to trace.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import stats
+from .records import GRADIENT
+
+#: Positions in a summary: the gradients summed into it (more than one when the module ran
+#: twice in one forward: autograd adds up the probe's gradients within a backward), elements,
+#: squared L2 norm, non-finite count, min, max; then the histogram sample, padded with NaN.
+CALLS, NUMEL, SQUARES, NONFINITE, MIN, MAX = range(6)
+HEAD = 6
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on the output; its backward sends the gradient's summary to the probe."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, probe: Tensor, width: int) -> Tensor:
+        ctx.width = width
+        return x.clone()  # not x itself: that would be a view, and in-place ops on views of this fail
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        return grad, summary(grad, ctx.width), None
+
+
+def summary(grad: Tensor, width: int) -> Tensor:
+    """``[1, elements, norm², non-finite, min, max]`` of ``grad`` in float64, then its histogram
+    sample (``stats.sample``) padded with NaN to ``width`` (0: no histogram)."""
+    norm, bad, lo, hi = GRADIENT.compute(grad)  # type: ignore[misc]  # GRADIENT has one
+    wide = torch.float64
+    measured = torch.stack([norm.to(wide).square(), bad.to(wide), lo.to(wide), hi.to(wide)])
+    parts = [torch.tensor([1.0, grad.numel()], dtype=wide, device=grad.device), measured]
+    if width:
+        sample = stats.sample(grad).to(wide)
+        parts += [sample, sample.new_full((width - sample.numel(),), math.nan)]
+    return torch.cat(parts)
+
+
+def gradient(summed: Tensor) -> tuple[Tensor, ...]:
+    """``records.GRADIENT``'s values from a summary (or several added up: then the norm and
+    non-finite count stay right, the extremes do not; they only serve histograms)."""
+    return summed[SQUARES].sqrt(), summed[NONFINITE], summed[MIN], summed[MAX]
+
+
+def histogram(summed: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The sample, exact min and max, and the elements each sampled one stands for, from a
+    summary; all NaN where several summaries were added up (their sums mean nothing)."""
+    kept = torch.where(summed[CALLS] == 1, summed, math.nan)
+    sample, numel = kept[HEAD:], summed[NUMEL]
+    return sample, kept[MIN], kept[MAX], numel / numel.clamp(max=sample.numel())
+
+
+class Probe:
+    """One watched module's leaf tensor; ``deliver`` receives each summary that reaches it (one
+    per backward through the module's tapped outputs)."""
+
+    def __init__(self, device: torch.device, width: int, deliver: Callable[[Tensor], None]) -> None:
+        self.width = width
+        # Stride 0: one element of storage whatever the summary's length.
+        self.tensor = torch.empty_strided((HEAD + width,), (0,), dtype=torch.float64, device=device).requires_grad_()
+        # The hook holds neither the probe nor its tensor: no reference cycle through a tensor hook.
+        self.tensor.register_post_accumulate_grad_hook(functools.partial(_take, deliver))
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    def tap(self, x: Tensor) -> Tensor:
+        """``x`` (a copy) whose gradient will be summarised into the probe."""
+        return _Tap.apply(x, self.tensor, self.width)  # type: ignore[no-any-return]
+
+
+def _take(deliver: Callable[[Tensor], None], tensor: Tensor) -> None:
+    grad, tensor.grad = tensor.grad, None  # one summary at a time: nothing accumulates
+    if grad is not None:
+        deliver(grad)
+
+
+def home_device(module: nn.Module, model: nn.Module) -> torch.device:
+    """Where a module's outputs will be: its first parameter's or buffer's device, else the
+    model's, else the CPU."""
+    for holder in (module, model):
+        for t in itertools.chain(holder.parameters(), holder.buffers()):
+            return t.device
+    return torch.device("cpu")
