@@ -20,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import pictures, stats
 from .distributed import is_sharded, local_shard
+from .histograms import Histograms
 from .passes import PassFilter
 from .records import (
     ACTIVATION,
@@ -46,7 +47,7 @@ class Options:
     activations: bool = True
     gradients: bool = True
     parameters: bool = True
-    histograms: bool = True
+    histograms: Histograms | None = Histograms()  # noqa: RUF009 (immutable)
     eval_passes: bool = False
     inputs: bool = False
     feature_maps: frozenset[str] = frozenset()
@@ -70,6 +71,7 @@ class Collector:
     def __init__(self, options: Options) -> None:
         self.options = options
         self.active = False
+        self._hist_kinds = _NO_KINDS  # histogram kinds of the current logged step
         self.passes = PassFilter(eval_passes=options.eval_passes)
         self.disabled: set[str] = set()
         self._records: list[Record] = []
@@ -88,6 +90,12 @@ class Collector:
     def empty(self) -> bool:
         """Whether nothing was recorded since the last :meth:`finish`."""
         return not (self._records or self._hists or self._graded)
+
+    def begin(self, index: int) -> None:
+        """A logged step begins; ``index`` is its number in logged steps (``step // every``),
+        which picks the histograms it takes (none: no sampling, no binning)."""
+        schedule = self.options.histograms
+        self._hist_kinds = _NO_KINDS if schedule is None else schedule.kinds_at(index)
 
     # -- called from hooks ---------------------------------------------------------------
     def on_output(self, name: str, output: object, training: bool) -> None:
@@ -149,7 +157,7 @@ class Collector:
             with torch.no_grad():
                 norm, bad, lo, hi = stats.gradient_stats(grad)
                 self._records.append(Record(GRADIENT, name, grad.numel(), (norm, bad)))
-                if self.options.histograms:
+                if not self._hist_kinds.isdisjoint((GRADIENT.name, GRADIENT_LOG10)):  # log10 is derived from it
                     self._hists.append(HistRow(GRADIENT.name, name, stats.sample(grad), grad.numel(), lo, hi))
         except Exception as error:
             self.fail(name, error)
@@ -221,13 +229,14 @@ class Collector:
         """Statistics (and a histogram sample) of an output or input; returns the values."""
         values = stats.tensor_stats(t)
         self._records.append(Record(kind, name, t.numel(), values))
-        if self.options.histograms:
+        if kind.name in self._hist_kinds:
             self._hists.append(HistRow(kind.name, name, stats.sample(t), t.numel(), values[_MIN], values[_MAX]))
         return values
 
     def _samples(self, kind: str, keys: list[str], tensors: list[Tensor]) -> dict[str, HistRow]:
-        """Histogram samples of parameters or their gradients (empty FSDP2 shards have none)."""
-        keep = [i for i, t in enumerate(tensors) if t.numel()]
+        """Histogram samples of parameters or their gradients (empty FSDP2 shards have none);
+        none on a step that does not histogram ``kind``."""
+        keep = [i for i, t in enumerate(tensors) if t.numel() and kind in self._hist_kinds]
         lows, highs = stats.extremes([tensors[i] for i in keep])
         return {
             keys[i]: HistRow(kind, keys[i], stats.sample(tensors[i]), tensors[i].numel(), lo, hi)
@@ -287,24 +296,26 @@ class Collector:
         device = (records[0].values[0] if records else hists[0].sample).device
         rows: list[HistMeta] = []
         if hists:
-            binned, rows = _histograms(hists, device)
+            binned, rows = _histograms(hists, device, self._hist_kinds)
             records.append(Record(HISTOGRAM, "", binned.numel(), (binned,), (len(rows), stats.HIST_WIDTH)))
         packed, layout = pack(records, device)
         layout.hists = rows
         return packed, layout
 
 
+_NO_KINDS: frozenset[str] = frozenset()
 #: Positions of the min, max and non-finite count in ``stats.tensor_stats``'s values.
 _MIN, _MAX, _NONFINITE = 2, 3, 5
 
 
-def _histograms(hists: list[HistRow], device: torch.device) -> tuple[Tensor, list[HistMeta]]:
+def _histograms(hists: list[HistRow], device: torch.device, kinds: frozenset[str]) -> tuple[Tensor, list[HistMeta]]:
     """Every histogram of the step binned at once (``stats.histograms`` rows, flattened), and
-    what each row is; the log10 histograms of the output gradients are derived here."""
+    what each row is; the log10 histograms of the output gradients are derived here (the
+    gradients' own rows are kept if ``kinds`` holds them)."""
     gradients = [h for h in hists if h.kind == GRADIENT.name]
-    rows = list(hists)
-    samples = _on(device, [h.sample for h in hists])
-    if gradients:
+    rows = [h for h in hists if h.kind != GRADIENT.name or GRADIENT.name in kinds]
+    samples = _on(device, [h.sample for h in rows])
+    if gradients and GRADIENT_LOG10 in kinds:
         # Zeros become -inf and, like NaN/Inf, stay out of the histogram.
         logs = torch.cat(_on(device, [h.sample for h in gradients])).float().abs_().log10_()
         samples += list(logs.split([h.sample.numel() for h in gradients]))
