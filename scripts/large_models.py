@@ -7,8 +7,9 @@ measures per run: the bytes of the event files, the tags, and the CPU time
 the run keeping every value. Per logged step and per watched module, as a Markdown table:
 
     python scripts/large_models.py                           # 6, 24 and 96 layers, 10 logged steps
-    python scripts/large_models.py --layers 24 --histograms 1   # histograms on every logged step
+    python scripts/large_models.py --layers 24 --histograms all # every histogram on every logged step
     python scripts/large_models.py --layers 96 --steps 100 --report   # also time `tblog-hooks report`
+    python scripts/large_models.py --blocks-every 4          # watch every 4th block (a glob per block)
 
 Needs ``pip install transformers`` (the ``bench`` extra). Load times are CPU times of this
 process; run it on a quiet machine.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import logging
 import os
 import tempfile
 import time
@@ -28,8 +30,9 @@ from pathlib import Path
 import torch
 from tensorboard.backend.event_processing import event_accumulator
 
-from tblog_hooks import HookLogger
+from tblog_hooks import Histograms, HookLogger
 from tblog_hooks.cli import main as cli_main
+from tblog_hooks.histograms import KINDS
 
 #: Keep every value of every kind, as a user opening the whole run does.
 KEEP_ALL = {kind: 0 for kind in event_accumulator.DEFAULT_SIZE_GUIDANCE}
@@ -73,17 +76,21 @@ HEADER = [
 
 def gpt2(layers: int) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.utils import logging
+    from transformers.utils import logging as transformers_logging
 
-    logging.set_verbosity_error()  # a small vocabulary does not hold GPT-2's special tokens: not needed here
+    transformers_logging.set_verbosity_error()  # a small vocabulary lacks GPT-2's special tokens: unused here
     config = GPT2Config(n_embd=64, n_layer=layers, n_head=4, vocab_size=1024, n_positions=64)
     return GPT2LMHeadModel(config)
 
 
-def train(model: torch.nn.Module, log_dir: Path, steps: int, histograms: bool | int | None) -> int:
+def blocks(layers: int, k: int) -> list[str]:
+    """``modules=`` for every ``k``-th block's four linear layers, the embeddings and the head."""
+    return ["transformer.wte", "transformer.wpe", "lm_head"] + [f"transformer.h.{i}.*.c_*" for i in range(0, layers, k)]
+
+
+def train(model: torch.nn.Module, log_dir: Path, steps: int, options: dict[str, object]) -> int:
     """``steps`` optimizer steps, each logged; returns the number of watched modules."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    options = {} if histograms is None else {"histograms": histograms}
     with HookLogger(model, log_dir=log_dir, every=1, **options) as hooks:  # type: ignore[arg-type]
         for _ in range(steps):
             tokens = torch.randint(0, 1024, (4, 32))
@@ -114,14 +121,17 @@ def report_time(log_dir: Path) -> float:
     return time.process_time() - start
 
 
-def measure(layers: int, steps: int, histograms: bool | int | None, repeat: int, report: bool, root: Path) -> Row:
+def measure(layers: int, args: argparse.Namespace, root: Path) -> Row:
     torch.manual_seed(0)
     log_dir = root / f"gpt2-{layers}"
-    modules = train(gpt2(layers), log_dir, steps, histograms)
+    options: dict[str, object] = {} if args.histograms is None else {"histograms": args.histograms}
+    if args.blocks_every:
+        options["modules"] = blocks(layers, args.blocks_every)
+    modules = train(gpt2(layers), log_dir, args.steps, options)
     size = sum(p.stat().st_size for p in log_dir.iterdir())
-    load_s, tags = load_time(log_dir, repeat)
-    row = Row(layers, modules, steps, size, len(tags["scalars"]), len(tags["histograms"]), load_s)
-    if report:
+    load_s, tags = load_time(log_dir, args.repeat)
+    row = Row(layers, modules, args.steps, size, len(tags["scalars"]), len(tags["histograms"]), load_s)
+    if args.report:
         row.report_s = report_time(log_dir)
     return row
 
@@ -133,8 +143,9 @@ def markdown(rows: list[Row], report: bool) -> str:
     return "\n".join(lines)
 
 
-def histogram_option(value: str) -> bool | int:
-    named = {"true": True, "false": False}
+def histogram_option(value: str) -> bool | int | Histograms:
+    """``true``, ``false``, an int, or ``all`` (every kind on every logged step)."""
+    named = {"true": True, "false": False, "all": Histograms(every=1, param_every=1, kinds=KINDS)}
     return named[value.lower()] if value.lower() in named else int(value)
 
 
@@ -143,16 +154,22 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[6, 24, 96])
     parser.add_argument("--steps", type=int, default=10, help="logged steps (every=1)")
     parser.add_argument(
-        "--histograms", type=histogram_option, default=None, help="HookLogger's histograms= (default: its default)"
+        "--histograms",
+        type=histogram_option,
+        help="HookLogger's histograms=: true, false, an int, or all (every kind on every logged step)",
+    )
+    parser.add_argument(
+        "--blocks-every", type=int, metavar="K", help="watch every K-th block's linear layers (default: the defaults)"
     )
     parser.add_argument("--repeat", type=int, default=3, help="loads timed per run (the best is kept)")
     parser.add_argument("--report", action="store_true", help="also time `tblog-hooks report` on each run")
     parser.add_argument("--keep", type=Path, help="write the runs here instead of a temporary directory")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    logging.getLogger("tblog_hooks.health").setLevel(logging.ERROR)  # a deep random model has many findings
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or Path(tmp)
-        rows = [measure(n, args.steps, args.histograms, args.repeat, args.report, root) for n in args.layers]
+        rows = [measure(n, args, root) for n in args.layers]
     print(markdown(rows, args.report))
 
 
