@@ -157,7 +157,7 @@ class Collector:
             with torch.no_grad():
                 norm, bad, lo, hi = stats.gradient_stats(grad)
                 self._records.append(Record(GRADIENT, name, grad.numel(), (norm, bad)))
-                if not self._hist_kinds.isdisjoint((GRADIENT.name, GRADIENT_LOG10)):  # log10 is derived from it
+                if self._takes_histogram(GRADIENT.name):
                     self._hists.append(HistRow(GRADIENT.name, name, stats.sample(grad), grad.numel(), lo, hi))
         except Exception as error:
             self.fail(name, error)
@@ -225,18 +225,23 @@ class Collector:
         self._records.append(Record(SCALAR, key, 1, (value,)))
 
     # -- bookkeeping -----------------------------------------------------------------------
+    def _takes_histogram(self, kind: str) -> bool:
+        """Whether this logged step samples tensors of ``kind`` (a tag root) for histograms; output
+        gradients also for their log10 histogram, which is derived from the same sample."""
+        return kind in self._hist_kinds or (kind == GRADIENT.name and GRADIENT_LOG10 in self._hist_kinds)
+
     def _record(self, kind: Kind, name: str, t: Tensor) -> tuple[Tensor, ...]:
         """Statistics (and a histogram sample) of an output or input; returns the values."""
         values = stats.tensor_stats(t)
         self._records.append(Record(kind, name, t.numel(), values))
-        if kind.name in self._hist_kinds:
+        if self._takes_histogram(kind.name):
             self._hists.append(HistRow(kind.name, name, stats.sample(t), t.numel(), values[_MIN], values[_MAX]))
         return values
 
     def _samples(self, kind: str, keys: list[str], tensors: list[Tensor]) -> dict[str, HistRow]:
         """Histogram samples of parameters or their gradients (empty FSDP2 shards have none);
         none on a step that does not histogram ``kind``."""
-        keep = [i for i, t in enumerate(tensors) if t.numel() and kind in self._hist_kinds]
+        keep = [i for i, t in enumerate(tensors) if t.numel() and self._takes_histogram(kind)]
         lows, highs = stats.extremes([tensors[i] for i in keep])
         return {
             keys[i]: HistRow(kind, keys[i], stats.sample(tensors[i]), tensors[i].numel(), lo, hi)
