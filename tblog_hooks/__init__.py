@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from .errors import HookLoggerError
 from .health import Finding, Thresholds
+from .histograms import Histograms
 from .logger import HookLogger
 from .selection import Selector
 
 __version__ = "0.1.0"
-__all__ = ["Finding", "HookLogger", "HookLoggerError", "Selector", "Thresholds", "__version__"]
+__all__ = ["Finding", "Histograms", "HookLogger", "HookLoggerError", "Selector", "Thresholds", "__version__"]

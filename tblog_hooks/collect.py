@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import pictures, probes, stats
 from .distributed import is_sharded, local_shard
+from .histograms import Histograms
 from .passes import PassFilter
 from .records import (
     ACTIVATION,
@@ -47,7 +48,7 @@ class Options:
     activations: bool = True
     gradients: bool = True
     parameters: bool = True
-    histograms: bool = True
+    histograms: Histograms | None = Histograms()  # noqa: RUF009 (immutable)
     eval_passes: bool = False
     inputs: bool = False
     feature_maps: frozenset[str] = frozenset()
@@ -74,6 +75,8 @@ class Collector:
     def __init__(self, options: Options) -> None:
         self.options = options
         self.active = False
+        self._hist_kinds = _NO_KINDS  # histogram kinds of the current logged step
+        self._scheduled_kinds = _NO_KINDS if options.histograms is None else options.histograms.all_kinds
         self.passes = PassFilter(eval_passes=options.eval_passes)
         self.disabled: set[str] = set()
         self._records: list[Record] = []
@@ -115,6 +118,12 @@ class Collector:
     def empty(self) -> bool:
         """Whether nothing was recorded since the last :meth:`finish`."""
         return not (self._records or self._hists or self._graded or self._traced)
+
+    def begin(self, index: int) -> None:
+        """A logged step begins; ``index`` is its number in logged steps (``step // every``),
+        which picks the histograms it takes (none: no sampling, no binning)."""
+        schedule = self.options.histograms
+        self._hist_kinds = _NO_KINDS if schedule is None else schedule.kinds_at(index)
 
     # -- called from hooks ---------------------------------------------------------------
     def on_output(self, name: str, output: object, training: bool) -> object | None:
@@ -190,7 +199,7 @@ class Collector:
             with torch.no_grad():
                 # Elements are on the device only; GRADIENT's fields pool without them.
                 self._records.append(Record(GRADIENT, name, 0, probes.gradient(summed)))
-                if self.options.histograms:
+                if self._takes_histogram(GRADIENT.name):
                     sample, lo, hi, weight = probes.histogram(summed)
                     self._hists.append(HistRow(GRADIENT.name, name, sample, sample.numel(), lo, hi, weight))
         except Exception as error:
@@ -207,7 +216,7 @@ class Collector:
                 keys = [key for key, _ in graded]
                 grads = [g for _, (g, _) in graded]
                 shown = [h for _, (_, h) in graded]
-                samples = self._samples(PARAM_GRAD.name, keys, shown) if self.options.histograms else {}
+                samples = self._samples(PARAM_GRAD.name, keys, shown)
                 norms = stats.norms(grads)
                 if scale is not None:  # a fused optimizer's gradients, still scaled: unscaled here
                     divisor = scale.to(norms[0].device).reshape(())
@@ -225,7 +234,7 @@ class Collector:
         """Histograms of the weights whose gradients this step recorded, as they are at the end
         of the step (after the update)."""
         named = [(key, p) for key, p in named if key in self._graded]
-        if not named or not self.options.histograms:
+        if not named or not self._takes_histogram(PARAM):
             return
         try:
             with torch.no_grad():
@@ -267,12 +276,20 @@ class Collector:
         self._records.append(Record(SCALAR, key, 1, (value,)))
 
     # -- bookkeeping -----------------------------------------------------------------------
+    def _takes_histogram(self, kind: str) -> bool:
+        """Whether this logged step samples tensors of ``kind`` (a tag root) for histograms; output
+        gradients also for their log10 histogram, which is derived from the same sample."""
+        # Compiled hooks sample every kind of the schedule on every logged step (finish keeps this
+        # step's): a different set per step would be a guard, and one more graph.
+        kinds = self._scheduled_kinds if torch.compiler.is_compiling() else self._hist_kinds
+        return kind in kinds or (kind == GRADIENT.name and GRADIENT_LOG10 in kinds)
+
     def _record(self, kind: Kind, name: str, t: Tensor) -> tuple[Tensor, ...]:
         """Statistics (and a histogram sample over their exact range) of an output, input or
         output gradient; returns the values."""
         values = kind.compute(t)  # type: ignore[misc]  # kinds recorded from tensors have one
         self._add(Record(kind, name, t.numel(), values))
-        if self.options.histograms:
+        if self._takes_histogram(kind.name):
             lo, hi = kind.value(values, "min"), kind.value(values, "max")
             self._add(HistRow(kind.name, name, stats.sample(t, self._indices), t.numel(), lo, hi))
         return values
@@ -288,7 +305,9 @@ class Collector:
 
     def _samples(self, kind: str, keys: list[str], tensors: list[Tensor]) -> dict[str, HistRow]:
         """Histogram samples of parameters or their gradients, over the sample's own range (no
-        pass over the whole tensor); empty FSDP2 shards have none."""
+        pass over the whole tensor); empty FSDP2 shards have none, nor a step without ``kind``."""
+        if not self._takes_histogram(kind):
+            return {}
         return {
             key: HistRow(kind, key, stats.sample(t, self._indices), t.numel(), None, None)
             for key, t in zip(keys, tensors)
@@ -369,22 +388,31 @@ class Collector:
         if not records and not hists:
             return None
         device = (records[0].values[0] if records else hists[0].sample).device
-        rows: list[HistMeta] = []
-        if hists:
-            binned, rows = _histograms(hists, device, self._indices)
+        binned, rows = _histograms(hists, device, self._hist_kinds, self._indices)
+        if rows:
             records.append(Record(HISTOGRAM, "", binned.numel(), (binned,), (len(rows), stats.HIST_WIDTH)))
+        if not records:
+            return None
         packed, layout = pack(records, device)
         layout.hists = rows
         return packed, layout
 
 
-def _histograms(hists: list[HistRow], device: torch.device, cache: stats.IndexCache) -> tuple[Tensor, list[HistMeta]]:
+_NO_KINDS: frozenset[str] = frozenset()
+
+
+def _histograms(
+    hists: list[HistRow], device: torch.device, kinds: frozenset[str], cache: stats.IndexCache
+) -> tuple[Tensor, list[HistMeta]]:
     """Every histogram of the step binned at once (``stats.histograms`` rows, flattened), and
-    what each row is; the log10 histograms of the output gradients are derived here."""
+    what each row is; the log10 histograms of the output gradients are derived here (the
+    gradients' own rows are kept if ``kinds`` holds them)."""
     gradients = [h for h in hists if h.kind == GRADIENT.name]
-    rows = list(hists)
-    samples = _on(device, [h.sample for h in hists])
-    if gradients:
+    rows = [h for h in hists if h.kind in kinds]  # (compiled hooks sample every scheduled kind)
+    if not rows and not (gradients and GRADIENT_LOG10 in kinds):
+        return torch.empty(0), []
+    samples = _on(device, [h.sample for h in rows])
+    if gradients and GRADIENT_LOG10 in kinds:
         # Zeros become -inf and, like NaN/Inf, stay out of the histogram.
         logs = torch.cat(_on(device, [h.sample for h in gradients])).float().abs_().log10_()
         samples += list(logs.split([h.sample.numel() for h in gradients]))

@@ -26,6 +26,7 @@ from .diagnose import Diagnostics
 from .distributed import Ranks, is_sharded
 from .errors import HookLoggerError
 from .health import Finding, Thresholds
+from .histograms import Histograms, schedule
 from .hooks import ForwardHook, ForwardPreHook, Handles, OptimizerHooks, ParamGradHook, ours
 from .records import Layout
 from .selection import Selector, select_modules
@@ -67,7 +68,7 @@ class HookLogger:
         activations: bool = True,
         gradients: bool = True,
         parameters: bool = True,
-        histograms: bool = True,
+        histograms: bool | int | Histograms = True,
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         scaler: torch.amp.GradScaler | None = None,
         eval_passes: bool = False,
@@ -131,7 +132,7 @@ class HookLogger:
             activations=activations,
             gradients=gradients,
             parameters=parameters,
-            histograms=histograms,
+            histograms=schedule(histograms),
             eval_passes=eval_passes,
             inputs=inputs,
             feature_maps=frozenset(mapped),
@@ -287,6 +288,7 @@ class HookLogger:
         if self._off:
             return
         self._collector.active = True
+        self._collector.begin(self._step // self.every)
         if self._amp is not None:
             self._amp.begin()
         for name in self._watched.newly_left():

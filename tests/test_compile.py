@@ -12,7 +12,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
-from tblog_hooks import HookLogger, HookLoggerError
+from tblog_hooks import Histograms, HookLogger, HookLoggerError
+from tblog_hooks.histograms import KINDS
 
 
 class _Block(nn.Module):
@@ -44,6 +45,10 @@ class _Net(nn.Module):
         return self.out(self.shared(torch.tanh(self.shared(self.block(self.inp(x))))))
 
 
+#: Every histogram kind on every logged step, so that each can be compared with eager mode.
+EVERY_HISTOGRAM = Histograms(every=1, param_every=1, kinds=KINDS)
+
+
 def _train(
     log_dir: Path,
     *,
@@ -51,7 +56,7 @@ def _train(
     device: str = "cpu",
     recompute: bool = False,
     scale: float | None = None,
-    histograms: bool = True,
+    histograms: bool | Histograms = EVERY_HISTOGRAM,
     moved: bool = False,
 ) -> tuple[Run, nn.Module]:
     """5 optimizer steps of 2 micro-batches each (gradient accumulation), every=2: steps 0, 2, 4
@@ -172,3 +177,15 @@ def test_attaching_to_a_compiled_model_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(HookLoggerError, match="already compiled"):
         HookLogger(model, log_dir=tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+def test_histogram_cadence_keeps_two_graphs(tmp_path: Path) -> None:
+    """Compiled hooks sample on every logged step; the steps the schedule skips drop the samples."""
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, _ = _train(tmp_path, backend="aot_eager", histograms=Histograms(every=2, param_every=1))
+    assert counters["stats"]["unique_graphs"] == 2
+    assert not counters["graph_break"]
+    assert set(compiled.histograms["activation/inp"]) == set(compiled.histograms["gradient_log10/out"]) == {0, 4}
+    assert "gradient/out" not in compiled.histograms  # not among the default kinds
+    assert set(compiled.scalars["gradient/norm/out"]) == {0, 2, 4}

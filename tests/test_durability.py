@@ -30,7 +30,7 @@ TRAIN = textwrap.dedent(
     sys.setswitchinterval(1.0)  # the writer thread runs only while the main thread waits: the worst case
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    hooks = HookLogger(model, log_dir=sys.argv[1], every=1)
+    hooks = HookLogger(model, log_dir=sys.argv[1], every=1, histograms=1)
     for step in range(int(sys.argv[2])):
         model(torch.randn(8, 4)).sum().backward()
         opt.step()

@@ -14,7 +14,8 @@ from conftest import read_run
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tblog_hooks import HookLogger
+from tblog_hooks import Histograms, HookLogger
+from tblog_hooks.histograms import KINDS
 
 
 def _resnet() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -71,7 +72,7 @@ def _exact_counts(values: np.ndarray, limits: list[float]) -> np.ndarray:
 def test_histograms_are_faithful_to_the_full_tensors(tmp_path: Path) -> None:
     model, x, y = _resnet()
     exact: dict[str, np.ndarray] = {}
-    with HookLogger(model, log_dir=tmp_path, every=1) as hooks:
+    with HookLogger(model, log_dir=tmp_path, every=1, histograms=Histograms(kinds=KINDS)) as hooks:
         names = dict(model.named_modules())
 
         def keep(name: str):  # type: ignore[no-untyped-def]

@@ -150,6 +150,7 @@ def test_samples_of_large_tensors_are_spread_over_every_position() -> None:
 def test_pooled_calls_match_the_concatenation(parts: list[torch.Tensor]) -> None:
     """Several calls of one module in a step (packed by Collector.finish, merged by summarize)."""
     collector = Collector(Options(gradients=False, parameters=False))
+    collector.begin(0)  # the first logged step: it takes histograms
     for x in parts:
         collector.on_output("m", x, training=True)
     packed, layout = collector.finish()  # type: ignore[misc]

@@ -24,7 +24,7 @@ def _train_sigmoid(log_dir, steps: int = 3) -> list[tuple[str, str, int]]:
     for _ in range(7):
         layers += [nn.Linear(8, 8), nn.Sigmoid()]
     model = nn.Sequential(*layers, nn.Linear(8, 2))
-    with HookLogger(model, log_dir=log_dir, every=1) as hooks:
+    with HookLogger(model, log_dir=log_dir, every=1, histograms=1) as hooks:  # steps alike in size
         for _ in range(steps):
             nn.functional.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 2, (16,))).backward()
             hooks.step()

@@ -86,7 +86,7 @@ def test_tensorboard_serves_what_the_logger_wrote(tmp_path) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     expected_mean: dict[int, float] = {}
     expected_numel = 0
-    with HookLogger(model, log_dir=tmp_path / "logs" / RUN, every=2, modules=["a/b c"]) as hooks:
+    with HookLogger(model, log_dir=tmp_path / "logs" / RUN, every=2, modules=["a/b c"], histograms=1) as hooks:
         for step in range(5):
             out = model[0](torch.randn(7, 6))
             if step % 2 == 0:

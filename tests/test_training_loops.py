@@ -14,7 +14,8 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from tblog_hooks import HookLogger
+from tblog_hooks import Histograms, HookLogger
+from tblog_hooks.histograms import KINDS
 from tblog_hooks.hooks import NOOP
 
 
@@ -143,7 +144,10 @@ def test_grad_scaler_gradients_are_unscaled_and_skipped_steps_reported(
     xs = [torch.randn(8, 6, device=device) for _ in range(3)]
     expected: dict[int, dict[str, float]] = {}
     optimizer = opt if with_optimizer else None
-    with HookLogger(model, log_dir=tmp_path, every=1, modules=["4"], scaler=scaler, optimizer=optimizer) as hooks:
+    histograms = Histograms(every=1, kinds=KINDS)  # the linear gradient histograms too
+    with HookLogger(
+        model, log_dir=tmp_path, every=1, modules=["4"], scaler=scaler, optimizer=optimizer, histograms=histograms
+    ) as hooks:
         for step, x in enumerate(xs):
             poison = math.inf if step == 1 else 1.0  # step 1 overflows: the scaler skips it
             scaler.scale(_loss(model(x)) * poison).backward()
