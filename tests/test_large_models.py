@@ -113,9 +113,9 @@ def test_steps_without_histograms_take_no_samples(tmp_path, monkeypatch) -> None
     calls: Counter[int] = Counter()
     sample = stats.sample
 
-    def spy(x: torch.Tensor) -> torch.Tensor:
+    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
         calls[hooks.global_step] += 1
-        return sample(x)
+        return sample(x, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(stats, "sample", spy)
     with hooks:

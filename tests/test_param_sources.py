@@ -245,7 +245,7 @@ def test_fused_optimizer_under_grad_scaler_logs_unscaled_gradients(tmp_path, dev
     x = torch.randn(8, 6, device=device)
     expected: dict[int, float] = {}
     largest: dict[int, float] = {}
-    with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt, scaler=scaler) as hooks:
+    with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt, scaler=scaler, histograms=1) as hooks:
         for step in range(3):
             opt.zero_grad()
             poison = math.inf if step == 1 else 1.0  # the scaler skips step 1

@@ -42,7 +42,8 @@ def _writers_idle() -> None:
 
 def _census(model: nn.Module) -> dict[str, int]:
     _writers_idle()
-    gc.collect()
+    while gc.collect():  # until nothing is left to collect: a finalizer can free more (Pillow's do)
+        pass
     objects = gc.get_objects()
     hook_dicts = [d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks)]
     hook_dicts += [p._post_accumulate_grad_hooks or {} for p in model.parameters()]
