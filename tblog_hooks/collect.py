@@ -93,6 +93,7 @@ class Collector:
         self.forward_order: list[str] = []  # watched modules in the order their forward hooks first fired
         self._fired: set[str] = set()
         self._probes: dict[str, probes.Probe] = {}  # output gradients under torch.compile
+        self._warned_repeated = False
 
     def place_probes(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
         """A probe per watched module, on the device its outputs will be on: made now, before
@@ -204,6 +205,19 @@ class Collector:
                     self._hists.append(HistRow(GRADIENT.name, name, sample, sample.numel(), lo, hi, weight))
         except Exception as error:
             self.fail(name, error)
+
+    def repeated_backward(self, name: str) -> None:
+        """A second backward reached the same output (``retain_graph=True``); said once."""
+        if not self._warned_repeated:
+            self._warned_repeated = True
+            warnings.warn(
+                f"tblog_hooks: a second backward pass reached an output of {name!r} in one step (retain_graph=True): "
+                "gradient/norm pools the passes' gradients as separate ones (the root of their summed squares), "
+                "not as the norm of their sum, which is what reached the output; keeping each gradient until "
+                "the next one arrives would cost the memory of every watched output",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def on_params(self, named: list[tuple[str, Tensor]], scale: Tensor | None = None) -> None:
         """Record gradient norms (and histograms) of parameters whose ``.grad`` is final; divided
@@ -496,10 +510,13 @@ def _on_probe(collector: weakref.ref[Collector], name: str, summed: Tensor) -> N
 class _GradientHook:
     """Tensor hook on a module output: records the gradient, never changes it."""
 
-    __slots__ = ("collector", "name")
+    __slots__ = ("calls", "collector", "name")
 
     def __init__(self, collector: Collector, name: str) -> None:
-        self.collector, self.name = collector, name
+        self.collector, self.name, self.calls = collector, name, 0
 
     def __call__(self, grad: Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.collector.repeated_backward(self.name)
         self.collector.on_output_grad(self.name, grad)

@@ -24,6 +24,11 @@ FLOW_TAG, FINDINGS_TAG, ORDER_TAG = "health/gradient_flow", "health/findings", "
 #: The heatmap is drawn on the first logged step, then every this many logged steps, and at
 #: close: drawing and encoding it on every logged step would cost more than the statistics.
 FLOW_EVERY = 10
+#: Most rows of the heatmap; more watched modules share rows (see :func:`gradient_flow_image`).
+MAX_ROWS = 128
+#: Most lines of one custom-scalars chart: TensorBoard's server answers a chart in time linear in
+#: its lines (~50 ms each at 7,000 tags) and refuses request URLs over 64 kB (~1,000 lines).
+MAX_CHART_LINES = 64
 
 
 class Diagnostics:
@@ -135,18 +140,31 @@ def gradient_norms(scalars: Mapping[str, float]) -> dict[str, float]:
 
 
 def gradient_flow_image(order: Sequence[str], norms: Mapping[int, Mapping[str, float]]) -> np.ndarray:
-    """The heatmap of ``{step: {module: norm}}``, rows in ``order`` (modules with a norm only)."""
+    """The heatmap of ``{step: {module: norm}}``, rows in ``order`` (modules with a norm only).
+    Above :data:`MAX_ROWS` modules, consecutive modules share a row showing their smallest norm
+    (where a gradient vanishes first; red if any is NaN/Inf), so a deep model's picture keeps
+    a readable size and still shows the trend over depth."""
     rows = [m for m in order if any(m in by_module for by_module in norms.values())]
     steps = sorted(norms)
     shape = (len(rows), len(steps))
     table = np.array([[norms[s].get(m, np.nan) for s in steps] for m in rows], dtype=np.float64).reshape(shape)
     logged = np.array([[m in norms[s] for s in steps] for m in rows], dtype=bool).reshape(shape)
-    return pictures.gradient_flow(rows, steps, table, logged)
+    if len(rows) <= MAX_ROWS:
+        return pictures.gradient_flow(rows, steps, table, logged)
+    groups = np.array_split(np.arange(len(rows)), MAX_ROWS)
+    labels = [rows[g[0]] if len(g) == 1 else f"{rows[g[0]]} (+{len(g) - 1})" for g in groups]
+    bad = logged & ~np.isfinite(table)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN groups (no module logged at a step)
+        smallest = np.stack([np.nanmin(np.where(bad[g], np.nan, table[g]), axis=0) for g in groups])
+    smallest[np.stack([bad[g].any(axis=0) for g in groups])] = np.nan  # NaN/Inf anywhere: red
+    return pictures.gradient_flow(labels, steps, smallest, np.stack([logged[g].any(axis=0) for g in groups]))
 
 
 def custom_scalars_layout(scalars: Mapping[str, float], order: Sequence[str]) -> dict[str, dict[str, list[object]]]:
     """One multi-line chart per quantity (``activation/std``, ``gradient/norm``, ...) holding
-    every watched module or parameter, in forward order."""
+    every watched module or parameter, in forward order; split into charts of at most
+    :data:`MAX_CHART_LINES` lines for a deep model."""
     rank = {m: i for i, m in enumerate(order)}
     charts: dict[str, list[str]] = {}
     for key in scalars:
@@ -159,12 +177,16 @@ def custom_scalars_layout(scalars: Mapping[str, float], order: Sequence[str]) ->
         owner = max((m for m in rank if item == m or item.startswith(m + ".")), key=len, default=None)
         return len(rank) if owner is None else rank[owner]
 
-    return {
-        "tblog_hooks": {
-            quantity: ["Multiline", [f"^{re.escape(t)}$" for t in sorted(tags, key=position)]]
-            for quantity, tags in sorted(charts.items())
-        }
-    }
+    layout: dict[str, list[object]] = {}
+    for quantity, tags in sorted(charts.items()):
+        ordered = [f"^{re.escape(t)}$" for t in sorted(tags, key=position)]
+        if len(ordered) <= MAX_CHART_LINES:
+            layout[quantity] = ["Multiline", ordered]
+            continue
+        for start in range(0, len(ordered), MAX_CHART_LINES):  # consecutive in forward order
+            part = ordered[start : start + MAX_CHART_LINES]
+            layout[f"{quantity} ({start + 1}-{start + len(part)} of {len(ordered)})"] = ["Multiline", part]
+    return {"tblog_hooks": layout}
 
 
 def order_markdown(order: Sequence[str]) -> str:

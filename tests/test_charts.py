@@ -196,3 +196,30 @@ def test_update_to_weight_ratio(tmp_path) -> None:
                 assert step not in run.scalars.get("param/update_ratio/2.bias", {})
             else:
                 assert run.scalar(f"param/update_ratio/{name}", step) == pytest.approx(ratio, rel=1e-4), name
+
+
+def test_a_deep_model_keeps_bounded_charts(tmp_path) -> None:
+    """300 watched modules: the heatmap groups consecutive modules into at most MAX_ROWS rows (each
+    the smallest norm of its group), and every custom-scalars chart holds at most MAX_CHART_LINES."""
+    from tblog_hooks.diagnose import MAX_CHART_LINES, MAX_ROWS
+
+    depth = 300
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(depth)])
+    with HookLogger(model, log_dir=tmp_path, every=1, histograms=False, health=None) as hooks:
+        model(torch.randn(2, 4)).sum().backward()
+        hooks.step()
+    (image,) = read_images(tmp_path, "health/gradient_flow").values()
+    shallow = gradient_flow_image([str(i) for i in range(MAX_ROWS)], {0: {str(i): 1.0 for i in range(MAX_ROWS)}})
+    assert image.shape[0] <= shallow.shape[1] + 40  # as tall as a MAX_ROWS-module picture (a longer label)
+    norms = {0: {str(i): 10.0 ** -(i // 10) for i in range(depth)}}
+    grouped = gradient_flow_image([str(i) for i in range(depth)], norms)
+    smallest_first = gradient_flow_image(
+        [f"{g[0]} (+{len(g) - 1})" for g in np.array_split(np.arange(depth), MAX_ROWS)],
+        {0: {f"{g[0]} (+{len(g) - 1})": 10.0 ** -(g[-1] // 10) for g in np.array_split(np.arange(depth), MAX_ROWS)}},
+    )
+    assert np.array_equal(grouped, smallest_first)
+    charts = {c.title: list(c.multiline.tag) for cat in read_layout(tmp_path).category for c in cat.chart}
+    assert all(len(tags) <= MAX_CHART_LINES for tags in charts.values())
+    norm_charts = [tags for title, tags in charts.items() if title.startswith("gradient/norm")]
+    assert len(norm_charts) == math.ceil(depth / MAX_CHART_LINES)
+    assert [t for tags in norm_charts for t in tags] == [f"^gradient/norm/{i}$" for i in range(depth)]

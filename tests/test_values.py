@@ -287,3 +287,21 @@ def test_half_precision_parameter_gradients_are_accumulated_in_float32(tmp_path)
         bias = layer.bias.grad.float().norm()
         assert run.scalar("param_grad/norm/root.weight", 0) == pytest.approx(float(weight), rel=1e-6)
         assert run.scalar("param_grad/norm/root.bias", 0) == pytest.approx(float(bias), rel=1e-6)
+
+
+def test_two_backward_passes_through_one_output_warn_once(tmp_path) -> None:
+    """The passes' gradients are pooled as separate ones, sqrt(|g1|^2 + |g2|^2), and said so."""
+    model = _mlp()
+    x = torch.randn(8, 6)
+    grads: list[torch.Tensor] = []
+    with HookLogger(model, log_dir=tmp_path, every=1, modules=["0"]) as hooks:
+        with pytest.warns(RuntimeWarning, match="second backward pass reached an output of '0'") as caught:
+            out = model[0](x)
+            out.register_hook(lambda g: grads.append(g.clone()))
+            rest = model[2](model[1](out.clone()))  # (the ReLU is in place)
+            rest.square().mean().backward(retain_graph=True)
+            rest.abs().mean().backward()
+            hooks.step()
+        assert len([w for w in caught if "second backward" in str(w.message)]) == 1
+    pooled = math.sqrt(sum(float(g.double().norm()) ** 2 for g in grads))
+    assert read_run(tmp_path).scalar("gradient/norm/0", 0) == pytest.approx(pooled, rel=1e-5)
