@@ -4,8 +4,11 @@ Every configuration trains its own copy of the same model on the same batch in t
 interleaved in short blocks (A B C A B C ...), so drift in the machine hits all alike. Step-time
 medians are reported as ratios to the no-hook baseline:
 
-- logged / non-logged: median time of steps that log / do not log;
-- every=N amortised: (logged + (N - 1) * non-logged) / N, over the baseline;
+- non-logged / logged / logged + histograms: median time of steps that do not log, that log
+  scalars, that log scalars and histograms (tblog_hooks: every 5th logged step by default; the
+  hand-written hooks and wandb.watch write histograms on every logged step);
+- every=N amortised: (an average logged step + (N - 1) * non-logged) / N, over the baseline;
+- aten ops a logged step adds per watched module (TorchDispatchMode; ~kernel launches on a GPU);
 - RSS growth: measured in a fresh subprocess per configuration over ``--rss-steps`` steps.
 
 After each block a configuration's writer is flushed (untimed), so that its background
@@ -39,7 +42,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.tensorboard import SummaryWriter
 
-from tblog_hooks import HookLogger
+from tblog_hooks import Histograms, HookLogger
 from tblog_hooks.demo import pick_device
 
 CONFIGS = ("none", "tblog", "manual", "wandb")
@@ -67,19 +70,22 @@ def make_workload(name: str, batch: int | None, device: torch.device) -> tuple[n
 # -- configurations ----------------------------------------------------------------------------
 @dataclass
 class Config:
-    """One way of watching the model: ``logs(step)`` says whether step ``step`` logs."""
+    """One way of watching the model: ``logs(step)`` says what step ``step`` does: 0 nothing,
+    1 log scalars, 2 log scalars and histograms."""
 
     name: str
     model: nn.Module
     optimizer: torch.optim.Optimizer
     after_backward: Callable[[int], None] = lambda step: None
     after_step: Callable[[], None] = lambda: None
-    logs: Callable[[int], bool] = lambda step: False
+    logs: Callable[[int], int] = lambda step: 0
+    #: Of its logged steps, the share that also write histograms.
+    histogram_share: float = 1.0
     close: Callable[[], None] = lambda: None
     #: Wait for background work (a writer thread still writing events) before another
     #: configuration's block starts, so that it is not timed against the wrong one.
     settle: Callable[[], None] = lambda: None
-    timings: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
+    timings: dict[int, list[float]] = field(default_factory=lambda: {0: [], 1: [], 2: []})
     hooks: HookLogger | None = None
 
 
@@ -89,12 +95,14 @@ def config_none(model: nn.Module, every: int, log_dir: str) -> Config:
 
 def config_tblog(model: nn.Module, every: int, log_dir: str) -> Config:
     hooks = HookLogger(model, log_dir=log_dir, every=every)
+    cadence = Histograms().every  # the default: histograms on every 5th logged step
     return Config(
         "tblog",
         model,
         torch.optim.SGD(model.parameters(), lr=0.01),
         after_step=hooks.step,
-        logs=lambda step: step % every == 0,
+        logs=lambda step: 0 if step % every else 2 if (step // every) % cadence == 0 else 1,
+        histogram_share=1 / cadence,
         close=hooks.close,
         settle=lambda: hooks.writer.flush(),
         hooks=hooks,
@@ -140,7 +148,7 @@ def config_manual(model: nn.Module, every: int, log_dir: str) -> Config:
         torch.optim.SGD(model.parameters(), lr=0.01),
         after_backward=after_backward,
         after_step=after_step,
-        logs=lambda step: step % every == 0,
+        logs=lambda step: 0 if step % every else 2,
         close=close,
         settle=writer.flush,
     )
@@ -162,7 +170,7 @@ def config_wandb(model: nn.Module, every: int, log_dir: str) -> Config:
         "wandb",
         model,
         torch.optim.SGD(model.parameters(), lr=0.01),
-        logs=lambda step: (step + 1) % every == 0,
+        logs=lambda step: 0 if (step + 1) % every else 2,
         close=lambda: (wandb.unwatch(model), run.finish()),
     )
 
@@ -221,18 +229,22 @@ def measure(workload: str, names: list[str], args: argparse.Namespace, device: t
                 c.settle()
         for c in configs:
             c.close()
-    baseline = statistics.median(configs[0].timings[False])
+    baseline = statistics.median(configs[0].timings[0])
     results: dict[str, dict] = {}
     for c in configs:
-        plain = statistics.median(c.timings[False])
-        logged = statistics.median(c.timings[True]) if c.timings[True] else plain
+        plain = statistics.median(c.timings[0])
+        with_histograms = statistics.median(c.timings[2]) if c.timings[2] else plain
+        logged = statistics.median(c.timings[1]) if c.timings[1] else with_histograms
+        # A logged step on average: the share of them that writes histograms, at its cost.
+        average = c.histogram_share * with_histograms + (1 - c.histogram_share) * logged
         results[c.name] = {
             "baseline_ms": baseline * 1e3,
             "non_logged": plain / baseline,
             "logged": logged / baseline,
-            "every10": (logged + 9 * plain) / 10 / baseline,
-            "every100": (logged + 99 * plain) / 100 / baseline,
-            "samples": {"logged": len(c.timings[True]), "non_logged": len(c.timings[False])},
+            "logged_histograms": with_histograms / baseline,
+            "every10": (average + 9 * plain) / 10 / baseline,
+            "every100": (average + 99 * plain) / 100 / baseline,
+            "samples": {"logged": len(c.timings[1]), "histograms": len(c.timings[2]), "non_logged": len(c.timings[0])},
         }
     return results
 
@@ -302,15 +314,16 @@ def rss(workload: str, name: str, args: argparse.Namespace) -> dict[str, float]:
 # -- report ------------------------------------------------------------------------------------
 def table(results: dict[str, dict[str, dict]]) -> str:
     lines = [
-        "| workload | config | baseline ms/step | non-logged | logged | every=10 | every=100 | RSS growth MB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | config | baseline ms/step | non-logged | logged | logged + histograms | every=10 | every=100 "
+        "| RSS growth MB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for workload, by_config in results.items():
         for name, r in by_config.items():
             growth = f"{r['rss_growth_mb']:+.1f}" if "rss_growth_mb" in r else "-"
             lines.append(
                 f"| {workload} | {name} | {r['baseline_ms']:.1f} | {r['non_logged']:.3f}x | {r['logged']:.2f}x "
-                f"| {r['every10']:.3f}x | {r['every100']:.3f}x | {growth} |"
+                f"| {r['logged_histograms']:.2f}x | {r['every10']:.3f}x | {r['every100']:.3f}x | {growth} |"
             )
     return "\n".join(lines)
 
@@ -336,7 +349,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="w1,w2", help="w1 (ResNet-18), w2 (deep sigmoid MLP), or both")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
-    parser.add_argument("--steps", type=int, default=100, help="timed steps per configuration (default 100)")
+    parser.add_argument("--steps", type=int, default=150, help="timed steps per configuration (default 150)")
     parser.add_argument("--block", type=int, default=10, help="steps per interleaved block (default 10)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--every", type=int, default=5, help="log every N steps while timing (default 5)")
