@@ -269,7 +269,7 @@ def ops_added(workload: str, args: argparse.Namespace, device: torch.device) -> 
     counts: list[int] = []
     with tempfile.TemporaryDirectory() as tmp:
         hooks = HookLogger(model, log_dir=tmp, every=2, histograms=Histograms(every=2, param_every=1))
-        for step in range(8):  # logs 0, 2, 4, 6; histograms on 0 and 4: count steps 4, 5 and 6
+        for _ in range(8):  # logs steps 0, 2, 4, 6; histograms on 0 and 4: count steps 4, 5 and 6
             counter = _OpCounter()
             with counter:
                 nn.functional.cross_entropy(model(x), y).backward()
