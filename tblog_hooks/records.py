@@ -77,7 +77,7 @@ class Kind:
     name: str
     fields: tuple[Field, ...]
     scalars: Callable[[Values, int], dict[str, float]]  # (pooled fields, elements in all records) -> {stat: value}
-    #: Pooled over ranks with ``reduce_ranks=True`` (one record per call); otherwise rank 0's.
+    #: Pooled over ranks with ``reduce_ranks=True`` (one record per call); otherwise the writing rank's own.
     per_call: bool = False
     #: The record's values of a tensor, in field order (call under ``no_grad``); for kinds
     #: recorded from a tensor's statistics.
