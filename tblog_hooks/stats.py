@@ -64,8 +64,6 @@ def nonfinite(x: Tensor) -> Tensor:
 def norms(tensors: Sequence[Tensor]) -> list[Tensor]:
     """L2 norms of many tensors in one op per dtype class, accumulated in float32 or wider
     (a float16 norm overflows at 65504)."""
-    if len(tensors) == 1:
-        return [torch.linalg.vector_norm(tensors[0], dtype=acc_dtype(tensors[0].dtype))]
     out: list[Tensor | None] = [None] * len(tensors)
     for wide in (False, True):
         index = [i for i, t in enumerate(tensors) if (t.dtype == torch.float64) == wide]
