@@ -46,6 +46,12 @@ def hook_dicts(model: torch.nn.Module, opt: torch.optim.Optimizer | None = None)
     return dicts
 
 
+def assert_same_weights(plain: torch.nn.Module, logged: torch.nn.Module) -> None:
+    """Training with the logger left every weight bit-for-bit as training without it."""
+    for (name, a), b in zip(plain.state_dict().items(), logged.state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs from the run without the logger"
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hook_dicts, read_run
+from conftest import assert_same_weights, hook_dicts, read_run
 from torch import nn
 
 from tblog_hooks import HookLoggerError
@@ -159,8 +159,7 @@ def test_lightning_training_is_unchanged_bit_for_bit(tmp_path) -> None:
     logged.load_state_dict(plain.state_dict())
     _fit(tmp_path / "plain", plain, [])
     _fit(tmp_path / "logged", logged, [lightning_hooks.HookLoggerCallback(every=1)])
-    for (name, a), b in zip(plain.state_dict().items(), logged.state_dict().values()):
-        assert torch.equal(a, b), name
+    assert_same_weights(plain, logged)
 
 
 def test_lightning_leaves_no_hook_after_fit_and_after_an_exception(tmp_path) -> None:
@@ -260,8 +259,7 @@ def test_transformers_training_is_unchanged_bit_for_bit(tmp_path) -> None:
     logged.load_state_dict(plain.state_dict())
     _train(tmp_path / "plain", plain, [])
     _train(tmp_path / "logged", logged, [transformers_hooks.HookLoggerCallback(every=1)])
-    for (name, a), b in zip(plain.state_dict().items(), logged.state_dict().values()):
-        assert torch.equal(a, b), name
+    assert_same_weights(plain, logged)
 
 
 def test_transformers_leaves_no_hook_after_train_and_after_an_exception(tmp_path) -> None:

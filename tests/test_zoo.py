@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torchvision
-from conftest import hook_dicts, read_run
+from conftest import assert_same_weights, hook_dicts, read_run
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
@@ -226,8 +226,7 @@ def test_real_architecture(tmp_path, name: str) -> None:
     plain, _, _ = _train(case)
     logged, norms, hooks = _train(case, tmp_path)
     assert hooks is not None and hooks.closed
-    for (key, a), b in zip(plain.state_dict().items(), logged.state_dict().values()):
-        assert torch.equal(a, b), f"{key} differs from the run without the logger"
+    assert_same_weights(plain, logged)
 
     run = read_run(tmp_path)
     assert run.scalars["param_grad/global_norm"] == pytest.approx(dict(enumerate(norms)), rel=1e-5)
