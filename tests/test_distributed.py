@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import datetime
 import errno
+import faulthandler
+import gc
+import os
+import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,6 +25,32 @@ from tblog_hooks import HookLogger, HookLoggerError
 
 WORLD = 2
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+# A short timeout: a regression that enters a collective alone fails in seconds, not 30 minutes.
+TIMEOUT = datetime.timedelta(seconds=20)
+
+
+def _spawn(worker: Callable[[int, str], None], root: Path) -> None:
+    mp.spawn(_process, args=(worker, str(root)), nprocs=WORLD)
+
+
+def _process(rank: int, worker: Callable[[int, str], None], root: str) -> None:
+    """One rank: ``worker`` between setting up and tearing down the process group."""
+    faulthandler.enable()  # a crash in native code prints every thread's Python stack
+    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=WORLD, timeout=TIMEOUT)
+    try:
+        worker(rank, root)
+        gc.collect()  # FSDP2 modules sit in reference cycles that hold the process group
+        dist.barrier()  # neither rank tears the store down while the other still uses it
+    finally:
+        dist.destroy_process_group()
+    # Leave without interpreter teardown, where a gloo thread that drops the last reference to a
+    # tensor must take the GIL of a finalizing interpreter, which aborts the process (SIGABRT,
+    # "terminate called without an active exception"; pytorch/pytorch#179291). Seen once in CI.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _model() -> nn.Sequential:
@@ -42,26 +73,23 @@ def _train(model: nn.Module, hooks: HookLogger, opt: torch.optim.Optimizer, rank
 def _worker(rank: int, root: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=WORLD)
-    try:
-        ddp = nn.parallel.DistributedDataParallel(_model())
-        with pytest.raises(HookLoggerError, match="pass optimizer="):  # .grad is averaged only by then
-            HookLogger(ddp, log_dir=f"{root}/never")
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        with HookLogger(ddp, log_dir=f"{root}/ddp{rank}", every=1, optimizer=opt, reduce_ranks=True) as hooks:
-            _train(ddp, hooks, opt, rank)
+    ddp = nn.parallel.DistributedDataParallel(_model())
+    with pytest.raises(HookLoggerError, match="pass optimizer="):  # .grad is averaged only by then
+        HookLogger(ddp, log_dir=f"{root}/never")
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with HookLogger(ddp, log_dir=f"{root}/ddp{rank}", every=1, optimizer=opt, reduce_ranks=True) as hooks:
+        _train(ddp, hooks, opt, rank)
 
-        model = _model()
-        for layer in (model[0], model[2], model):
-            fully_shard(layer)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        # Rank 1 writes too when handed a writer of its own.
-        where = {"log_dir": f"{root}/fsdp0"} if rank == 0 else {"writer": SummaryWriter(f"{root}/given1")}
-        with HookLogger(model, every=1, optimizer=opt, **where) as hooks:  # type: ignore[arg-type]
-            _train(model, hooks, opt, rank)
-        dist.barrier()  # neither rank tears the store down while the other still uses it
-    finally:
-        dist.destroy_process_group()
+    model = _model()
+    for layer in (model[0], model[2], model):
+        fully_shard(layer)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # Rank 1 writes too when handed a writer of its own.
+    where = {"log_dir": f"{root}/fsdp0"} if rank == 0 else {"writer": SummaryWriter(f"{root}/given1")}
+    with HookLogger(model, every=1, optimizer=opt, **where) as hooks:  # type: ignore[arg-type]
+        _train(model, hooks, opt, rank)
+    if "writer" in where:
+        where["writer"].close()  # type: ignore[union-attr]
 
 
 def _reference() -> dict[str, float]:
@@ -82,7 +110,7 @@ def _reference() -> dict[str, float]:
 
 
 def test_ddp_and_fsdp2_on_two_cpu_processes(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(str(tmp_path),), nprocs=WORLD)
+    _spawn(_worker, tmp_path)
     assert not (tmp_path / "ddp1").exists() and not (tmp_path / "never").exists()  # only rank 0 writes
     expected = _reference()
     ddp, fsdp, given = (read_run(tmp_path / name) for name in ("ddp0", "fsdp0", "given1"))
@@ -99,84 +127,75 @@ def _failures_worker(rank: int, root: str) -> None:
     """Rank 1 feeds NaN, an empty FSDP2 shard, different calls on the ranks, a rank that raises."""
     from torch.distributed.fsdp import fully_shard
 
-    # A short timeout: a regression that enters a collective alone fails in seconds, not 30 minutes.
-    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=WORLD, timeout=TIMEOUT)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            model = _model()
-            for inputs in (False, True):  # input NaN counts (and with inputs=True all statistics) pooled
-                where = f"{root}/nan{inputs}"
-                with HookLogger(model, log_dir=where, every=1, reduce_ranks=True, inputs=inputs) as hooks:
-                    for step in range(2):
-                        model(_nan_batch(rank, step)).sum().backward()
-                        hooks.step()
-                    if rank == 0:
-                        (finding,) = hooks.findings
-                        assert finding.module == "0" and "already in the input of 0" in finding.message, finding
-
-            model = _one_output()
-            for layer in (model[0], model[1], model):
-                fully_shard(layer)  # rank 1's shard of model[1]'s weight and bias is empty
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            with HookLogger(model, log_dir=f"{root}/empty{rank}", every=1, optimizer=opt, reduce_ranks=True) as hooks:
-                _train(model, hooks, opt, rank, inputs=16)
-            assert not caught, [str(w.message) for w in caught]
-
-            # Rank 1 calls the model twice in each step: one warning on each rank, and training goes on.
-            model = _one_output()
-            with HookLogger(model, log_dir=f"{root}/differ{rank}", every=1, reduce_ranks=True) as hooks:
-                for _ in range(2):
-                    for _ in range(1 + rank):
-                        model(torch.randn(4, 16)).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = _model()
+        for inputs in (False, True):  # input NaN counts (and with inputs=True all statistics) pooled
+            where = f"{root}/nan{inputs}"
+            with HookLogger(model, log_dir=where, every=1, reduce_ranks=True, inputs=inputs) as hooks:
+                for step in range(2):
+                    model(_nan_batch(rank, step)).sum().backward()
                     hooks.step()
-            (warning,) = caught
-            assert "different calls of the watched modules" in str(warning.message), warning
-            caught.clear()
+                if rank == 0:
+                    (finding,) = hooks.findings
+                    assert finding.module == "0" and "already in the input of 0" in finding.message, finding
 
-            # Rank 0 cannot write step 0 and stops; at step 1 rank 1 learns it and stops too; no
-            # collective after that (step 2 would wait for rank 0 alone).
-            where = {"writer": _FailingWriter(f"{root}/broken")} if rank == 0 else {}
-            with HookLogger(model, every=1, reduce_ranks=True, **where) as hooks:  # type: ignore[arg-type]
-                for _ in range(3):
+        model = _one_output()
+        for layer in (model[0], model[1], model):
+            fully_shard(layer)  # rank 1's shard of model[1]'s weight and bias is empty
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with HookLogger(model, log_dir=f"{root}/empty{rank}", every=1, optimizer=opt, reduce_ranks=True) as hooks:
+            _train(model, hooks, opt, rank, inputs=16)
+        assert not caught, [str(w.message) for w in caught]
+
+        # Rank 1 calls the model twice in each step: one warning on each rank, and training goes on.
+        model = _one_output()
+        with HookLogger(model, log_dir=f"{root}/differ{rank}", every=1, reduce_ranks=True) as hooks:
+            for _ in range(2):
+                for _ in range(1 + rank):
                     model(torch.randn(4, 16)).sum().backward()
-                    hooks.step()
-            (warning,) = caught
-            expected = "writing step 0 to TensorBoard failed" if rank == 0 else "rank(s) [0] stopped logging"
-            assert expected in str(warning.message), warning
-            caught.clear()
+                hooks.step()
+        (warning,) = caught
+        assert "different calls of the watched modules" in str(warning.message), warning
+        caught.clear()
 
-            try:  # a with-block left normally inside an except clause ends its step on every rank
-                raise KeyError("handled before the block")
-            except KeyError:
-                with HookLogger(model, log_dir=f"{root}/handled{rank}", every=1, reduce_ranks=True):
-                    model(_batch(rank, 0, inputs=16)).sum().backward()
+        # Rank 0 cannot write step 0 and stops; at step 1 rank 1 learns it and stops too; no
+        # collective after that (step 2 would wait for rank 0 alone).
+        where = {"writer": _FailingWriter(f"{root}/broken")} if rank == 0 else {}
+        with HookLogger(model, every=1, reduce_ranks=True, **where) as hooks:  # type: ignore[arg-type]
+            for _ in range(3):
+                model(torch.randn(4, 16)).sum().backward()
+                hooks.step()
+        (warning,) = caught
+        expected = "writing step 0 to TensorBoard failed" if rank == 0 else "rank(s) [0] stopped logging"
+        assert expected in str(warning.message), warning
+        caught.clear()
 
-            # Rank 1 raises inside a logged step, rank 0 once rank 1 is out: neither waits in a collective.
-            signal = Path(root, "rank1_out")
-            if rank == 1:
-                hooks = HookLogger(model, log_dir=f"{root}/raise{rank}", every=1, reduce_ranks=True)
-                with pytest.raises(ValueError, match="bad batch"), hooks:
+        try:  # a with-block left normally inside an except clause ends its step on every rank
+            raise KeyError("handled before the block")
+        except KeyError:
+            with HookLogger(model, log_dir=f"{root}/handled{rank}", every=1, reduce_ranks=True):
+                model(_batch(rank, 0, inputs=16)).sum().backward()
+
+        # Rank 1 raises inside a logged step, rank 0 once rank 1 is out: neither waits in a collective.
+        signal = Path(root, "rank1_out")
+        if rank == 1:
+            hooks = HookLogger(model, log_dir=f"{root}/raise{rank}", every=1, reduce_ranks=True)
+            with pytest.raises(ValueError, match="bad batch"), hooks:
+                model(torch.randn(4, 16)).sum().backward()
+                raise ValueError("bad batch")
+            signal.touch()
+        else:
+            hooks = HookLogger(model, log_dir=f"{root}/raise{rank}", every=1, reduce_ranks=True)
+            with pytest.raises(ValueError, match="peer failed"):
+                try:
                     model(torch.randn(4, 16)).sum().backward()
-                    raise ValueError("bad batch")
-                signal.touch()
-            else:
-                hooks = HookLogger(model, log_dir=f"{root}/raise{rank}", every=1, reduce_ranks=True)
-                with pytest.raises(ValueError, match="peer failed"):
-                    try:
-                        model(torch.randn(4, 16)).sum().backward()
-                        while not signal.exists():  # a regression makes rank 1 time out first
-                            time.sleep(0.01)
-                        raise ValueError("peer failed")
-                    finally:
-                        hooks.close()  # a plain close() while the exception propagates
-            assert not caught, [str(w.message) for w in caught]
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-TIMEOUT = datetime.timedelta(seconds=20)
+                    while not signal.exists():  # a regression makes rank 1 time out first
+                        time.sleep(0.01)
+                    raise ValueError("peer failed")
+                finally:
+                    hooks.close()  # a plain close() while the exception propagates
+        assert not caught, [str(w.message) for w in caught]
 
 
 class _FailingWriter(SummaryWriter):
@@ -199,7 +218,7 @@ def _nan_batch(rank: int, step: int) -> torch.Tensor:
 
 
 def test_failures_and_pooling_on_two_cpu_processes(tmp_path: Path) -> None:
-    mp.spawn(_failures_worker, args=(str(tmp_path),), nprocs=WORLD)
+    _spawn(_failures_worker, tmp_path)
     for inputs in (False, True):
         run = read_run(tmp_path / f"nan{inputs}")
         assert run.scalar("input/nonfinite/0", 0) == 1  # rank 1's NaN
