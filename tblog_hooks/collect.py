@@ -25,12 +25,12 @@ from .histograms import Histograms
 from .passes import PassFilter
 from .records import (
     ACTIVATION,
-    COUNT,
     GRADIENT,
     GRADIENT_LOG10,
     HISTOGRAM,
     IMAGE,
     INPUT,
+    NONFINITE,
     PARAM,
     PARAM_GRAD,
     SCALAR,
@@ -84,7 +84,7 @@ class Collector:
         self._traced: _Sink[Record | HistRow] = _Sink()  # what compiled forward hooks recorded
         self._tensor_handles: list[RemovableHandle] = []
         self._before_update: tuple[list[tuple[str, Tensor]], list[Tensor], list[Tensor]] | None = None
-        # The latest activation recorded: (weakref to it, its version, its NaN/Inf count).
+        # The latest activation recorded: (weakref to it, its version, its finite count).
         self._last_output: tuple[weakref.ref[Tensor], int, Tensor] | None = None
         self._mapped: set[str] = set()  # feature maps taken this step
         # Parameters whose gradient was read this step: its record and histogram sample.
@@ -152,7 +152,7 @@ class Collector:
                         values = self._record(ACTIVATION, name, t)
                         if not torch.compiler.is_compiling() and not t.is_inference():  # (no weakref, no version)
                             # Read by the next module's pre-hook if its input is this very tensor.
-                            self._last_output = (weakref.ref(t), t._version, ACTIVATION.value(values, "nonfinite"))
+                            self._last_output = (weakref.ref(t), t._version, ACTIVATION.value(values, "finite"))
             if self.options.gradients and counted.gradients:
                 if torch.compiler.is_compiling():
                     return self._tap(name, output)
@@ -176,8 +176,8 @@ class Collector:
                     if self.options.inputs:
                         self._record(INPUT, name, t)
                     else:
-                        count = self._nonfinite_input(t)
-                        self._add(Record(COUNT, tag(INPUT.name, "nonfinite", name), 1, (count,)))
+                        finite = self._finite_input(t)
+                        self._add(Record(NONFINITE, tag(INPUT.name, "nonfinite", name), t.numel(), (finite,)))
         except Exception as error:
             self.fail(name, error)
 
@@ -328,13 +328,13 @@ class Collector:
             if t.numel()
         }
 
-    def _nonfinite_input(self, t: Tensor) -> Tensor:
-        """NaN/Inf count of an input; reused when the input is the unchanged output of the
+    def _finite_input(self, t: Tensor) -> Tensor:
+        """Finite count of an input (for its NaN/Inf count); reused when the input is the unchanged output of the
         watched module that ran just before (conv -> bn in a ResNet), saving a pass over it."""
         last = None if torch.compiler.is_compiling() else self._last_output  # is_inference() breaks a graph
         if last is not None and last[0]() is t and not t.is_inference() and t._version == last[1]:
             return last[2]
-        return stats.nonfinite(t)
+        return stats.finite(t)
 
     def _tap(self, name: str, output: object) -> object | None:
         """The output with each tensor that carries a gradient passed through the module's

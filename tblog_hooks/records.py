@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .stats import acc_dtype, nonfinite
+from .stats import acc_dtype, finite, nonfinite
 from .tags import tag
 
 Values = dict[str, np.ndarray]
@@ -101,14 +101,14 @@ def _finite(stat: str, value: float) -> dict[str, float]:
 def _tensor_values(x: Tensor) -> tuple[Tensor, ...]:
     """Exact statistics of ``x``: mean and centred L2 norm (float32 or wider; centring costs one
     pass and keeps the standard deviation accurate when |mean| >> std), min, max, nonzero and
-    non-finite counts, and per channel (dim 1) the largest value."""
+    finite counts, and per channel (dim 1) the largest value."""
     dtype = acc_dtype(x.dtype)
     mean = x.mean(dtype=dtype)
     # 16-bit inputs are centred in float32: a 16-bit x - mean would round each term.
     centred = x - mean if x.dtype == dtype else x.to(dtype).sub_(mean)
     lo, hi = torch.aminmax(x)
     peak = x.amax(dim=(0, *range(2, x.dim()))) if x.dim() >= 2 else x.new_empty(0)
-    return mean, torch.linalg.vector_norm(centred), lo, hi, torch.count_nonzero(x), nonfinite(x), peak
+    return mean, torch.linalg.vector_norm(centred), lo, hi, torch.count_nonzero(x), finite(x), peak
 
 
 def _tensor_scalars(v: Values, count: int) -> dict[str, float]:
@@ -120,7 +120,7 @@ def _tensor_scalars(v: Values, count: int) -> dict[str, float]:
         "min": float(v["min"][0]),
         "max": float(v["max"][0]),
         "zero_frac": float((count - v["nonzero"][0]) / count),
-        "nonfinite": float(v["nonfinite"][0]),
+        "nonfinite": float(count - v["finite"][0]),
     }
     peaks = v["peak"]
     if peaks.size:  # a channel is dead if it is never positive across the pooled batch
@@ -143,7 +143,7 @@ _TENSOR_FIELDS = (
     Field("min", _pool_min),
     Field("max", _pool_max),
     Field("nonzero", _pool_sum),
-    Field("nonfinite", _pool_sum),
+    Field("finite", _pool_sum),  # the host knows the elements: NaN/Inf are the rest
     Field("peak", _pool_max),  # per channel (dim 1): the largest value, for dead units
 )
 #: A watched module's output (``activation/*``) and, with ``inputs=True``, its input (``input/*``).
@@ -159,8 +159,11 @@ GRADIENT = Kind(
 )
 #: A parameter's final gradient: ``param_grad/norm`` (``param_grad/global_norm`` is derived from all).
 PARAM_GRAD = Kind("param_grad", (Field("norm", _pool_first),), lambda v, n: {"norm": float(v["norm"][0])})
-#: A device count logged under its own tag (``input/nonfinite``); the records of a tag add up.
-COUNT = Kind("count", (Field("value", _pool_sum),), lambda v, n: {"": float(v["value"][0])}, per_call=True)
+#: A tensor's NaN/Inf count logged under its own tag (``input/nonfinite``), recorded as its
+#: finite count (``stats.finite``); the records of a tag add up.
+NONFINITE = Kind(
+    "nonfinite", (Field("finite", _pool_sum),), lambda v, n: {"": n - float(v["finite"][0])}, per_call=True
+)
 #: A device value logged under its own tag (``param/update_ratio``, ``amp/*``); the first record.
 SCALAR = Kind("scalar", (Field("value", _pool_first),), lambda v, n: _finite("", float(v["value"][0])))
 #: An image in [0, 1] (feature maps); the first record of a step.

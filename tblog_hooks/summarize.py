@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import records, stats
-from .records import ACTIVATION, COUNT, GRADIENT, HISTOGRAM, IMAGE, INPUT, PARAM_GRAD, SCALAR, HistMeta, Layout
+from .records import ACTIVATION, GRADIENT, HISTOGRAM, IMAGE, INPUT, NONFINITE, PARAM_GRAD, SCALAR, HistMeta, Layout
 from .tags import tag
 
 
@@ -43,7 +43,7 @@ class StepSummary:
 def summarize(step: int, values: np.ndarray, layout: Layout) -> StepSummary:
     """Decode the packed array of one step (see ``Collector.finish``) into tags."""
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf activations are data, not warnings
-        scalars = records.scalars(layout.of(ACTIVATION, INPUT, GRADIENT, PARAM_GRAD, COUNT, SCALAR), values)
+        scalars = records.scalars(layout.of(ACTIVATION, INPUT, GRADIENT, PARAM_GRAD, NONFINITE, SCALAR), values)
     images = {
         e.name: np.round(e.read(values)["pixels"].reshape(e.shape) * 255).astype(np.uint8) for e in layout.of(IMAGE)
     }
