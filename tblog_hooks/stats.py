@@ -69,8 +69,9 @@ def finite(x: Tensor) -> Tensor:
 
 
 def nonfinite(x: Tensor) -> Tensor:
-    """Count of NaN/Inf elements (a float, on the tensor's device), where the host does not
-    know ``x.numel()`` to take :func:`finite` from it (``probes.summary``)."""
+    """Count of NaN/Inf elements (a float, on the tensor's device). Output gradients record
+    this rather than :func:`finite`: under ``torch.compile`` their records (``probes.summary``)
+    do not know their element count on the host, which would take the finite count from it."""
     return x.numel() - finite(x)
 
 
