@@ -329,8 +329,9 @@ class Collector:
         }
 
     def _finite_input(self, t: Tensor) -> Tensor:
-        """Finite count of an input (for its NaN/Inf count); reused when the input is the unchanged output of the
-        watched module that ran just before (conv -> bn in a ResNet), saving a pass over it."""
+        """Finite count of an input (for its NaN/Inf count); reused when the input is the
+        unchanged output of the watched module that ran just before (conv -> bn in a ResNet),
+        saving a pass over it."""
         last = None if torch.compiler.is_compiling() else self._last_output  # is_inference() breaks a graph
         if last is not None and last[0]() is t and not t.is_inference() and t._version == last[1]:
             return last[2]

@@ -98,6 +98,11 @@ def _finite(stat: str, value: float) -> dict[str, float]:
     return {stat: value} if math.isfinite(value) else {}
 
 
+def _nonfinite(v: Values, count: int) -> float:
+    """NaN/Inf count of pooled records that hold a ``finite`` count of their ``count`` elements."""
+    return float(count - v["finite"][0])
+
+
 def _tensor_values(x: Tensor) -> tuple[Tensor, ...]:
     """Exact statistics of ``x``: mean and centred L2 norm (float32 or wider; centring costs one
     pass and keeps the standard deviation accurate when |mean| >> std), min, max, nonzero and
@@ -120,7 +125,7 @@ def _tensor_scalars(v: Values, count: int) -> dict[str, float]:
         "min": float(v["min"][0]),
         "max": float(v["max"][0]),
         "zero_frac": float((count - v["nonzero"][0]) / count),
-        "nonfinite": float(count - v["finite"][0]),
+        "nonfinite": _nonfinite(v, count),
     }
     peaks = v["peak"]
     if peaks.size:  # a channel is dead if it is never positive across the pooled batch
@@ -161,9 +166,7 @@ GRADIENT = Kind(
 PARAM_GRAD = Kind("param_grad", (Field("norm", _pool_first),), lambda v, n: {"norm": float(v["norm"][0])})
 #: A tensor's NaN/Inf count logged under its own tag (``input/nonfinite``), recorded as its
 #: finite count (``stats.finite``); the records of a tag add up.
-NONFINITE = Kind(
-    "nonfinite", (Field("finite", _pool_sum),), lambda v, n: {"": n - float(v["finite"][0])}, per_call=True
-)
+NONFINITE = Kind("nonfinite", (Field("finite", _pool_sum),), lambda v, n: {"": _nonfinite(v, n)}, per_call=True)
 #: A device value logged under its own tag (``param/update_ratio``, ``amp/*``); the first record.
 SCALAR = Kind("scalar", (Field("value", _pool_first),), lambda v, n: _finite("", float(v["value"][0])))
 #: An image in [0, 1] (feature maps); the first record of a step.

@@ -85,11 +85,12 @@ def _worker(rank: int, root: str) -> None:
         fully_shard(layer)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     # Rank 1 writes too when handed a writer of its own.
-    where = {"log_dir": f"{root}/fsdp0"} if rank == 0 else {"writer": SummaryWriter(f"{root}/given1")}
+    given = SummaryWriter(f"{root}/given1") if rank == 1 else None
+    where = {"writer": given} if given is not None else {"log_dir": f"{root}/fsdp0"}
     with HookLogger(model, every=1, optimizer=opt, **where) as hooks:  # type: ignore[arg-type]
         _train(model, hooks, opt, rank)
-    if "writer" in where:
-        where["writer"].close()  # type: ignore[union-attr]
+    if given is not None:
+        given.close()
 
 
 def _reference() -> dict[str, float]:
