@@ -16,6 +16,7 @@ from typing import Generic, NamedTuple, Optional, TypeVar
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.variable import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
@@ -89,6 +90,7 @@ class Collector:
         self._mapped: set[str] = set()  # feature maps taken this step
         # Parameters whose gradient was read this step: its record and histogram sample.
         self._graded: dict[str, tuple[Record, HistRow | None]] = {}
+        self._ready: list[tuple[str, Tensor]] = []  # parameters whose gradient this backward made final
         self._indices = stats.IndexCache()  # sample and histogram-row indices, made once per size
         self.forward_order: list[str] = []  # watched modules in the order their forward hooks first fired
         self._fired: set[str] = set()
@@ -219,6 +221,23 @@ class Collector:
                 stacklevel=2,
             )
 
+    def on_param_grad(self, name: str, param: Tensor) -> None:
+        """Post-accumulate-grad hook body: ``param.grad`` is final for this backward. Read when
+        the backward ends, with every other parameter it reached: one norm op for all of them,
+        and one Python call rather than one per parameter."""
+        first = not self._ready
+        self._ready.append((name, param))
+        if first:
+            try:
+                Variable._execution_engine.queue_callback(self._read_ready)
+            except RuntimeError:  # not run by the autograd engine: read it now
+                self._read_ready()
+
+    def _read_ready(self) -> None:
+        ready, self._ready = self._ready, []
+        if ready:
+            self.on_params(ready)
+
     def on_params(self, named: list[tuple[str, Tensor]], scale: Tensor | None = None) -> None:
         """Record gradient norms (and histograms) of parameters whose ``.grad`` is final; divided
         on the device by ``scale``, the loss scale still in ``.grad`` (see ``amp.grad_scale``)."""
@@ -293,10 +312,14 @@ class Collector:
     def _takes_histogram(self, kind: str) -> bool:
         """Whether this logged step samples tensors of ``kind`` (a tag root) for histograms; output
         gradients also for their log10 histogram, which is derived from the same sample."""
-        # Compiled hooks sample every kind of the schedule on every logged step (finish keeps this
-        # step's): a different set per step would be a guard, and one more graph.
-        kinds = self._scheduled_kinds if torch.compiler.is_compiling() else self._hist_kinds
+        kinds = self._kinds()
         return kind in kinds or (kind == GRADIENT.name and GRADIENT_LOG10 in kinds)
+
+    def _kinds(self) -> frozenset[str]:
+        """The histogram kinds hooks sample now. Compiled hooks sample every kind of the schedule
+        on every logged step (finish keeps this step's): a different set per step would be a
+        guard, and one more graph."""
+        return self._scheduled_kinds if torch.compiler.is_compiling() else self._hist_kinds
 
     def _record(self, kind: Kind, name: str, t: Tensor) -> tuple[Tensor, ...]:
         """Statistics (and a histogram sample over their exact range) of an output, input or
@@ -304,7 +327,14 @@ class Collector:
         values = kind.compute(t)  # type: ignore[misc]  # kinds recorded from tensors have one
         self._add(Record(kind, name, t.numel(), values))
         if self._takes_histogram(kind.name):
-            lo, hi = kind.value(values, "min"), kind.value(values, "max")
+            lo: Tensor | None
+            hi: Tensor | None
+            if kind is not GRADIENT:
+                lo, hi = kind.value(values, "min"), kind.value(values, "max")
+            elif GRADIENT.name in self._kinds():  # the linear histogram's range (log10 rows have their own)
+                lo, hi = torch.aminmax(t)
+            else:
+                lo = hi = None
             self._add(HistRow(kind.name, name, stats.sample(t, self._indices), t.numel(), lo, hi))
         return values
 
@@ -399,6 +429,7 @@ class Collector:
             if row is not None:
                 hists.append(row)
         self._records, self._hists, self._before_update, self._last_output = [], [], None, None
+        self._ready = []  # of a backward that raised before its end
         self._mapped, self._graded = set(), {}
         if not records and not hists:
             return None
@@ -467,8 +498,25 @@ def _gradient(grad: Tensor | None) -> tuple[Tensor, Tensor] | None:
 
 def _loggable_leaves(tree: object) -> list[Tensor]:
     """The tensors of a (nested) input or output that statistics are taken of."""
-    leaves = [tree] if isinstance(tree, Tensor) else tree_flatten(tree)[0]
+    if isinstance(tree, Tensor):
+        leaves = [tree]
+    elif _flat_inputs(tree):  # the usual forward pre-hook input, without pytree's walk
+        leaves = list(tree[0])  # type: ignore[index]  # (_flat_inputs: a pair holding a tuple)
+    else:
+        leaves = tree_flatten(tree)[0]
     return [t for t in leaves if stats.loggable(t)]
+
+
+def _flat_inputs(tree: object) -> bool:
+    """Whether ``tree`` is a pre-hook's ``(args, kwargs)`` with no keyword arguments and only
+    tensors among the arguments."""
+    return (
+        type(tree) is tuple
+        and len(tree) == 2
+        and type(tree[0]) is tuple
+        and not tree[1]
+        and all(isinstance(a, Tensor) for a in tree[0])
+    )
 
 
 class _Link(Generic[Item]):

@@ -56,13 +56,14 @@ class Diagnostics:
         """Add findings and the heatmap to ``summary``, write it, then the text summaries.
         A failure here is reported once and switches the diagnostics off, not the statistics."""
         order = self.order()
+        norms = gradient_norms(summary.scalars)
         if not self._failed:
             try:
-                self._annotate(summary, order)
+                self._annotate(summary, order, norms)
             except Exception as error:
                 self._fail(error)
         writer.write(summary)
-        self._remember(summary.scalars)
+        self._remember(summary.scalars, norms)
         if not self._failed:
             self._write_text(writer, summary, order)
         writer.flush()  # once per logged step: a crash loses at most the step in flight
@@ -102,12 +103,11 @@ class Diagnostics:
             # Module names are user data: a lone surrogate could not be encoded as UTF-8.
             writer.add_text(FINDINGS_TAG, self._written_table.encode("utf-8", "backslashreplace").decode(), step)
 
-    def _annotate(self, summary: StepSummary, order: list[str]) -> None:
-        """Findings and ``health/*`` scalars, and the heatmap, into ``summary``."""
+    def _annotate(self, summary: StepSummary, order: list[str], norms: dict[str, float]) -> None:
+        """Findings and ``health/*`` scalars, and the heatmap of the output-gradient ``norms``, into ``summary``."""
         if self.health is not None:
             self.health.update(summary.step, summary.scalars, order)
             summary.scalars.update(self.health.counts())
-        norms = gradient_norms(summary.scalars)
         if norms:
             self._norms[summary.step] = norms
             while len(self._norms) > pictures.MAX_COLUMNS:
@@ -125,10 +125,9 @@ class Diagnostics:
             out["findings"] = len(self.health.active)
         return out
 
-    def _remember(self, scalars: Mapping[str, float]) -> None:
+    def _remember(self, scalars: Mapping[str, float], norms: dict[str, float]) -> None:
         if "param_grad/global_norm" in scalars:
             self._numbers["grad_norm"] = scalars["param_grad/global_norm"]
-        norms = gradient_norms(scalars)
         if norms:
             self._numbers["min_layer_grad"] = min(norms.values())
 

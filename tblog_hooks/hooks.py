@@ -96,7 +96,7 @@ class ParamGradHook(_NamedHook):
     __slots__ = ()
 
     def __call__(self, param: Tensor) -> None:
-        self.collector.on_params([(self.name, param)])
+        self.collector.on_param_grad(self.name, param)
 
 
 class Handles:

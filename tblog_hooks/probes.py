@@ -47,7 +47,8 @@ class _Tap(torch.autograd.Function):
 def summary(grad: Tensor, width: int) -> Tensor:
     """``[1, elements, norm², non-finite, min, max]`` of ``grad`` in float64, then its histogram
     sample (``stats.sample``) padded with NaN to ``width`` (0: no histogram)."""
-    norm, bad, lo, hi = GRADIENT.compute(grad)  # type: ignore[misc]  # GRADIENT has one
+    norm, bad = GRADIENT.compute(grad)  # type: ignore[misc]  # GRADIENT has one
+    lo, hi = torch.aminmax(grad)
     wide = torch.float64
     measured = torch.stack([norm.to(wide).square(), bad.to(wide), lo.to(wide), hi.to(wide)])
     parts = [torch.tensor([1.0, grad.numel()], dtype=wide, device=grad.device), measured]
@@ -58,9 +59,9 @@ def summary(grad: Tensor, width: int) -> Tensor:
 
 
 def gradient(summed: Tensor) -> tuple[Tensor, ...]:
-    """``records.GRADIENT``'s values from a summary (or several added up: then the norm and
-    non-finite count stay right, the extremes do not; they only serve histograms)."""
-    return summed[SQUARES].sqrt(), summed[NONFINITE], summed[MIN], summed[MAX]
+    """``records.GRADIENT``'s values from a summary (or several added up: the norm and non-finite
+    count stay right)."""
+    return summed[SQUARES].sqrt(), summed[NONFINITE]
 
 
 def histogram(summed: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -11,6 +11,7 @@ to a kind below: its device function, its field, its scalar.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -70,9 +71,10 @@ class Field:
     parts: int = 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Kind:
-    """A kind of record: its fields, and the scalars a module's pooled fields become."""
+    """A kind of record: its fields, and the scalars a module's pooled fields become. Compared
+    and hashed by identity: each kind is one object, looked up for every record of a step."""
 
     name: str
     fields: tuple[Field, ...]
@@ -134,9 +136,9 @@ def _tensor_scalars(v: Values, count: int) -> dict[str, float]:
 
 
 def _gradient_values(g: Tensor) -> tuple[Tensor, ...]:
-    """L2 norm (float32 or wider), non-finite count, min and max (its histogram's range) of a gradient."""
-    lo, hi = torch.aminmax(g)
-    return torch.linalg.vector_norm(g, dtype=acc_dtype(g.dtype)), nonfinite(g), lo, hi
+    """L2 norm (float32 or wider) and non-finite count of a gradient. Its extremes are taken
+    only for a linear histogram (``Collector._record``): not a scalar, and not a default histogram."""
+    return torch.linalg.vector_norm(g, dtype=acc_dtype(g.dtype)), nonfinite(g)
 
 
 def _gradient_scalars(v: Values, count: int) -> dict[str, float]:
@@ -157,7 +159,7 @@ INPUT = Kind("input", _TENSOR_FIELDS, _tensor_scalars, per_call=True, compute=_t
 #: The gradient w.r.t. a module's output: ``gradient/norm`` and ``gradient/nonfinite``.
 GRADIENT = Kind(
     "gradient",
-    (Field("norm", _pool_norm), Field("nonfinite", _pool_sum), Field("min", _pool_min), Field("max", _pool_max)),
+    (Field("norm", _pool_norm), Field("nonfinite", _pool_sum)),
     _gradient_scalars,
     per_call=True,
     compute=_gradient_values,
@@ -211,8 +213,11 @@ class Entry:
     def read(self, values: np.ndarray) -> Values:
         out, spans = {}, iter(self.spans)
         for f in self.kind.fields:
-            parts = [values[a : a + n] for a, n in (next(spans) for _ in range(f.parts))]
-            out[f.name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            if f.parts == 1:
+                a, n = next(spans)
+                out[f.name] = values[a : a + n]
+            else:
+                out[f.name] = np.concatenate([values[a : a + n] for a, n in itertools.islice(spans, f.parts)])
         return out
 
 

@@ -45,7 +45,7 @@ def loggable(x: object) -> bool:
         and x.layout == torch.strided
         and not x.is_nested
         and x.dtype in FLOAT_DTYPES
-        and x.device.type != "meta"
+        and not x.is_meta
         and x.numel() > 0
     )
 

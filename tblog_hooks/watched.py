@@ -31,8 +31,9 @@ class Watched:
         params: list[tuple[str, Tensor]] = []
         for name, ref in self._modules:
             module = None if name in self._left else ref()
-            for pname, p in [] if module is None else module.named_parameters(recurse=False):
-                if id(p) not in seen:
+            # (named_parameters(recurse=False), without its generator machinery: read on every logged step)
+            for pname, p in [] if module is None else module._parameters.items():
+                if p is not None and id(p) not in seen:
                     seen.add(id(p))
                     params.append((f"{name}.{pname}", p))
         return params

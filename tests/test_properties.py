@@ -86,10 +86,9 @@ def test_tensor_stats_counts_and_extremes_are_exact_anywhere_in_range(x: torch.T
 @SETTINGS
 @given(tensors())
 def test_gradient_stats(g: torch.Tensor) -> None:
-    norm, nonfinite, lo, hi = (float(t) for t in GRADIENT.compute(g))  # type: ignore[misc]
+    norm, nonfinite = (float(t) for t in GRADIENT.compute(g))  # type: ignore[misc]
     a = _reference(g)
     assert nonfinite == np.count_nonzero(~np.isfinite(a))
-    np.testing.assert_array_equal([lo, hi], [a.min(), a.max()])
     expected = np.linalg.norm(a.reshape(-1))
     if np.isnan(a).any():
         assert math.isnan(norm)
