@@ -1,18 +1,24 @@
 """Overhead of tblog_hooks against no hooks, hand-written hooks and wandb.watch, side by side.
 
-Every configuration trains its own copy of the same model on the same batch in this process,
-interleaved in short blocks (A B C A B C ...), so drift in the machine hits all alike. Step-time
-medians are reported as ratios to the no-hook baseline:
+The configurations take turns on one model in this process, in short blocks (A B C A B C ...):
+each is attached to the model for a block of steps and removed after it, so drift in the
+machine hits all alike, and all time the same weights in the same memory (separate copies of a
+model differ by ~1% in step time by where their tensors lie). Step-time medians are reported as
+ratios to the no-hook baseline:
 
-- non-logged / logged / logged + histograms: median time of steps that do not log, that log
-  scalars, that log scalars and histograms (tblog_hooks: every 5th logged step by default; the
-  hand-written hooks and wandb.watch write histograms on every logged step);
-- every=N amortised: (an average logged step + (N - 1) * non-logged) / N, over the baseline;
+- non-logged / logged / logged + histograms: median time of steps that do not log (nor follow
+  a logged step), that log scalars, that log scalars and histograms (tblog_hooks: every 5th
+  logged step by default; the hand-written hooks and wandb.watch write histograms on every
+  logged step);
+- every=N amortised: (an average logged step + its aftermath + (N - 1) * non-logged) / N, over
+  the baseline, where the aftermath is how much longer the step after a logged one takes than
+  a non-logged one (the logged step's work left the caches cold): a cost of each logged step,
+  counted once per logged step rather than in every non-logged one;
 - aten ops a logged step adds per watched module (TorchDispatchMode; ~kernel launches on a GPU);
 - RSS growth: measured in a fresh subprocess per configuration over ``--rss-steps`` steps.
 
-After each block a configuration's writer is flushed (untimed), so that its background
-thread does not steal the next configuration's time.
+After each block a configuration's writer is flushed and its hooks removed (untimed), so that
+its background thread does not steal the next configuration's time.
 
     python scripts/bench.py                        # both workloads, CPU, Markdown table
     python scripts/bench.py --workload w2 --steps 120 --json bench.json
@@ -23,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import os
 import platform
@@ -68,93 +73,104 @@ def make_workload(name: str, batch: int | None, device: torch.device) -> tuple[n
 
 
 # -- configurations ----------------------------------------------------------------------------
-@dataclass
-class Config:
-    """One way of watching the model: ``logs(step)`` says what step ``step`` does: 0 nothing,
-    1 log scalars, 2 log scalars and histograms."""
+#: The timings key of a non-logged step that follows a logged one.
+AFTER = 3
 
-    name: str
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
+
+@dataclass
+class Attached:
+    """One way of watching the model, attached for one block of steps."""
+
     after_backward: Callable[[int], None] = lambda step: None
     after_step: Callable[[], None] = lambda: None
+    #: Remove every hook (untimed).
+    detach: Callable[[], None] = lambda: None
+    #: Wait for background work (a writer thread still writing events) before another
+    #: configuration's block starts, so that it is not timed against the wrong one.
+    settle: Callable[[], None] = lambda: None
+
+
+@dataclass
+class Config:
+    """A configuration: ``attach(model, step)`` watches ``model`` from global step ``step`` on;
+    ``logs(step)`` says what step ``step`` does: 0 nothing, 1 log scalars, 2 log scalars and histograms."""
+
+    name: str
+    attach: Callable[[nn.Module, int], Attached] = lambda model, step: Attached()
     logs: Callable[[int], int] = lambda step: 0
     #: Of its logged steps, the share that also write histograms.
     histogram_share: float = 1.0
     close: Callable[[], None] = lambda: None
-    #: Wait for background work (a writer thread still writing events) before another
-    #: configuration's block starts, so that it is not timed against the wrong one.
-    settle: Callable[[], None] = lambda: None
-    timings: dict[int, list[float]] = field(default_factory=lambda: {0: [], 1: [], 2: []})
-    hooks: HookLogger | None = None
+    #: Timed steps by ``logs(step)`` (0, 1, 2), and ``AFTER`` for non-logged steps after a logged one.
+    timings: dict[int, list[float]] = field(default_factory=lambda: {0: [], 1: [], 2: [], AFTER: []})
 
 
-def config_none(model: nn.Module, every: int, log_dir: str) -> Config:
-    return Config("none", model, torch.optim.SGD(model.parameters(), lr=0.01))
+def config_none(every: int, log_dir: str) -> Config:
+    return Config("none")
 
 
-def config_tblog(model: nn.Module, every: int, log_dir: str) -> Config:
-    hooks = HookLogger(model, log_dir=log_dir, every=every)
+def config_tblog(every: int, log_dir: str) -> Config:
+    writer = SummaryWriter(log_dir)
     cadence = Histograms().every  # the default: histograms on every 5th logged step
+
+    def attach(model: nn.Module, step: int) -> Attached:
+        hooks = HookLogger(model, writer=writer, every=every, start_step=step)
+        return Attached(after_step=hooks.step, detach=hooks.close, settle=writer.flush)
+
     return Config(
         "tblog",
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.01),
-        after_step=hooks.step,
+        attach,
         logs=lambda step: 0 if step % every else 2 if (step // every) % cadence == 0 else 1,
         histogram_share=1 / cadence,
-        close=hooks.close,
-        settle=lambda: hooks.writer.flush(),
-        hooks=hooks,
+        close=writer.close,
     )
 
 
-def config_manual(model: nn.Module, every: int, log_dir: str) -> Config:
+def config_manual(every: int, log_dir: str) -> Config:
     """The usual hand-written approach: host copies, numpy histograms and .item() per module."""
     writer = SummaryWriter(log_dir)
-    state = {"on": True, "step": 0}
-    leaves = [(n, m) for n, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
 
-    def forward_hook(name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: object, out: torch.Tensor) -> None:
-            if not state["on"]:
-                return
-            writer.add_histogram(f"activation/{name}", out.detach().cpu().numpy(), state["step"])
-            if out.requires_grad:
-                out.register_hook(lambda g: writer.add_scalar(f"gradient/norm/{name}", g.norm().item(), state["step"]))
+    def attach(model: nn.Module, step: int) -> Attached:
+        state = {"step": step}
 
-        return hook
+        def logs() -> bool:
+            return state["step"] % every == 0
 
-    handles = [m.register_forward_hook(forward_hook(n)) for n, m in leaves]
+        leaves = [(n, m) for n, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
 
-    def after_backward(step: int) -> None:
-        if state["on"]:
-            for name, p in model.named_parameters():
-                if p.grad is not None:
-                    writer.add_histogram(f"param_grad/{name}", p.grad.detach().cpu().numpy(), step)
+        def forward_hook(name: str) -> Callable[..., None]:
+            def hook(module: nn.Module, args: object, out: torch.Tensor) -> None:
+                if not logs():
+                    return
+                writer.add_histogram(f"activation/{name}", out.detach().cpu().numpy(), state["step"])
+                if out.requires_grad:
+                    out.register_hook(
+                        lambda g: writer.add_scalar(f"gradient/norm/{name}", g.norm().item(), state["step"])
+                    )
 
-    def after_step() -> None:
-        state["step"] += 1
-        state["on"] = state["step"] % every == 0
+            return hook
 
-    def close() -> None:
-        for h in handles:
-            h.remove()
-        writer.close()
+        handles = [m.register_forward_hook(forward_hook(n)) for n, m in leaves]
 
-    return Config(
-        "manual",
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.01),
-        after_backward=after_backward,
-        after_step=after_step,
-        logs=lambda step: 0 if step % every else 2,
-        close=close,
-        settle=writer.flush,
-    )
+        def after_backward(step: int) -> None:
+            if logs():
+                for name, p in model.named_parameters():
+                    if p.grad is not None:
+                        writer.add_histogram(f"param_grad/{name}", p.grad.detach().cpu().numpy(), step)
+
+        def after_step() -> None:
+            state["step"] += 1
+
+        def detach() -> None:
+            for h in handles:
+                h.remove()
+
+        return Attached(after_backward, after_step, detach, writer.flush)
+
+    return Config("manual", attach, logs=lambda step: 0 if step % every else 2, close=writer.close)
 
 
-def config_wandb(model: nn.Module, every: int, log_dir: str) -> Config:
+def config_wandb(every: int, log_dir: str) -> Config:
     """``wandb.watch(log="all")`` in offline mode: it never touches the network."""
     import wandb
 
@@ -163,15 +179,20 @@ def config_wandb(model: nn.Module, every: int, log_dir: str) -> Config:
     # against whichever configuration happens to run, not against wandb.watch.
     quiet = wandb.Settings(console="off", x_disable_stats=True, x_disable_meta=True, x_disable_machine_info=True)
     run = wandb.init(mode="offline", dir=log_dir, project="bench", settings=quiet)
-    wandb.watch(model, log="all", log_freq=every)
-    # wandb counts backward calls per parameter hook; with one backward per step, step k logs
-    # when (k + 1) % every == 0.
+    # wandb counts backward calls per parameter hook from watch() on; with one backward per
+    # step, the step k steps after watch() logs when (k + 1) % every == 0.
+    watched_at = {"step": 0}
+
+    def attach(model: nn.Module, step: int) -> Attached:
+        watched_at["step"] = step
+        wandb.watch(model, log="all", log_freq=every)
+        return Attached(detach=lambda: wandb.unwatch(model))
+
     return Config(
         "wandb",
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.01),
-        logs=lambda step: 0 if (step + 1) % every else 2,
-        close=lambda: (wandb.unwatch(model), run.finish()),
+        attach,
+        logs=lambda step: 0 if (step - watched_at["step"] + 1) % every else 2,
+        close=run.finish,
     )
 
 
@@ -190,13 +211,15 @@ def available(name: str) -> bool:
 
 
 # -- measurement -------------------------------------------------------------------------------
-def train_step(cfg: Config, step: int, x: torch.Tensor, y: torch.Tensor) -> None:
-    loss = nn.functional.cross_entropy(cfg.model(x), y)
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, hooks: Attached, step: int, x: torch.Tensor, y: torch.Tensor
+) -> None:
+    loss = nn.functional.cross_entropy(model(x), y)
     loss.backward()
-    cfg.after_backward(step)
-    cfg.optimizer.step()
-    cfg.optimizer.zero_grad()
-    cfg.after_step()
+    hooks.after_backward(step)
+    optimizer.step()
+    optimizer.zero_grad()
+    hooks.after_step()
 
 
 def sync(device: torch.device) -> None:
@@ -205,28 +228,31 @@ def sync(device: torch.device) -> None:
 
 
 def measure(workload: str, names: list[str], args: argparse.Namespace, device: torch.device) -> dict[str, dict]:
-    base, x, y = make_workload(workload, args.batch, device)
+    model, x, y = make_workload(workload, args.batch, device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    step = 0
+    for _ in range(args.warmup):  # not timed
+        train_step(model, optimizer, Attached(), step, x, y)
+        step += 1
     with tempfile.TemporaryDirectory() as tmp:
-        configs = [MAKERS[n](copy.deepcopy(base), args.every, os.path.join(tmp, n)) for n in names]
-        steps = {c.name: 0 for c in configs}
-        for c in configs:  # warm-up, not timed
-            for _ in range(args.warmup):
-                train_step(c, steps[c.name], x, y)
-                steps[c.name] += 1
+        configs = [MAKERS[n](args.every, os.path.join(tmp, n)) for n in names]
         sync(device)
         for _ in range(max(1, args.steps // args.block)):
             for c in configs:
-                # The first step of a block runs with the other configurations' data in the
-                # caches: it is not timed (it would always be step % every == 0, a logged one).
+                hooks = c.attach(model, step)
+                # The first step of a block runs with the other configuration's data in the caches
+                # (and its hooks just attached): it is not timed.
                 for i in range(args.block + 1):
-                    step = steps[c.name]
                     start = time.perf_counter()
-                    train_step(c, step, x, y)
+                    train_step(model, optimizer, hooks, step, x, y)
                     sync(device)
                     if i:
-                        c.timings[c.logs(step)].append(time.perf_counter() - start)
-                    steps[c.name] += 1
-                c.settle()
+                        logs = c.logs(step)
+                        after = not logs and c.logs(step - 1)
+                        c.timings[AFTER if after else logs].append(time.perf_counter() - start)
+                    step += 1
+                hooks.settle()
+                hooks.detach()
         for c in configs:
             c.close()
     baseline = statistics.median(configs[0].timings[0])
@@ -237,14 +263,21 @@ def measure(workload: str, names: list[str], args: argparse.Namespace, device: t
         logged = statistics.median(c.timings[1]) if c.timings[1] else with_histograms
         # A logged step on average: the share of them that writes histograms, at its cost.
         average = c.histogram_share * with_histograms + (1 - c.histogram_share) * logged
+        aftermath = statistics.median(c.timings[AFTER]) - plain if c.timings[AFTER] else 0.0
         results[c.name] = {
             "baseline_ms": baseline * 1e3,
             "non_logged": plain / baseline,
             "logged": logged / baseline,
             "logged_histograms": with_histograms / baseline,
-            "every10": (average + 9 * plain) / 10 / baseline,
-            "every100": (average + 99 * plain) / 100 / baseline,
-            "samples": {"logged": len(c.timings[1]), "histograms": len(c.timings[2]), "non_logged": len(c.timings[0])},
+            "aftermath": aftermath / baseline,
+            "every10": (average + aftermath + 9 * plain) / 10 / baseline,
+            "every100": (average + aftermath + 99 * plain) / 100 / baseline,
+            "samples": {
+                "logged": len(c.timings[1]),
+                "histograms": len(c.timings[2]),
+                "non_logged": len(c.timings[0]),
+                "after_logged": len(c.timings[AFTER]),
+            },
         }
     return results
 
@@ -294,14 +327,17 @@ def rss_mb() -> float:
 def rss_child(workload: str, name: str, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
     """Run one configuration for ``--rss-steps`` steps; RSS growth after a short warm-up."""
     model, x, y = make_workload(workload, args.batch, device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = MAKERS[name](model, args.every, tmp)
+        cfg = MAKERS[name](args.every, tmp)
+        hooks = cfg.attach(model, 0)
         for step in range(20):
-            train_step(cfg, step, x, y)
+            train_step(model, optimizer, hooks, step, x, y)
         start, peak_start = rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         for step in range(20, 20 + args.rss_steps):
-            train_step(cfg, step, x, y)
+            train_step(model, optimizer, hooks, step, x, y)
         end, peak = rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        hooks.detach()
         cfg.close()
     return {"rss_growth_mb": end - start, "peak_growth_mb": peak - peak_start}
 
@@ -318,16 +354,17 @@ def rss(workload: str, name: str, args: argparse.Namespace) -> dict[str, float]:
 # -- report ------------------------------------------------------------------------------------
 def table(results: dict[str, dict[str, dict]]) -> str:
     lines = [
-        "| workload | config | baseline ms/step | non-logged | logged | logged + histograms | every=10 | every=100 "
-        "| RSS growth MB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | config | baseline ms/step | non-logged | logged | logged + histograms | step after a logged one "
+        "| every=10 | every=100 | RSS growth MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for workload, by_config in results.items():
         for name, r in by_config.items():
             growth = f"{r['rss_growth_mb']:+.1f}" if "rss_growth_mb" in r else "-"
             lines.append(
                 f"| {workload} | {name} | {r['baseline_ms']:.1f} | {r['non_logged']:.3f}x | {r['logged']:.2f}x "
-                f"| {r['logged_histograms']:.2f}x | {r['every10']:.3f}x | {r['every100']:.3f}x | {growth} |"
+                f"| {r['logged_histograms']:.2f}x | {r['aftermath']:+.3f} | {r['every10']:.3f}x | {r['every100']:.3f}x "
+                f"| {growth} |"
             )
     return "\n".join(lines)
 
