@@ -223,15 +223,14 @@ class Collector:
 
     def on_param_grad(self, name: str, param: Tensor) -> None:
         """Post-accumulate-grad hook body: ``param.grad`` is final for this backward. Read when
-        the backward ends, with every other parameter it reached: one norm op for all of them,
-        and one Python call rather than one per parameter."""
-        first = not self._ready
+        the backward ends, with every other parameter it reached: one norm op for all of them.
+        Each call queues the reading (the first callback reads them all): one queued only by the
+        first would be lost with a backward that raises, and the next backward's with it."""
         self._ready.append((name, param))
-        if first:
-            try:
-                Variable._execution_engine.queue_callback(self._read_ready)
-            except RuntimeError:  # not run by the autograd engine: read it now
-                self._read_ready()
+        try:
+            Variable._execution_engine.queue_callback(self._read_ready)
+        except RuntimeError:  # not run by the autograd engine: read it now
+            self._read_ready()
 
     def _read_ready(self) -> None:
         ready, self._ready = self._ready, []

@@ -95,6 +95,29 @@ def test_gradient_accumulation_reports_the_accumulated_grad(tmp_path) -> None:
     assert read_run(tmp_path).scalar("param_grad/norm/0.weight", 0) == pytest.approx(accumulated, rel=1e-5)
 
 
+def test_a_backward_that_raises_does_not_cost_the_next_one_its_parameter_gradients(tmp_path) -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def broken(grad: torch.Tensor) -> None:
+        raise RuntimeError("a failing backward")
+
+    with HookLogger(model, log_dir=tmp_path, every=1) as hooks:
+        hidden = model[1](model[0](torch.randn(8, 6)))
+        hidden.register_hook(broken)  # runs after model[2]'s gradients are accumulated
+        with pytest.raises(RuntimeError, match="a failing backward"):
+            model[2](hidden).square().mean().backward()
+        opt.zero_grad()
+        model(torch.randn(8, 6)).square().mean().backward()
+        expected = {name: float(p.grad.norm()) for name, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        hooks.step()
+    run = read_run(tmp_path)
+    for name, norm in expected.items():
+        assert run.scalar(f"param_grad/norm/{name}", 0) == pytest.approx(norm, rel=1e-5)
+
+
 def test_optimizer_pre_hook_reads_grads_before_the_update(tmp_path) -> None:
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
