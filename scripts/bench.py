@@ -1,15 +1,15 @@
 """Overhead of tblog_hooks against no hooks, hand-written hooks and wandb.watch, side by side.
 
-The configurations take turns on one model in this process, in short blocks (A B C A B C ...):
+The configurations take turns on one model in this process, in short blocks (A B C, B C A, C A B, ...):
 each is attached to the model for a block of steps and removed after it, so drift in the
 machine hits all alike, and all time the same weights in the same memory (separate copies of a
 model differ by ~1% in step time by where their tensors lie). Step-time medians are reported as
 ratios to the no-hook baseline:
 
-- non-logged / logged / logged + histograms: median time of steps that do not log (nor follow
-  a logged step), that log scalars, that log scalars and histograms (tblog_hooks: every 5th
+- non-logged / logged / logged + histograms: median of steps that do not log (nor follow a
+  logged step), that log scalars, that log scalars and histograms (tblog_hooks: every 5th
   logged step by default; the hand-written hooks and wandb.watch write histograms on every
-  logged step);
+  logged step), each step timed over the baseline's median step in the same round;
 - every=N amortised: (an average logged step + its aftermath + (N - 1) * non-logged) / N, over
   the baseline, where the aftermath is how much longer the step after a logged one takes than
   a non-logged one (the logged step's work left the caches cold): a cost of each logged step,
@@ -101,8 +101,9 @@ class Config:
     #: Of its logged steps, the share that also write histograms.
     histogram_share: float = 1.0
     close: Callable[[], None] = lambda: None
-    #: Timed steps by ``logs(step)`` (0, 1, 2), and ``AFTER`` for non-logged steps after a logged one.
-    timings: dict[int, list[float]] = field(default_factory=lambda: {0: [], 1: [], 2: [], AFTER: []})
+    #: (round, seconds) of timed steps by ``logs(step)`` (0, 1, 2), and ``AFTER`` for non-logged
+    #: steps after a logged one.
+    timings: dict[int, list[tuple[int, float]]] = field(default_factory=lambda: {0: [], 1: [], 2: [], AFTER: []})
 
 
 def config_none(every: int, log_dir: str) -> Config:
@@ -237,8 +238,9 @@ def measure(workload: str, names: list[str], args: argparse.Namespace, device: t
     with tempfile.TemporaryDirectory() as tmp:
         configs = [MAKERS[n](args.every, os.path.join(tmp, n)) for n in names]
         sync(device)
-        for _ in range(max(1, args.steps // args.block)):
-            for c in configs:
+        for round_ in range(max(1, args.steps // args.block)):
+            # Each round in another order, so that no configuration always follows the same one.
+            for c in configs[round_ % len(configs) :] + configs[: round_ % len(configs)]:
                 hooks = c.attach(model, step)
                 # The first step of a block runs with the other configuration's data in the caches
                 # (and its hooks just attached): it is not timed.
@@ -249,29 +251,37 @@ def measure(workload: str, names: list[str], args: argparse.Namespace, device: t
                     if i:
                         logs = c.logs(step)
                         after = not logs and c.logs(step - 1)
-                        c.timings[AFTER if after else logs].append(time.perf_counter() - start)
+                        c.timings[AFTER if after else logs].append((round_, time.perf_counter() - start))
                     step += 1
                 hooks.settle()
                 hooks.detach()
         for c in configs:
             c.close()
-    baseline = statistics.median(configs[0].timings[0])
+    # Each step over the baseline's median in its own round: the machine's drift from one round
+    # to the next (another tenant, a frequency change) cancels out.
+    by_round: dict[int, list[float]] = {}
+    for round_, seconds in configs[0].timings[0]:
+        by_round.setdefault(round_, []).append(seconds)
+    baselines = {round_: statistics.median(times) for round_, times in by_round.items()}
     results: dict[str, dict] = {}
     for c in configs:
-        plain = statistics.median(c.timings[0])
-        with_histograms = statistics.median(c.timings[2]) if c.timings[2] else plain
-        logged = statistics.median(c.timings[1]) if c.timings[1] else with_histograms
+        ratio = {kind: statistics.median(t / baselines[r] for r, t in samples) if samples else None
+                 for kind, samples in c.timings.items()}  # fmt: skip
+        plain = ratio[0]
+        assert plain is not None, "no step that does not log was timed: raise --steps"
+        with_histograms = ratio[2] or plain
+        logged = ratio[1] or with_histograms
         # A logged step on average: the share of them that writes histograms, at its cost.
         average = c.histogram_share * with_histograms + (1 - c.histogram_share) * logged
-        aftermath = statistics.median(c.timings[AFTER]) - plain if c.timings[AFTER] else 0.0
+        aftermath = ratio[AFTER] - plain if ratio[AFTER] is not None else 0.0
         results[c.name] = {
-            "baseline_ms": baseline * 1e3,
-            "non_logged": plain / baseline,
-            "logged": logged / baseline,
-            "logged_histograms": with_histograms / baseline,
-            "aftermath": aftermath / baseline,
-            "every10": (average + aftermath + 9 * plain) / 10 / baseline,
-            "every100": (average + aftermath + 99 * plain) / 100 / baseline,
+            "baseline_ms": statistics.median(t for _, t in configs[0].timings[0]) * 1e3,
+            "non_logged": plain,
+            "logged": logged,
+            "logged_histograms": with_histograms,
+            "aftermath": aftermath,
+            "every10": (average + aftermath + 9 * plain) / 10,
+            "every100": (average + aftermath + 99 * plain) / 100,
             "samples": {
                 "logged": len(c.timings[1]),
                 "histograms": len(c.timings[2]),
