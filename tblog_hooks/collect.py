@@ -262,6 +262,12 @@ class Collector:
             self.fail(named[0][0] if len(named) == 1 else "parameters", error)
             self.disabled.update(key for key, _ in named)
 
+    @property
+    def takes_weights(self) -> bool:
+        """Whether :meth:`on_weights` has anything to do this step (the watched parameters need
+        not be looked up otherwise)."""
+        return bool(self._graded) and self._takes_histogram(PARAM)
+
     def on_weights(self, named: list[tuple[str, Tensor]]) -> None:
         """Histograms of the weights whose gradients this step recorded, as they are at the end
         of the step (after the update)."""
