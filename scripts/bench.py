@@ -1,10 +1,10 @@
 """Overhead of tblog_hooks against no hooks, hand-written hooks and wandb.watch, side by side.
 
-The configurations take turns on one model in this process, in short blocks (A B C, B C A, C A B, ...):
-each is attached to the model for a block of steps and removed after it, so drift in the
-machine hits all alike, and all time the same weights in the same memory (separate copies of a
-model differ by ~1% in step time by where their tensors lie). Step-time medians are reported as
-ratios to the no-hook baseline:
+The configurations take turns on one model in this process, in short blocks (A B C, B C A,
+C A B, ...): each is attached to the model for a block of steps and removed after it, so drift in
+the machine hits all alike, and all time the same weights in the same memory (separate copies of
+a model differ by ~1% in step time by where their tensors lie). Reported as ratios to the no-hook
+baseline:
 
 - non-logged / logged / logged + histograms: median of steps that do not log (nor follow a
   logged step), that log scalars, that log scalars and histograms (tblog_hooks: every 5th
