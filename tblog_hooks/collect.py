@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, Optional, TypeVar
 
@@ -262,17 +263,14 @@ class Collector:
             self.fail(named[0][0] if len(named) == 1 else "parameters", error)
             self.disabled.update(key for key, _ in named)
 
-    @property
-    def takes_weights(self) -> bool:
-        """Whether :meth:`on_weights` has anything to do this step (the watched parameters need
-        not be looked up otherwise)."""
-        return bool(self._graded) and self._takes_histogram(PARAM)
-
-    def on_weights(self, named: list[tuple[str, Tensor]]) -> None:
+    def on_weights(self, params: Callable[[], list[tuple[str, Tensor]]]) -> None:
         """Histograms of the weights whose gradients this step recorded, as they are at the end
-        of the step (after the update)."""
-        named = [(key, p) for key, p in named if key in self._graded]
-        if not named or not self._takes_histogram(PARAM):
+        of the step (after the update). ``params`` looks the watched parameters up: called only
+        on a step that takes weight histograms."""
+        if not self._graded or not self._takes_histogram(PARAM):
+            return
+        named = [(key, p) for key, p in params() if key in self._graded]
+        if not named:
             return
         try:
             with torch.no_grad():
@@ -334,9 +332,9 @@ class Collector:
         if self._takes_histogram(kind.name):
             lo: Tensor | None
             hi: Tensor | None
-            if kind is not GRADIENT:
+            if kind.has("min"):  # exact extremes, already taken for the scalars
                 lo, hi = kind.value(values, "min"), kind.value(values, "max")
-            elif GRADIENT.name in self._kinds():  # the linear histogram's range (log10 rows have their own)
+            elif kind.name in self._kinds():  # the linear histogram's range (log10 rows bin their own)
                 lo, hi = torch.aminmax(t)
             else:
                 lo = hi = None

@@ -332,8 +332,7 @@ class HookLogger:
             self._optimizer_hooks.clear()
         packed = None
         try:
-            if self._collector.takes_weights:
-                self._collector.on_weights(self._watched.params())
+            self._collector.on_weights(self._watched.params)
             if self._amp is not None and not self._collector.empty:
                 self._amp.finish(self._collector)
             packed = self._collector.finish()

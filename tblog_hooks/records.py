@@ -85,6 +85,10 @@ class Kind:
     #: recorded from a tensor's statistics.
     compute: Callable[[Tensor], tuple[Tensor, ...]] | None = None
 
+    def has(self, name: str) -> bool:
+        """Whether records of this kind hold the field ``name``."""
+        return any(f.name == name for f in self.fields)
+
     def value(self, values: Sequence[Tensor], name: str) -> Tensor:
         """The device value of the one-part field ``name`` among a record's ``values``."""
         position = 0
