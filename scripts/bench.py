@@ -14,6 +14,8 @@ baseline:
   the baseline, where the aftermath is how much longer the step after a logged one takes than
   a non-logged one (the logged step's work left the caches cold): a cost of each logged step,
   counted once per logged step rather than in every non-logged one;
+- idle: the logger attached but logging no step of its blocks, so that its hooks' own cost can
+  be told from what logged steps leave behind in the non-logged steps of ``tblog``'s blocks;
 - aten ops a logged step adds per watched module (TorchDispatchMode; ~kernel launches on a GPU);
 - RSS growth: measured in a fresh subprocess per configuration over ``--rss-steps`` steps.
 
@@ -50,7 +52,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tblog_hooks import Histograms, HookLogger
 from tblog_hooks.demo import pick_device
 
-CONFIGS = ("none", "tblog", "manual", "wandb")
+CONFIGS = ("none", "tblog", "idle", "manual", "wandb")
 
 
 # -- workloads ---------------------------------------------------------------------------------
@@ -127,6 +129,22 @@ def config_tblog(every: int, log_dir: str) -> Config:
     )
 
 
+def config_idle(every: int, log_dir: str) -> Config:
+    """``HookLogger`` attached with its defaults but logging no step of its blocks: what its hooks
+    cost by themselves, apart from what logged steps leave behind in the steps after them."""
+    writer = SummaryWriter(log_dir)
+
+    def attach(model: nn.Module, step: int) -> Attached:
+        hooks = HookLogger(model, writer=writer, every=_NEVER, start_step=step)
+        return Attached(after_step=hooks.step, detach=hooks.close, settle=writer.flush)
+
+    return Config("idle", attach, close=writer.close)
+
+
+#: An ``every=`` no timed step reaches (the first timed step comes after the warm-up).
+_NEVER = 1 << 62
+
+
 def config_manual(every: int, log_dir: str) -> Config:
     """The usual hand-written approach: host copies, numpy histograms and .item() per module."""
     writer = SummaryWriter(log_dir)
@@ -197,7 +215,13 @@ def config_wandb(every: int, log_dir: str) -> Config:
     )
 
 
-MAKERS = {"none": config_none, "tblog": config_tblog, "manual": config_manual, "wandb": config_wandb}
+MAKERS = {
+    "none": config_none,
+    "tblog": config_tblog,
+    "idle": config_idle,
+    "manual": config_manual,
+    "wandb": config_wandb,
+}
 
 
 def available(name: str) -> bool:
@@ -269,13 +293,17 @@ def measure(workload: str, names: list[str], args: argparse.Namespace, device: t
                  for kind, samples in c.timings.items()}  # fmt: skip
         plain = ratio[0]
         assert plain is not None, "no step that does not log was timed: raise --steps"
+        baseline_ms = statistics.median(t for _, t in configs[0].timings[0]) * 1e3
+        if ratio[1] is None and ratio[2] is None:  # a configuration that logs nothing (none, idle)
+            results[c.name] = {"baseline_ms": baseline_ms, "non_logged": plain}
+            continue
         with_histograms = ratio[2] or plain
         logged = ratio[1] or with_histograms
         # A logged step on average: the share of them that writes histograms, at its cost.
         average = c.histogram_share * with_histograms + (1 - c.histogram_share) * logged
         aftermath = ratio[AFTER] - plain if ratio[AFTER] is not None else 0.0
         results[c.name] = {
-            "baseline_ms": statistics.median(t for _, t in configs[0].timings[0]) * 1e3,
+            "baseline_ms": baseline_ms,
             "non_logged": plain,
             "logged": logged,
             "logged_histograms": with_histograms,
@@ -371,11 +399,13 @@ def table(results: dict[str, dict[str, dict]]) -> str:
     for workload, by_config in results.items():
         for name, r in by_config.items():
             growth = f"{r['rss_growth_mb']:+.1f}" if "rss_growth_mb" in r else "-"
-            lines.append(
-                f"| {workload} | {name} | {r['baseline_ms']:.1f} | {r['non_logged']:.3f}x | {r['logged']:.2f}x "
-                f"| {r['logged_histograms']:.2f}x | {r['aftermath']:+.3f} | {r['every10']:.3f}x | {r['every100']:.3f}x "
-                f"| {growth} |"
-            )
+            cells = [f"{r['non_logged']:.3f}x"]
+            if "logged" in r:
+                cells += [f"{r['logged']:.2f}x", f"{r['logged_histograms']:.2f}x", f"{r['aftermath']:+.3f}"]
+                cells += [f"{r['every10']:.3f}x", f"{r['every100']:.3f}x"]
+            else:  # logs nothing
+                cells += ["-"] * 5
+            lines.append(f"| {workload} | {name} | {r['baseline_ms']:.1f} | {' | '.join(cells)} | {growth} |")
     return "\n".join(lines)
 
 
