@@ -167,6 +167,8 @@ def _failures_worker(rank: int, root: str) -> None:
             for _ in range(3):
                 model(torch.randn(4, 16)).sum().backward()
                 hooks.step()
+        for writer in where.values():
+            writer.close()  # the logger does not close a writer it was given
         (warning,) = caught
         expected = "writing step 0 to TensorBoard failed" if rank == 0 else "rank(s) [0] stopped logging"
         assert expected in str(warning.message), warning
