@@ -112,17 +112,22 @@ def config_none(every: int, log_dir: str) -> Config:
     return Config("none")
 
 
-def config_tblog(every: int, log_dir: str) -> Config:
-    writer = SummaryWriter(log_dir)
-    cadence = Histograms().every  # the default: histograms on every 5th logged step
+def attach_logger(writer: SummaryWriter, every: int) -> Callable[[nn.Module, int], Attached]:
+    """``HookLogger`` with its defaults, writing into the configuration's ``writer``."""
 
     def attach(model: nn.Module, step: int) -> Attached:
         hooks = HookLogger(model, writer=writer, every=every, start_step=step)
         return Attached(after_step=hooks.step, detach=hooks.close, settle=writer.flush)
 
+    return attach
+
+
+def config_tblog(every: int, log_dir: str) -> Config:
+    writer = SummaryWriter(log_dir)
+    cadence = Histograms().every  # the default: histograms on every 5th logged step
     return Config(
         "tblog",
-        attach,
+        attach_logger(writer, every),
         logs=lambda step: 0 if step % every else 2 if (step // every) % cadence == 0 else 1,
         histogram_share=1 / cadence,
         close=writer.close,
@@ -133,12 +138,7 @@ def config_idle(every: int, log_dir: str) -> Config:
     """``HookLogger`` attached with its defaults but logging no step of its blocks: what its hooks
     cost by themselves, apart from what logged steps leave behind in the steps after them."""
     writer = SummaryWriter(log_dir)
-
-    def attach(model: nn.Module, step: int) -> Attached:
-        hooks = HookLogger(model, writer=writer, every=_NEVER, start_step=step)
-        return Attached(after_step=hooks.step, detach=hooks.close, settle=writer.flush)
-
-    return Config("idle", attach, close=writer.close)
+    return Config("idle", attach_logger(writer, _NEVER), close=writer.close)
 
 
 #: An ``every=`` no timed step reaches (the first timed step comes after the warm-up).
@@ -287,13 +287,13 @@ def measure(workload: str, names: list[str], args: argparse.Namespace, device: t
     for round_, seconds in configs[0].timings[0]:
         by_round.setdefault(round_, []).append(seconds)
     baselines = {round_: statistics.median(times) for round_, times in by_round.items()}
+    baseline_ms = statistics.median(t for _, t in configs[0].timings[0]) * 1e3
     results: dict[str, dict] = {}
     for c in configs:
         ratio = {kind: statistics.median(t / baselines[r] for r, t in samples) if samples else None
                  for kind, samples in c.timings.items()}  # fmt: skip
         plain = ratio[0]
         assert plain is not None, "no step that does not log was timed: raise --steps"
-        baseline_ms = statistics.median(t for _, t in configs[0].timings[0]) * 1e3
         if ratio[1] is None and ratio[2] is None:  # a configuration that logs nothing (none, idle)
             results[c.name] = {"baseline_ms": baseline_ms, "non_logged": plain}
             continue
