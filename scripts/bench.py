@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.tensorboard import SummaryWriter
 
 from tblog_hooks import Histograms, HookLogger
-from tblog_hooks.demo import pick_device
+from tblog_hooks.cli.demo import pick_device
 
 CONFIGS = ("none", "tblog", "idle", "manual", "wandb")
 
@@ -339,7 +339,7 @@ def ops_added(workload: str, args: argparse.Namespace, device: torch.device) -> 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     counts: list[int] = []
     with tempfile.TemporaryDirectory() as tmp:
-        hooks = HookLogger(model, log_dir=tmp, every=2, histograms=Histograms(every=2, param_every=1))
+        hooks = HookLogger(model, log_dir=tmp, every=2, histograms=Histograms(every_logged=2, weights_every_logged=2))
         for _ in range(8):  # logs steps 0, 2, 4, 6; histograms on 0 and 4: count steps 4, 5 and 6
             counter = _OpCounter()
             with counter:

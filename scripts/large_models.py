@@ -32,7 +32,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from tblog_hooks import Histograms, HookLogger
 from tblog_hooks.cli import main as cli_main
-from tblog_hooks.histograms import KINDS
+from tblog_hooks.stats.kinds import HISTOGRAM_KINDS as KINDS
 
 #: Keep every value of every kind, as a user opening the whole run does.
 KEEP_ALL = {kind: 0 for kind in event_accumulator.DEFAULT_SIZE_GUIDANCE}
@@ -145,7 +145,7 @@ def markdown(rows: list[Row], report: bool) -> str:
 
 def histogram_option(value: str) -> bool | int | Histograms:
     """``true``, ``false``, an int, or ``all`` (every kind on every logged step)."""
-    named = {"true": True, "false": False, "all": Histograms(every=1, param_every=1, kinds=KINDS)}
+    named = {"true": True, "false": False, "all": Histograms(every_logged=1, weights_every_logged=1, kinds=KINDS)}
     return named[value.lower()] if value.lower() in named else int(value)
 
 

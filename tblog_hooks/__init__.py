@@ -3,11 +3,11 @@ computed on the device and written every N optimizer steps."""
 
 from __future__ import annotations
 
+from .capture.selection import Selector
+from .diagnostics.health import Finding, Thresholds
 from .errors import HookLoggerError
-from .health import Finding, Thresholds
-from .histograms import Histograms
 from .logger import HookLogger
-from .selection import Selector
+from .stats.schedule import Histograms
 
 __version__ = "0.1.0"
 __all__ = ["Finding", "Histograms", "HookLogger", "HookLoggerError", "Selector", "Thresholds", "__version__"]

@@ -15,8 +15,12 @@ from PIL import Image
 from torch import nn
 
 from tblog_hooks import HookLogger
-from tblog_hooks.diagnose import gradient_flow_image
-from tblog_hooks.pictures import BACKGROUND, MAX_COLUMNS, NONFINITE, ZERO, feature_grid, gradient_flow, png
+from tblog_hooks.diagnostics.per_step import gradient_flow_image
+from tblog_hooks.diagnostics.pictures import BACKGROUND, MAX_COLUMNS, gradient_flow
+from tblog_hooks.diagnostics.pictures import NONFINITE_COLOUR as NONFINITE
+from tblog_hooks.diagnostics.pictures import ZERO_COLOUR as ZERO
+from tblog_hooks.output.events import png
+from tblog_hooks.stats.feature_maps import feature_grid
 
 PURPLE, YELLOW = (68, 1, 84), (253, 231, 37)  # the ends of the colour scale
 
@@ -105,7 +109,7 @@ def test_a_diagnostics_failure_warns_once_and_keeps_the_statistics(tmp_path, mon
     def broken(*args: object) -> None:
         raise ZeroDivisionError("in the heatmap")
 
-    monkeypatch.setattr("tblog_hooks.diagnose.gradient_flow_image", broken)
+    monkeypatch.setattr("tblog_hooks.diagnostics.per_step.gradient_flow_image", broken)
     model = _nested()
     warned = pytest.warns(RuntimeWarning, match="diagnostics failed.*in the heatmap")
     with warned as caught, HookLogger(model, log_dir=tmp_path, every=1) as hooks:
@@ -201,7 +205,7 @@ def test_update_to_weight_ratio(tmp_path) -> None:
 def test_a_deep_model_keeps_bounded_charts(tmp_path) -> None:
     """300 watched modules: the heatmap groups consecutive modules into at most MAX_ROWS rows (each
     the smallest norm of its group), and every custom-scalars chart holds at most MAX_CHART_LINES."""
-    from tblog_hooks.diagnose import MAX_CHART_LINES, MAX_ROWS
+    from tblog_hooks.diagnostics.per_step import MAX_CHART_LINES, MAX_ROWS
 
     depth = 300
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(depth)])

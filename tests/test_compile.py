@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
 from tblog_hooks import Histograms, HookLogger, HookLoggerError
-from tblog_hooks.histograms import KINDS
+from tblog_hooks.stats.kinds import HISTOGRAM_KINDS as KINDS
 
 
 class _Block(nn.Module):
@@ -46,7 +46,7 @@ class _Net(nn.Module):
 
 
 #: Every histogram kind on every logged step, so that each can be compared with eager mode.
-EVERY_HISTOGRAM = Histograms(every=1, param_every=1, kinds=KINDS)
+EVERY_HISTOGRAM = Histograms(every_logged=1, weights_every_logged=1, kinds=KINDS)
 
 
 def _train(
@@ -183,7 +183,7 @@ def test_histogram_cadence_keeps_two_graphs(tmp_path: Path) -> None:
     """Compiled hooks sample on every logged step; the steps the schedule skips drop the samples."""
     torch._dynamo.reset()
     counters.clear()
-    compiled, _ = _train(tmp_path, backend="aot_eager", histograms=Histograms(every=2, param_every=1))
+    compiled, _ = _train(tmp_path, backend="aot_eager", histograms=Histograms(every_logged=2, weights_every_logged=2))
     assert counters["stats"]["unique_graphs"] == 2
     assert not counters["graph_break"]
     assert set(compiled.histograms["activation/inp"]) == set(compiled.histograms["gradient_log10/out"]) == {0, 4}

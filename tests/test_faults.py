@@ -18,7 +18,9 @@ from conftest import read_run
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from tblog_hooks import HookLogger, collect, stats
+from tblog_hooks import HookLogger
+from tblog_hooks.capture import output_gradients
+from tblog_hooks.stats import binning, sampling
 
 STEPS = 3
 
@@ -132,9 +134,13 @@ def test_fault_in_a_statistic_is_reported_once(tmp_path, monkeypatch, where: str
         raise RuntimeError(f"injected fault in {where}")
 
     if where == "gradient":  # the device function of output-gradient records
-        monkeypatch.setattr(collect, "GRADIENT", dataclasses.replace(collect.GRADIENT, compute=broken))
-    else:
-        monkeypatch.setattr(stats, where, broken)
+        monkeypatch.setattr(
+            output_gradients, "GRADIENT", dataclasses.replace(output_gradients.GRADIENT, compute=broken)
+        )
+    elif where == "sample":
+        monkeypatch.setattr(sampling, "sample", broken)
+    else:  # where every histogram of a step is binned
+        monkeypatch.setattr(binning, "bin_rows", broken)
     messages = _run_with_logger(tmp_path, modules=["0"], parameters=False)
     assert len(messages) == 1 and expected in messages[0] and f"injected fault in {where}" in messages[0]
     run = read_run(tmp_path)
@@ -293,13 +299,13 @@ def test_unusual_float_outputs_are_logged_exactly(tmp_path, case: str) -> None:
 
 def test_large_tensor_histogram_is_a_bounded_deterministic_sample_scalars_exact(tmp_path, monkeypatch) -> None:
     sizes: list[list[int]] = []
-    histograms = stats.histograms
+    histograms = binning.bin_rows
 
     def spy(samples, *args):  # type: ignore[no-untyped-def]
         sizes.append([s.numel() for s in samples])
         return histograms(samples, *args)
 
-    monkeypatch.setattr(stats, "histograms", spy)
+    monkeypatch.setattr(binning, "bin_rows", spy)
     layer = nn.Identity()
     x = torch.randn(300_001, dtype=torch.float64) ** 3  # heavy tails; an odd size
     for run_dir in ("a", "b"):
@@ -307,7 +313,7 @@ def test_large_tensor_histogram_is_a_bounded_deterministic_sample_scalars_exact(
             layer(x)
             layer(x[::2])  # a second call of the same module: pooled over the same bucket edges
             hooks.step()
-    assert sizes == [[stats.SAMPLE_CAP] * 2] * 2
+    assert sizes == [[sampling.SAMPLE_CAP] * 2] * 2
     first, second = (read_run(tmp_path / d) for d in ("a", "b"))
     both = torch.cat([x, x[::2]]).numpy()
     assert first.scalar("activation/mean/root", 0) == pytest.approx(both.mean(), rel=1e-6)

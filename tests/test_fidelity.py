@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tblog_hooks import Histograms, HookLogger
-from tblog_hooks.histograms import KINDS
+from tblog_hooks.stats.kinds import HISTOGRAM_KINDS as KINDS
 
 
 def _resnet() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:

@@ -16,9 +16,10 @@ from torch import nn
 
 from tblog_hooks import HookLogger, HookLoggerError, Thresholds
 from tblog_hooks.cli import main
-from tblog_hooks.demo import run_demo
-from tblog_hooks.health import GROWTH_WINDOW, KINDS, Health
-from tblog_hooks.report import findings, load
+from tblog_hooks.cli.demo import run_demo
+from tblog_hooks.cli.report import findings, load
+from tblog_hooks.diagnostics.health import FINDING_KINDS as KINDS
+from tblog_hooks.diagnostics.health import GROWTH_WINDOW, Health
 
 
 def _deep_sigmoid() -> nn.Sequential:

@@ -22,8 +22,8 @@ import torchvision
 from torch import Tensor, nn
 
 from tblog_hooks import HookLogger
-from tblog_hooks.diagnose import gradient_norms
-from tblog_hooks.health import Finding, Health
+from tblog_hooks.diagnostics.health import Finding, Health
+from tblog_hooks.diagnostics.per_step import gradient_norms
 
 STEPS = 40
 VOCAB, TOKENS = 128, 16

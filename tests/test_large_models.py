@@ -13,8 +13,9 @@ from conftest import read_run
 from torch import nn
 from torch.nn import functional as F
 
-from tblog_hooks import Histograms, HookLogger, HookLoggerError, stats
-from tblog_hooks.histograms import KINDS
+from tblog_hooks import Histograms, HookLogger, HookLoggerError
+from tblog_hooks.stats import sampling
+from tblog_hooks.stats.kinds import HISTOGRAM_KINDS as KINDS
 
 #: The target with the defaults, every=1, 10 logged steps (README "Large models"): bytes of the
 #: event files per watched module per logged step.
@@ -87,8 +88,11 @@ def _histogram_steps(log_dir: Path) -> dict[str, set[int]]:
         # logged steps 0, 3, ..., 27 are logged-step numbers 0..9
         (True, {"activation": {0, 15}, "gradient_log10": {0, 15}, "param_grad": {0, 15}, "param": {0}}),
         (2, {"activation": {0, 6, 12, 18, 24}, "param": {0, 12, 24}}),
-        (Histograms(every=3, param_every=1, kinds=KINDS), {kind: {0, 9, 18, 27} for kind in KINDS} | {"input": set()}),
-        (Histograms(every=1, param_every=4, kinds=["param"]), {"param": {0, 12, 24}}),
+        (
+            Histograms(every_logged=3, weights_every_logged=3, kinds=KINDS),
+            {kind: {0, 9, 18, 27} for kind in KINDS} | {"input": set()},
+        ),
+        (Histograms(every_logged=1, weights_every_logged=4, kinds=["param"]), {"param": {0, 12, 24}}),
         (False, {}),
     ],
 )
@@ -111,13 +115,13 @@ def test_steps_without_histograms_take_no_samples(tmp_path, monkeypatch) -> None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     hooks = HookLogger(model, log_dir=tmp_path, every=1, histograms=3)
     calls: Counter[int] = Counter()
-    sample = stats.sample
+    sample = sampling.sample
 
     def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
         calls[hooks.global_step] += 1
         return sample(x, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(stats, "sample", spy)
+    monkeypatch.setattr(sampling, "sample", spy)
     with hooks:
         for _ in range(7):
             tokens = torch.randint(0, 128, (2, 8))
@@ -126,7 +130,7 @@ def test_steps_without_histograms_take_no_samples(tmp_path, monkeypatch) -> None
             opt.zero_grad()
             hooks.step()
     assert set(calls) == {0, 3, 6}  # activations, output gradients, parameter gradients and weights
-    assert calls[0] > calls[3] > 0  # step 3 takes no weights (param_every=2)
+    assert calls[0] > calls[3] > 0  # step 3 takes no weights (weights_every_logged=6)
 
 
 @pytest.mark.parametrize(
@@ -149,9 +153,9 @@ def test_bad_histograms_values_are_clear_errors_and_attach_nothing(tmp_path, val
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"every": 0}, r"Histograms\(every=0\) is invalid: it must be a positive int"),
-        ({"param_every": True}, r"Histograms\(param_every=True\) is invalid"),
-        ({"every": 1.5}, r"Histograms\(every=1.5\)"),
+        ({"every_logged": 0}, r"Histograms\(every_logged=0\) is invalid: it must be a positive int"),
+        ({"weights_every_logged": True}, r"Histograms\(weights_every_logged=True\) is invalid"),
+        ({"every_logged": 1.5}, r"Histograms\(every_logged=1.5\)"),
         ({"kinds": ["activation", "weights"]}, r"holds 'weights'; kinds are tag roots among activation, input, grad"),
         ({"kinds": ()}, r"is empty \(pass histograms=False for none\)"),
         ({"kinds": 3}, "holds 3"),

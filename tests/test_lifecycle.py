@@ -21,7 +21,7 @@ from torch.optim.swa_utils import AveragedModel
 from torch.utils.tensorboard import SummaryWriter
 
 from tblog_hooks import HookLogger, HookLoggerError
-from tblog_hooks.hooks import NOOP
+from tblog_hooks.capture.hooks import NOOP
 
 
 def _net() -> nn.Module:
@@ -211,16 +211,16 @@ def test_dropped_logger_stops_recording_and_closes_its_writer(tmp_path) -> None:
     hooks = HookLogger(model, log_dir=tmp_path, every=1)
     _train(model, hooks)
     model(torch.randn(2, 3, 8, 8))  # a logged step open, with tensor hooks on its outputs
-    collector, logger = hooks._collector, weakref.ref(hooks)
+    buffer, logger = hooks._recording.buffer, weakref.ref(hooks)
     hooks = None  # re-bound: the logger is dropped without close()
     gc.collect()
     assert logger() is None
-    assert not any(hook_dicts(model)) and not collector.active
+    assert not any(hook_dicts(model)) and not buffer.active
     assert _writer_threads() == threads  # the writer was closed, its thread joined
-    sizes, rows = sorted(p.stat().st_size for p in tmp_path.iterdir()), len(collector._records)
+    sizes, rows = sorted(p.stat().st_size for p in tmp_path.iterdir()), len(buffer._records)
     for _ in range(3):  # the model trains on
         model(torch.randn(2, 3, 8, 8)).sum().backward()
-    assert len(collector._records) == rows  # nothing recorded any more
+    assert len(buffer._records) == rows  # nothing recorded any more
     assert sorted(p.stat().st_size for p in tmp_path.iterdir()) == sizes
     assert set(read_run(tmp_path).scalars["activation/mean/0.0"]) == {0, 1}
 
@@ -346,5 +346,5 @@ def test_repeated_deep_copies_do_not_pile_up(tmp_path) -> None:
             copy.deepcopy(model)
         gc.collect()
         kept = copy.deepcopy(model)
-        assert len(hooks._handles._copies) == sum(bool(d) for d in hook_dicts(kept))  # the live copy's only
+        assert len(hooks._recording.handles._copies) == sum(bool(d) for d in hook_dicts(kept))  # the live copy's only
     assert not any(hook_dicts(kept))

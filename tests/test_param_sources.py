@@ -15,7 +15,8 @@ from conftest import read_run
 from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from tblog_hooks import HookLogger, HookLoggerError, amp
+from tblog_hooks import HookLogger, HookLoggerError
+from tblog_hooks.transport import amp
 
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -12,10 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes
 
-from tblog_hooks import stats
-from tblog_hooks.collect import Collector, Options
-from tblog_hooks.records import ACTIVATION, GRADIENT
-from tblog_hooks.summarize import summarize
+from tblog_hooks import Histograms
+from tblog_hooks.capture.activations import ActivationRecorder
+from tblog_hooks.capture.step import StepBuffer
+from tblog_hooks.output.summarize import summarize
+from tblog_hooks.stats import binning, reductions, sampling
+from tblog_hooks.stats.kinds import ACTIVATION, GRADIENT
+from tblog_hooks.stats.packing import pack_step
 
 SETTINGS = settings(max_examples=100, deadline=None, database=None)
 NONFINITE = st.sampled_from([math.nan, math.inf, -math.inf])
@@ -99,9 +102,9 @@ def test_gradient_stats(g: torch.Tensor) -> None:
 
 
 def _check_histogram_row(row: np.ndarray, a: np.ndarray, weight: float) -> None:
-    start, half_span, lo, hi = row[[stats.H_START, stats.H_HALF_SPAN, stats.H_MIN, stats.H_MAX]]
+    start, half_span, lo, hi = row[[binning.H_START, binning.H_HALF_SPAN, binning.H_MIN, binning.H_MAX]]
     span = 2 * half_span
-    counts = row[stats.HIST_WIDTH - stats.BINS :]
+    counts = row[binning.HIST_WIDTH - binning.BINS :]
     finite = a[np.isfinite(a)]
     assert math.isfinite(start) and math.isfinite(span) and span > 0  # bucket edges are always finite
     assert counts.sum() == pytest.approx(weight * finite.size, rel=1e-12)
@@ -111,8 +114,8 @@ def _check_histogram_row(row: np.ndarray, a: np.ndarray, weight: float) -> None:
     assert (lo, hi) == (finite.min(), finite.max())
     # Bucket b holds [start + span*b/BINS, start + span*(b+1)/BINS); the top edge is in the last bucket.
     # np.float64 arithmetic: elements within rounding of an edge may land in either neighbour.
-    position = (finite / 2 - start / 2) / (span / 2) * stats.BINS  # halves: no overflow near the range ends
-    expected = np.bincount(np.clip(np.floor(position), 0, stats.BINS - 1).astype(int), minlength=stats.BINS)
+    position = (finite / 2 - start / 2) / (span / 2) * binning.BINS  # halves: no overflow near the range ends
+    expected = np.bincount(np.clip(np.floor(position), 0, binning.BINS - 1).astype(int), minlength=binning.BINS)
     near_edge = np.count_nonzero(np.abs(position - np.round(position)) < 1e-3)
     assert np.abs(counts / weight - expected).sum() <= 2 * near_edge
     assert start <= lo and hi <= start + span * (1 + 1e-6)
@@ -123,11 +126,11 @@ def _check_histogram_row(row: np.ndarray, a: np.ndarray, weight: float) -> None:
 def test_histograms(xs: list[torch.Tensor], exact: bool) -> None:
     """Rows over the exact extremes of each tensor (its NaN/Inf left to the sample's), or over
     the sample's own extremes."""
-    samples = [stats.sample(x) for x in xs]
+    samples = [sampling.sample(x, sampling.IndexCache()) for x in xs]
     extremes = [torch.aminmax(x) if exact else (None, None) for x in xs]
     lows, highs = [lo for lo, _ in extremes], [hi for _, hi in extremes]
-    rows = stats.histograms(samples, lows, highs, list(range(len(xs)))).numpy()  # weights apply on the host
-    assert rows.shape == (len(xs), stats.HIST_WIDTH)
+    rows = binning.bin_rows(samples, lows, highs, list(range(len(xs)))).numpy()  # weights apply on the host
+    assert rows.shape == (len(xs), binning.HIST_WIDTH)
     for row, s in zip(rows, samples):
         _check_histogram_row(row, _reference(s), 1.0)
 
@@ -136,23 +139,26 @@ def test_samples_of_large_tensors_are_spread_over_every_position() -> None:
     """A stride would alias with the layout (every 512th element of a [16, 64, 32, 32] map is in
     column 0); the sample covers every column, row and channel about equally."""
     x = torch.arange(16 * 64 * 32 * 32, dtype=torch.float64).reshape(16, 64, 32, 32)
-    index = stats.sample(x).long().numpy()
-    assert index.size == stats.SAMPLE_CAP and np.unique(index).size > 0.99 * stats.SAMPLE_CAP
+    index = sampling.sample(x, sampling.IndexCache()).long().numpy()
+    assert index.size == sampling.SAMPLE_CAP and np.unique(index).size > 0.99 * sampling.SAMPLE_CAP
     for size, stride in ((32, 1), (32, 32), (64, 1024), (16, 65536)):  # columns, rows, channels, batch
         per_position = np.bincount(index // stride % size, minlength=size)
-        expected = stats.SAMPLE_CAP / size
+        expected = sampling.SAMPLE_CAP / size
         assert np.all(np.abs(per_position - expected) < 5 * math.sqrt(expected)), (size, per_position)
 
 
 @SETTINGS
 @given(st.lists(tensors(), min_size=1, max_size=4))
 def test_pooled_calls_match_the_concatenation(parts: list[torch.Tensor]) -> None:
-    """Several calls of one module in a step (packed by Collector.finish, merged by summarize)."""
-    collector = Collector(Options(gradients=False, parameters=False))
-    collector.begin(0)  # the first logged step: it takes histograms
+    """Several calls of one module in a step (packed by pack_step, merged by summarize)."""
+    buffer = StepBuffer(Histograms())
+    recorder = ActivationRecorder(
+        buffer, None, activations=True, inputs=False, eval_passes=False, feature_maps=frozenset()
+    )
+    buffer.begin(0)  # the first logged step: it takes histograms
     for x in parts:
-        collector.on_output("m", x, training=True)
-    packed, layout = collector.finish()  # type: ignore[misc]
+        recorder.on_output("m", x, training=True)
+    packed, layout = pack_step(*buffer.drain(), buffer.kinds, buffer.indices)  # type: ignore[misc]
     summary = summarize(0, packed.numpy(), layout)
     a = np.concatenate([_reference(x).reshape(-1) for x in parts])
     scalars = summary.scalars
@@ -177,5 +183,5 @@ def test_finite_count_is_exact_past_float32_integers() -> None:
     """Beyond 2**24 elements a float32 sum of ones skips odd integers: the count sums in float64."""
     x = torch.zeros(2**24 + 3)
     x[[5, -1]] = torch.tensor([math.nan, -math.inf])
-    assert float(stats.finite(x)) == 2**24 + 1
-    assert float(stats.nonfinite(x)) == 2
+    assert float(reductions.finite(x)) == 2**24 + 1
+    assert float(reductions.nonfinite(x)) == 2

@@ -15,8 +15,8 @@ from tensorboard.backend.event_processing import event_file_loader
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from tblog_hooks import HookLogger, report
-from tblog_hooks.cli import main
+from tblog_hooks import HookLogger
+from tblog_hooks.cli import main, report
 
 
 def _train_sigmoid(log_dir, steps: int = 3) -> list[tuple[str, str, int]]:

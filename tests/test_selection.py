@@ -8,7 +8,7 @@ from conftest import read_run
 from torch import nn
 
 from tblog_hooks import HookLogger, HookLoggerError
-from tblog_hooks.selection import select_modules
+from tblog_hooks.capture.selection import select_modules
 
 
 def _glob_named() -> nn.ModuleDict:

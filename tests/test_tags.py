@@ -10,7 +10,7 @@ from conftest import read_run
 from torch import nn
 
 from tblog_hooks import HookLogger
-from tblog_hooks.tags import escape
+from tblog_hooks.stats.tags import escape
 
 # ModuleDict keys may hold anything but '.': '/', '%', spaces, unicode, control characters,
 # lone surrogates; "mean/0" would make the histogram tag of one module the scalar tag of "0".

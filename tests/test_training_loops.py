@@ -15,8 +15,8 @@ from torch.optim.swa_utils import AveragedModel
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from tblog_hooks import Histograms, HookLogger
-from tblog_hooks.histograms import KINDS
-from tblog_hooks.hooks import NOOP
+from tblog_hooks.capture.hooks import NOOP
+from tblog_hooks.stats.kinds import HISTOGRAM_KINDS as KINDS
 
 
 def _mlp() -> nn.Sequential:
@@ -144,7 +144,7 @@ def test_grad_scaler_gradients_are_unscaled_and_skipped_steps_reported(
     xs = [torch.randn(8, 6, device=device) for _ in range(3)]
     expected: dict[int, dict[str, float]] = {}
     optimizer = opt if with_optimizer else None
-    histograms = Histograms(every=1, kinds=KINDS)  # the linear gradient histograms too
+    histograms = Histograms(every_logged=1, weights_every_logged=2, kinds=KINDS)  # the linear gradient histograms too
     with HookLogger(
         model, log_dir=tmp_path, every=1, modules=["4"], scaler=scaler, optimizer=optimizer, histograms=histograms
     ) as hooks:

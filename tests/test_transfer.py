@@ -7,7 +7,9 @@ import torch
 from conftest import read_run
 from torch import nn
 
-from tblog_hooks import HookLogger, diagnose, logger, transfer
+from tblog_hooks import HookLogger, logger
+from tblog_hooks.diagnostics import per_step as diagnose
+from tblog_hooks.transport import transfer
 
 
 class SlowTransfer(transfer.Transfer):

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import HookLoggerError
-from ..logger import _OPTIONS, HookLogger, _unknown_options
+from ..logger import HookLogger
+from ..options import NAMES, unknown_options
 
 #: HookLogger options a framework callback takes from the framework itself.
 FROM_FRAMEWORK = ("writer", "log_dir", "optimizer", "scaler")
@@ -29,9 +30,9 @@ def check_options(options: Mapping[str, object], framework: str) -> None:
             f"{framework} supplies {', '.join(map(repr, supplied))} to the HookLogger (the writer of its TensorBoard "
             f"run, its optimizer and AMP scaler); leave {'it' if len(supplied) == 1 else 'them'} out"
         )
-    unknown = {key: value for key, value in options.items() if key not in _OPTIONS}
+    unknown = [key for key in options if key not in NAMES]
     if unknown:
-        raise HookLoggerError(_unknown_options(unknown))
+        raise HookLoggerError(unknown_options(unknown))
 
 
 def grad_scaler(owner: object) -> torch.amp.GradScaler | None:

@@ -12,60 +12,70 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .errors import HookLoggerError
-from .records import ACTIVATION, GRADIENT, GRADIENT_LOG10, INPUT, PARAM, PARAM_GRAD
+from ..errors import HookLoggerError
+from .kinds import HISTOGRAM_KINDS
+from .tags import Root
 
-#: Every histogram kind, by tag root: ``activation/{module}``, ``input/{module}`` (with
-#: ``inputs=True``), ``gradient/{module}`` (output gradient), ``gradient_log10/{module}`` (log10 of
-#: its magnitudes), ``param_grad/{module}.{param}``, ``param/{module}.{param}`` (weights).
-KINDS = (ACTIVATION.name, INPUT.name, GRADIENT.name, GRADIENT_LOG10, PARAM_GRAD.name, PARAM)
 #: All but ``gradient``: the linear histogram of an output gradient is mostly one spike at zero
 #: whose width ``gradient/norm`` already charts; ``gradient_log10`` shows its spread over orders
 #: of magnitude, which is where vanishing gradients show.
-DEFAULT_KINDS = tuple(k for k in KINDS if k != GRADIENT.name)
+DEFAULT_KINDS = tuple(k for k in HISTOGRAM_KINDS if k != Root.GRADIENT)
 
 
 @dataclass(frozen=True)
 class Histograms:
-    """Histograms on every ``every``-th logged step (logged steps ``0, every, 2*every, ...``
-    counted as ``step // HookLogger.every``), weights (``param/``) on every ``param_every``-th of
-    those, of the tag roots in ``kinds`` (names from :data:`KINDS`; kept as a tuple in that order).
-    Everything on every logged step: ``Histograms(every=1, param_every=1, kinds=KINDS)``.
+    """Which histograms logged steps write, counted in logged steps (``HookLogger``'s ``every``
+    counts optimizer steps; logged step number ``i`` is optimizer step ``i * every``).
+
+    Everything on every logged step: ``Histograms(every_logged=1, weights_every_logged=1,
+    kinds=HISTOGRAM_KINDS)``.
+
+    Args:
+        every_logged: histograms on logged steps ``0, every_logged, 2 * every_logged, ...``.
+        weights_every_logged: weight histograms (``param/...``) on logged steps ``0,
+            weights_every_logged, ...``; the other kinds follow ``every_logged``.
+        kinds: the tag roots to write histograms of, among
+            :data:`~tblog_hooks.stats.kinds.HISTOGRAM_KINDS`; kept as a tuple in that order.
+
+    Raises:
+        HookLoggerError: a count that is not a positive int, an empty ``kinds`` or an unknown kind.
     """
 
-    every: int = 5
-    param_every: int = 2
+    every_logged: int = 5
+    weights_every_logged: int = 10
     kinds: Iterable[str] = field(default=DEFAULT_KINDS)
     # What kinds_at returns, made once: under torch.compile a hook's test `kind in kinds` is
-    # guarded on the set object, so the same three objects give three graphs, not one per step.
-    _steps: tuple[frozenset[str], frozenset[str], frozenset[str]] = field(init=False, repr=False, compare=False)
+    # guarded on the set object, so the same few objects give a few graphs, not one per step.
+    _steps: tuple[frozenset[str], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("every", "param_every"):
+        for name in ("every_logged", "weights_every_logged"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise HookLoggerError(f"Histograms({name}={value!r}) is invalid: it must be a positive int")
         given: object = self.kinds
         kinds = list(given) if isinstance(given, Iterable) and not isinstance(given, str) else [given]
-        unknown = [repr(k) for k in kinds if k not in KINDS]
+        unknown = [repr(k) for k in kinds if k not in HISTOGRAM_KINDS]
         if unknown or not kinds:
             what = f"holds {', '.join(unknown)}" if unknown else "is empty (pass histograms=False for none)"
-            raise HookLoggerError(f"Histograms(kinds={given!r}) {what}; kinds are tag roots among {', '.join(KINDS)}")
+            raise HookLoggerError(
+                f"Histograms(kinds={given!r}) {what}; kinds are tag roots among {', '.join(HISTOGRAM_KINDS)}"
+            )
         chosen = frozenset(str(k) for k in kinds)
-        object.__setattr__(self, "kinds", tuple(k for k in KINDS if k in chosen))
-        object.__setattr__(self, "_steps", (frozenset(), chosen - {PARAM}, chosen))
+        weights = chosen & {Root.PARAM}
+        object.__setattr__(self, "kinds", tuple(k for k in HISTOGRAM_KINDS if k in chosen))
+        # (none, all but weights, weights only, all)
+        object.__setattr__(self, "_steps", (frozenset(), chosen - weights, frozenset(weights), chosen))
 
     @property
     def all_kinds(self) -> frozenset[str]:
         """Every kind some logged step writes (one object: see ``_steps``)."""
-        return self._steps[2]
+        return self._steps[3]
 
     def kinds_at(self, index: int) -> frozenset[str]:
         """The kinds logged step number ``index`` (0, 1, 2, ... in logged steps) writes."""
-        none, without_weights, every_kind = self._steps
-        if index % self.every:
-            return none
-        return without_weights if index % (self.every * self.param_every) else every_kind
+        others, weights = index % self.every_logged == 0, index % self.weights_every_logged == 0
+        return self._steps[others + 2 * weights]
 
 
 def schedule(value: object) -> Histograms | None:
@@ -77,8 +87,8 @@ def schedule(value: object) -> Histograms | None:
     if value is False:
         return None
     if isinstance(value, int) and value >= 1:
-        return Histograms(every=value)
+        return Histograms(every_logged=value, weights_every_logged=2 * value)
     raise HookLoggerError(
         "histograms must be True (the defaults, Histograms()), False (none), a positive int n "
-        f"(histograms on every n-th logged step) or a tblog_hooks.Histograms, got {value!r}"
+        f"(histograms on every n-th logged step, weights on every 2n-th) or a tblog_hooks.Histograms, got {value!r}"
     )

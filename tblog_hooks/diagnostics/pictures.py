@@ -1,23 +1,15 @@
-"""Pictures: the gradient-flow heatmap (drawn on the host from logged norms, with Pillow) and
-feature-map grids (assembled on the device with torchvision)."""
+"""The gradient-flow heatmap, drawn on the host from logged norms with Pillow."""
 
 from __future__ import annotations
 
 import functools
-import io
 import math
 from collections.abc import Sequence
 from typing import Union
 
 import numpy as np
-import torch
-import torchvision
 from PIL import Image, ImageDraw, ImageFont
-from torch import Tensor
 
-#: Most channels a feature-map grid shows (the first ones), and the largest side of a tile:
-#: larger maps are average-pooled down, which keeps the grid's share of the transfer small.
-MAX_FEATURE_CHANNELS, MAX_FEATURE_SIDE = 64, 64
 #: Most logged steps (the latest ones) a heatmap shows.
 MAX_COLUMNS = 240
 
@@ -29,27 +21,8 @@ BAR_WIDTH, MIN_BAR_HEIGHT = 14, 112
 # Viridis at five stops: dark purple (small) to yellow (large); readable in grey scale too.
 _STOPS = np.array([(68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37)], dtype=np.float64)
 BACKGROUND, INK = (255, 255, 255), (20, 20, 20)
-ZERO, NONFINITE = (0, 0, 0), (255, 0, 0)  # a gradient of exactly zero; NaN/Inf
+ZERO_COLOUR, NONFINITE_COLOUR = (0, 0, 0), (255, 0, 0)  # a gradient of exactly zero; NaN/Inf
 _Font = Union[ImageFont.FreeTypeFont, ImageFont.ImageFont]
-
-
-def feature_grid(x: Tensor) -> Tensor:
-    """One sample's channels (``C x H x W``, or more dims: first slice; ``C x L``: one row
-    each) as a grey ``1 x H x W`` grid in [0, 1], each channel scaled to its own range and
-    pooled to at most ``MAX_FEATURE_SIDE`` pixels a side. Stays on the device."""
-    while x.dim() > 3:
-        x = x[:, 0]
-    if x.dim() == 2:
-        x = x.unsqueeze(1)
-    x = x[:MAX_FEATURE_CHANNELS].float()
-    x = torch.nn.functional.adaptive_avg_pool2d(
-        x, (min(x.shape[1], MAX_FEATURE_SIDE), min(x.shape[2], MAX_FEATURE_SIDE))
-    )
-    lo = x.amin(dim=(1, 2), keepdim=True)
-    span = (x.amax(dim=(1, 2), keepdim=True) - lo).clamp_min(1e-12)
-    x = ((x - lo) / span).nan_to_num_(0.0, 0.0, 0.0)
-    grid = torchvision.utils.make_grid(x.unsqueeze(1), nrow=math.ceil(math.sqrt(x.shape[0])), padding=1, pad_value=1)
-    return grid[:1]  # type: ignore[no-any-return]  # torchvision is untyped
 
 
 def gradient_flow(modules: Sequence[str], steps: Sequence[int], norms: np.ndarray, logged: np.ndarray) -> np.ndarray:
@@ -82,8 +55,8 @@ def gradient_flow(modules: Sequence[str], steps: Sequence[int], norms: np.ndarra
     height = top + max(grid_h, bar_h) + 2 * line + 8 + PAD
 
     cells = _colour((logs - lo) / (hi - lo))
-    cells[finite & ~positive] = ZERO
-    cells[~finite & ~missing] = NONFINITE
+    cells[finite & ~positive] = ZERO_COLOUR
+    cells[~finite & ~missing] = NONFINITE_COLOUR
     cells[missing] = BACKGROUND
     canvas = np.empty((height, width, 3), dtype=np.uint8)
     canvas[:] = BACKGROUND
@@ -108,15 +81,6 @@ def gradient_flow(modules: Sequence[str], steps: Sequence[int], norms: np.ndarra
         draw.line([(bar_x + BAR_WIDTH, y), (bar_x + BAR_WIDTH + 3, y)], fill=INK)
         _text(draw, (bar_x + BAR_WIDTH + 5, y), f"1e{value}", font, ("left", "middle"))
     return np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1))
-
-
-def png(image: np.ndarray) -> bytes:
-    """A uint8 ``C x H x W`` array (1 or 3 channels) as PNG bytes, encoded by Pillow."""
-    pixels = np.ascontiguousarray(image.transpose(1, 2, 0))
-    buffer = io.BytesIO()
-    # Level 1: the heatmap is flat blocks of colour, which compress well at the fastest level.
-    Image.fromarray(pixels[..., 0] if pixels.shape[2] == 1 else pixels).save(buffer, format="PNG", compress_level=1)
-    return buffer.getvalue()
 
 
 def _colour(t: np.ndarray) -> np.ndarray:

@@ -1,6 +1,6 @@
 """The record framing of TensorBoard event files: ``length, CRC(length), data, CRC(data)``.
 
-One masked CRC-32C (``google-crc32c``) for the writer and the reader. The reader exists because
+One masked CRC-32C (``google-crc32c``, in C) for the writer (:func:`frame`) and the reader. The reader exists because
 TensorBoard's own stops silently at the first bad record, so a file damaged in the middle would
 read as a shorter run; here damage is an error, while a record cut short by the end of the file
 (a writer killed mid-record, or one still writing) just ends the file.
@@ -25,6 +25,12 @@ def masked_crc32c(data: bytes) -> int:
     """The checksum TFRecord stores: CRC-32C, rotated and offset (so CRCs of CRCs are not trivial)."""
     crc = int(google_crc32c.value(data))
     return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def frame(data: bytes) -> bytes:
+    """One record holding ``data``."""
+    header = _LENGTH.pack(len(data))
+    return header + _CRC.pack(masked_crc32c(header)) + data + _CRC.pack(masked_crc32c(data))
 
 
 def read_records(path: Path) -> Iterator[bytes]:

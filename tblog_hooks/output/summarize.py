@@ -1,7 +1,7 @@
 """Turn one logged step's numbers (on the host) into TensorBoard scalars and histograms.
 
 Several records of the same module in one step (a module called more than once, or
-several forward/backward passes per optimizer step) are pooled as ``records.py`` declares,
+several forward/backward passes per optimizer step) are pooled as ``stats/kinds.py`` declares,
 so the statistics cover every call.
 """
 
@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import records, stats
-from .records import ACTIVATION, GRADIENT, HISTOGRAM, IMAGE, INPUT, NONFINITE, PARAM_GRAD, SCALAR, HistMeta, Layout
-from .tags import tag
+from ..stats import packing
+from ..stats.binning import BINS, H_HALF_SPAN, H_MAX, H_MIN, H_START, HIST_WIDTH, RowInfo
+from ..stats.kinds import ACTIVATION, BINNED, GRADIENT, IMAGE, INPUT, NONFINITE_COUNT, PARAM_GRAD, SCALAR
+from ..stats.packing import StepLayout
+from ..stats.tags import tag
 
 
 @dataclass(frozen=True)
@@ -40,20 +42,21 @@ class StepSummary:
     images: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-def summarize(step: int, values: np.ndarray, layout: Layout) -> StepSummary:
-    """Decode the packed array of one step (see ``Collector.finish``) into tags."""
+def summarize(step: int, values: np.ndarray, layout: StepLayout) -> StepSummary:
+    """Decode the packed array of one step (see ``packing.pack_step``) into tags."""
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf activations are data, not warnings
-        scalars = records.scalars(layout.of(ACTIVATION, INPUT, GRADIENT, PARAM_GRAD, NONFINITE, SCALAR), values)
+        scalars = packing.scalars(layout.of(ACTIVATION, INPUT, GRADIENT, PARAM_GRAD, NONFINITE_COUNT, SCALAR), values)
     images = {
-        e.name: np.round(e.read(values)["pixels"].reshape(e.shape) * 255).astype(np.uint8) for e in layout.of(IMAGE)
+        tag(e.kind.name, e.name): np.round(e.read(values)["pixels"].reshape(e.shape) * 255).astype(np.uint8)
+        for e in layout.of(IMAGE)
     }
     histograms = {}
-    for entry in layout.of(HISTOGRAM):
-        histograms = _histograms(layout.hists, entry.read(values)["rows"].reshape(entry.shape))
+    for entry in layout.of(BINNED):
+        histograms = decode_histograms(layout.rows, entry.read(values)["rows"].reshape(entry.shape))
     return StepSummary(step, scalars, histograms, images)
 
 
-def _histograms(meta: list[HistMeta], rows: np.ndarray) -> dict[str, Histogram]:
+def decode_histograms(meta: list[RowInfo], rows: np.ndarray) -> dict[str, Histogram]:
     """One histogram per tag from its rows (calls of a module share their bucket edges). Each
     sampled count stands for ``elements / sampled`` elements, so ``num`` is the exact number of
     elements where no sampled element is NaN/Inf. Empty leading and trailing buckets are
@@ -61,22 +64,22 @@ def _histograms(meta: list[HistMeta], rows: np.ndarray) -> dict[str, Histogram]:
     tags: dict[str, int] = {}
     key = np.array([tags.setdefault(tag(m.kind, m.name), len(tags)) for m in meta])
     weights = np.array([m.numel / m.sampled for m in meta])
-    weighted = rows[:, stats.HIST_WIDTH - stats.BINS :] * weights[:, None]
+    weighted = rows[:, HIST_WIDTH - BINS :] * weights[:, None]
     first = np.unique(key, return_index=True)[1]  # each tag's first row: its bucket edges
     if len(tags) == len(meta):
-        counts, lows, highs = weighted, rows[:, stats.H_MIN], rows[:, stats.H_MAX]
+        counts, lows, highs = weighted, rows[:, H_MIN], rows[:, H_MAX]
     else:  # rows of one tag add up
-        counts = np.zeros((len(tags), stats.BINS))
+        counts = np.zeros((len(tags), BINS))
         np.add.at(counts, key, weighted)
         lows, highs = np.full(len(tags), np.inf), np.full(len(tags), -np.inf)
-        np.minimum.at(lows, key, rows[:, stats.H_MIN])
-        np.maximum.at(highs, key, rows[:, stats.H_MAX])
-    start, half_span = rows[first, stats.H_START, None], rows[first, stats.H_HALF_SPAN, None]
-    edges = start + 2 * half_span * (np.arange(stats.BINS + 1) / stats.BINS)
+        np.minimum.at(lows, key, rows[:, H_MIN])
+        np.maximum.at(highs, key, rows[:, H_MAX])
+    start, half_span = rows[first, H_START, None], rows[first, H_HALF_SPAN, None]
+    edges = start + 2 * half_span * (np.arange(BINS + 1) / BINS)
     centres = (edges[:, :-1] + edges[:, 1:]) / 2
     filled = counts > 0
     a = filled.argmax(axis=1)
-    b = stats.BINS - filled[:, ::-1].argmax(axis=1)
+    b = BINS - filled[:, ::-1].argmax(axis=1)
     totals, sums, squares = counts.sum(axis=1), (counts * centres).sum(axis=1), (counts * centres**2).sum(axis=1)
     narrow = np.any(np.diff(edges, axis=1) <= 0, axis=1)  # a span below float resolution at this magnitude
     out = {}

@@ -1,8 +1,8 @@
 """``tblog-hooks report``: per-layer table and health findings of runs on disk.
 
 Reads event files (no training, no model) and replays the logged scalars through the same
-:class:`~tblog_hooks.health.Health` the logger uses, with the default
-:class:`~tblog_hooks.health.Thresholds`. Each tag prefix in a directory is a run of its own.
+:class:`~tblog_hooks.diagnostics.health.Health` the logger uses, with the default
+:class:`~tblog_hooks.Thresholds`. Each tag prefix in a directory is a run of its own.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2
 
-from .diagnose import ORDER_TAG, gradient_flow_image, gradient_norms, parse_order
-from .event_files import DamagedFile, read_records
-from .health import Finding, Health, Thresholds, log
-from .tags import tag, unescape
+from ..diagnostics.health import Finding, Health, Thresholds, log
+from ..diagnostics.per_step import ORDER_TAG, gradient_flow_image, gradient_norms, parse_order
+from ..output.event_files import DamagedFile, read_records
+from ..output.events import png
+from ..stats.tags import Root, Stat, tag, unescape
 
 
 class ReportError(Exception):
@@ -48,14 +49,16 @@ class Run:
 #: A scalar tag of the logger, after an optional ``{prefix}/``: module and parameter names are
 #: escaped (no ``/``), so each kind has a fixed number of parts. The prefix is matched greedily;
 #: no stat is named like a kind, so an unprefixed tag never reads as a prefixed one.
+_PER_NAME = (Root.ACTIVATION, Root.INPUT, Root.GRADIENT, Root.PARAM_GRAD, Root.PARAM)  # root/stat/name
+_WHOLE_MODEL = (Root.PARAM_GRAD, Root.AMP, Root.HEALTH)  # root/stat
 _LOGGER_TAG = re.compile(
-    r"(?:(?P<prefix>.+)/)?(?P<tag>(?:activation|input|gradient|param_grad|param)/[^/]+/[^/]+|(?:param_grad|amp|health)/[^/]+)"
+    rf"(?:(?P<prefix>.+)/)?(?P<tag>(?:{'|'.join(_PER_NAME)})/[^/]+/[^/]+|(?:{'|'.join(_WHOLE_MODEL)})/[^/]+)"
 )
 #: Kinds that only a logged step holds: their presence marks a step as logged.
-_STATISTICS = ("activation/", "gradient/", "param_grad/")
+_STATISTICS = tuple(tag(root, "") for root in (Root.ACTIVATION, Root.GRADIENT, Root.PARAM_GRAD))
 _ORDER_TEXT = re.compile(rf"(?:(?P<prefix>.+)/)?{re.escape(ORDER_TAG)}/text_summary")
 #: Tags whose last part names every watched module (the forward order may be missing).
-_NAMED = ("gradient/norm/", "activation/mean/")
+_NAMED = (tag(Root.GRADIENT, Stat.NORM, ""), tag(Root.ACTIVATION, Stat.MEAN, ""))
 _EVENT_FILES = "events.out.tfevents.*"
 
 
@@ -162,11 +165,11 @@ def module_rows(run: Run) -> list[dict[str, object]]:
     fraction, and NaN/Inf counted over the run (outputs and output gradients)."""
     rows: list[dict[str, object]] = []
     for m in run.order:
-        norm_tag, dead_tag = tag("gradient", "norm", m), tag("activation", "dead_frac", m)
+        norm_tag, dead_tag = tag(Root.GRADIENT, Stat.NORM, m), tag(Root.ACTIVATION, Stat.DEAD_FRAC, m)
         norms = [s[norm_tag] for s in run.scalars.values() if norm_tag in s]
         dead = [s[dead_tag] for s in run.scalars.values() if dead_tag in s]
         bad = sum(
-            s.get(tag("activation", "nonfinite", m), 0.0) + s.get(tag("gradient", "nonfinite", m), 0.0)
+            s.get(tag(Root.ACTIVATION, Stat.NONFINITE, m), 0.0) + s.get(tag(Root.GRADIENT, Stat.NONFINITE, m), 0.0)
             for s in run.scalars.values()
         )
         rows.append({
@@ -219,8 +222,6 @@ def as_text(run: Run) -> str:
 
 def flow_png(run: Run) -> bytes:
     """The gradient-flow heatmap of the run as PNG bytes."""
-    from .pictures import png
-
     norms = {step: gradient_norms(scalars) for step, scalars in run.scalars.items()}
     norms = {step: by_module for step, by_module in norms.items() if by_module}
     if not norms:

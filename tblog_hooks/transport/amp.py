@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from .collect import Collector
-from .records import GRADIENT, GRADIENT_LOG10, PARAM_GRAD
-from .summarize import Histogram, StepSummary
-from .tags import tag
+from .._compat import found_inf, initial_scale, loss_scale
+from ..output.summarize import Histogram, StepSummary
+from ..stats.tags import Root, Stat, tag
 
-SCALE_TAG, SKIPPED_TAG = tag("amp", "loss_scale"), tag("amp", "skipped_step")
+if TYPE_CHECKING:
+    from ..capture.step import StepBuffer
+
+SCALE_TAG, SKIPPED_TAG = tag(Root.AMP, Stat.LOSS_SCALE), tag(Root.AMP, Stat.SKIPPED_STEP)
 
 
 class ScaleWatch:
@@ -33,24 +36,22 @@ class ScaleWatch:
 
     def begin(self) -> None:
         """At the start of a logged step: the scale its backward passes will use."""
-        scale = self.scaler._get_scale_async()
+        scale = loss_scale(self.scaler)
         self._before = None if scale is None else scale.detach().clone()
 
-    def finish(self, collector: Collector) -> None:
+    def finish(self, buffer: StepBuffer) -> None:
         """Record the scale used by the step's backward, and whether the scaler skipped the step."""
-        scale = self.scaler._get_scale_async()
+        scale = loss_scale(self.scaler)
         if scale is None:  # the scaler was not used in this step
             return
-        found = [
-            f for state in self.scaler._per_optimizer_states.values() for f in state["found_inf_per_device"].values()
-        ]
+        found = found_inf(self.scaler)
         if found:  # step() ran but update() has not: the current scale is the one backward used
             used, skipped = scale, torch.stack([f.to(scale.device) for f in found]).sum() > 0
         else:  # update() ran: it lowers the scale exactly when it skipped the step
-            before = self._before if self._before is not None else torch.full_like(scale, self.scaler._init_scale)
+            before = self._before if self._before is not None else torch.full_like(scale, initial_scale(self.scaler))
             used, skipped = before, scale < before
-        collector.record_scalar(SCALE_TAG, used)
-        collector.record_scalar(SKIPPED_TAG, skipped)
+        buffer.record_scalar(SCALE_TAG, used)
+        buffer.record_scalar(SKIPPED_TAG, skipped)
 
 
 def grad_scale(optimizer: torch.optim.Optimizer) -> Tensor | None:
@@ -68,15 +69,15 @@ def unscale(summary: StepSummary, *, param_grads_scaled: bool) -> None:
     if SCALE_TAG not in summary.scalars:
         return
     scale, skipped = summary.scalars[SCALE_TAG], bool(summary.scalars[SKIPPED_TAG])
-    kinds = (GRADIENT.name, PARAM_GRAD.name) if param_grads_scaled or skipped else (GRADIENT.name,)
+    kinds = (Root.GRADIENT, Root.PARAM_GRAD) if param_grads_scaled or skipped else (Root.GRADIENT,)
     prefixes = tuple(tag(kind, "") for kind in kinds)
-    nonfinite = tag(GRADIENT.name, "nonfinite", "")
+    nonfinite = tag(Root.GRADIENT, Stat.NONFINITE, "")
     for key in [k for k in summary.scalars if k.startswith(prefixes) and not k.startswith(nonfinite)]:
         if skipped:
             del summary.scalars[key]
         else:
             summary.scalars[key] /= scale
-    log10 = tag(GRADIENT_LOG10, "")
+    log10 = tag(Root.GRADIENT_LOG10, "")
     for key in [k for k in summary.histograms if k.startswith((*prefixes, log10))]:
         if skipped:
             del summary.histograms[key]

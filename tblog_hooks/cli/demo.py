@@ -16,7 +16,7 @@ from torchvision import transforms
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from .logger import HookLogger
+from ..logger import HookLogger
 
 Batches = Iterator[tuple[Tensor, Tensor]]
 Scenario = tuple[nn.Module, float, Batches, nn.Module]  # model, learning rate, batches, loss

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .records import PARAM_GRAD, Entry, Layout
+from ..stats.kinds import PARAM_GRAD
+from ..stats.packing import Entry, StepLayout
 
 if TYPE_CHECKING:
     from typing import TypeGuard
@@ -74,7 +75,7 @@ class Ranks:
         """No collectives from now on (all ranks stop together, see :meth:`agree`)."""
         self.reduce, self.sharded = False, set()
 
-    def agree(self, layout: Layout | None) -> list[list[int]]:
+    def agree(self, layout: StepLayout | None) -> list[list[int]]:
         """Exchange what each rank recorded (``None``: this rank stopped logging); every
         rank's per-call element counts if all recorded the same calls. Raises ``RuntimeError``
         on every rank alike otherwise: the collectives that follow would not match."""
@@ -92,7 +93,7 @@ class Ranks:
             )
         return [theirs[1] for theirs in told if theirs is not None]
 
-    def combine(self, packed: Tensor, layout: Layout, numels: list[list[int]]) -> tuple[Tensor, Layout]:
+    def combine(self, packed: Tensor, layout: StepLayout, numels: list[list[int]]) -> tuple[Tensor, StepLayout]:
         """Sum sharded parameter norms; if reducing, append every other rank's per-call values
         (``numels``: their element counts, from :meth:`agree`) as further calls."""
         sharded = [e.spans[0][0] for e in self._sharded(layout)]
@@ -121,17 +122,17 @@ class Ranks:
         others = [t for rank, t in enumerate(gathered) if rank != self.rank]
         return torch.cat([packed, *others]), dataclasses.replace(layout, entries=entries, size=offset)
 
-    def _fingerprint(self, layout: Layout) -> str:
+    def _fingerprint(self, layout: StepLayout) -> str:
         """What must match across ranks for the collectives: the per-call records (kind,
         module, lengths) and the sharded parameters recorded, hashed; element counts may differ."""
         shape = [(e.kind.name, e.name, tuple(n for _, n in e.spans)) for e in self._per_call(layout)]
         described = repr((shape, [e.name for e in self._sharded(layout)])).encode()
         return hashlib.blake2b(described, digest_size=16).hexdigest()
 
-    def _per_call(self, layout: Layout) -> list[Entry]:
+    def _per_call(self, layout: StepLayout) -> list[Entry]:
         return [e for e in layout.entries if e.kind.per_call] if self.reduce else []
 
-    def _sharded(self, layout: Layout) -> list[Entry]:
+    def _sharded(self, layout: StepLayout) -> list[Entry]:
         return [e for e in layout.of(PARAM_GRAD) if e.name in self.sharded]
 
 

@@ -16,19 +16,15 @@ from typing import Any
 
 from torch.utils.tensorboard import SummaryWriter
 
-from .errors import HookLoggerError
+from .._compat import event_file_writer, writer_closed
+from ..errors import HookLoggerError
+from .events import to_proto
 from .summarize import StepSummary
-from .write import to_proto
 
-Layout = dict[str, dict[str, list[Any]]]  # {category: {chart: [kind, [tag regex, ...]]}}
+ChartLayout = dict[str, dict[str, list[Any]]]  # {category: {chart: [kind, [tag regex, ...]]}}
 
 _LIVE: weakref.WeakSet[Destination] = weakref.WeakSet()  # destinations of loggers not yet closed
 _LIVE_LOCK = threading.RLock()  # loggers are made and closed (or collected) on any thread
-
-
-def is_closed(writer: SummaryWriter) -> bool:
-    """Whether ``writer.close()`` was called: its next write would silently open a new event file."""
-    return writer.all_writers is None
 
 
 def run_directory(writer: SummaryWriter) -> str:
@@ -43,7 +39,7 @@ class Destination:
     def __init__(self, writer: SummaryWriter, prefix: str | None) -> None:
         self.writer, self.prefix = writer, prefix
         self.directory = run_directory(writer)
-        self._layout: Layout = {}  # this logger's categories, prefixed, once written
+        self._layout: ChartLayout = {}  # this logger's categories, prefixed, once written
 
     def tag(self, tag: str) -> str:
         return tag if self.prefix is None else f"{self.prefix}/{tag}"
@@ -67,13 +63,13 @@ class Destination:
         if self.prefix is not None:
             for value in proto.value:
                 value.tag = self.tag(value.tag)
-        self.writer._get_file_writer().add_summary(proto, global_step=summary.step)
+        event_file_writer(self.writer).add_summary(proto, global_step=summary.step)
 
     def add_text(self, tag: str, text: str, step: int) -> None:
         self._check_open()
         self.writer.add_text(self.tag(tag), text, step)
 
-    def add_custom_scalars(self, layout: Layout) -> None:
+    def add_custom_scalars(self, layout: ChartLayout) -> None:
         """Write ``layout`` (chart regexes anchored as ``^tag$``), prefixed, merged with the
         layouts of the other live loggers writing into this directory, through each of their
         writers: whichever event file TensorBoard reads last then holds every chart."""
@@ -90,7 +86,7 @@ class Destination:
         merged = dict(sorted(merged.items(), key=lambda item: item[0]))
         writers = {id(d.writer): d.writer for d in sharing}
         for writer in writers.values():
-            if not is_closed(writer):
+            if not writer_closed(writer):
                 writer.add_custom_scalars(merged)
 
     def flush(self) -> None:
@@ -100,7 +96,7 @@ class Destination:
         return regex if self.prefix is None else "^" + re.escape(f"{self.prefix}/") + regex.removeprefix("^")
 
     def _check_open(self) -> None:
-        if is_closed(self.writer):
+        if writer_closed(self.writer):
             raise HookLoggerError(
                 f"the SummaryWriter passed as writer= (log_dir={self.writer.get_logdir()!r}) was closed while "
                 "the logger was attached; writing would open a new event file: close the logger before the writer"

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .health import KINDS
+from ..diagnostics.health import FINDING_KINDS
 
 if TYPE_CHECKING:
     from .report import Run
@@ -38,14 +38,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.add_argument("--json", action="store_true", help="print one JSON object per run (one per line)")
     report.add_argument("--png", metavar="PATH", help="write the gradient-flow heatmap (several runs: PATH-RUN.png)")
     report.add_argument(
-        "--fail-on", metavar="KIND[,KIND]", help=f"exit 1 when a finding of these kinds exists ({', '.join(KINDS)})"
+        "--fail-on",
+        metavar="KIND[,KIND]",
+        help=f"exit 1 when a finding of these kinds exists ({', '.join(FINDING_KINDS)})",
     )
     args = parser.parse_args(argv)
 
     if args.command == "report":
         fail_on = set() if args.fail_on is None else {k.strip() for k in args.fail_on.split(",")}
-        if fail_on - set(KINDS):
-            parser.error(f"--fail-on got {sorted(fail_on - set(KINDS))!r}; valid kinds: {', '.join(KINDS)}")
+        if fail_on - set(FINDING_KINDS):
+            parser.error(
+                f"--fail-on got {sorted(fail_on - set(FINDING_KINDS))!r}; valid kinds: {', '.join(FINDING_KINDS)}"
+            )
         return _report(args.run_dir, as_json=args.json, png_path=args.png, fail_on=fail_on)
 
     from .demo import pick_device, run_demo

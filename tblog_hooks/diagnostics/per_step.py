@@ -1,7 +1,7 @@
 """What the logger adds to each step it writes: health findings and ``health/*`` scalars, the
 gradient-flow heatmap, the custom-scalars layout (once) and the text summaries.
 
-Host-side only: it reads the :class:`~tblog_hooks.summarize.StepSummary` the step already
+Host-side only: it reads the :class:`~tblog_hooks.output.summarize.StepSummary` the step already
 produced, so diagnostics cost no device work.
 """
 
@@ -14,13 +14,15 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ..output.destination import Destination
+from ..output.summarize import StepSummary
+from ..stats.tags import Root, Stat, by_name, escape, tag, unescape
 from . import pictures
-from .destination import Destination
 from .health import Health, Thresholds
-from .summarize import StepSummary
-from .tags import escape, tag, unescape
 
-FLOW_TAG, FINDINGS_TAG, ORDER_TAG = "health/gradient_flow", "health/findings", "health/forward_order"
+FLOW_TAG, FINDINGS_TAG = tag(Root.HEALTH, "gradient_flow"), tag(Root.HEALTH, "findings")
+ORDER_TAG = tag(Root.HEALTH, "forward_order")
+_GLOBAL_NORM = tag(Root.PARAM_GRAD, Stat.GLOBAL_NORM)
 #: The heatmap is drawn on the first logged step, then every this many logged steps, and at
 #: close: drawing and encoding it on every logged step would cost more than the statistics.
 FLOW_EVERY = 10
@@ -126,16 +128,15 @@ class Diagnostics:
         return out
 
     def _remember(self, scalars: Mapping[str, float], norms: dict[str, float]) -> None:
-        if "param_grad/global_norm" in scalars:
-            self._numbers["grad_norm"] = scalars["param_grad/global_norm"]
+        if _GLOBAL_NORM in scalars:
+            self._numbers["grad_norm"] = scalars[_GLOBAL_NORM]
         if norms:
             self._numbers["min_layer_grad"] = min(norms.values())
 
 
 def gradient_norms(scalars: Mapping[str, float]) -> dict[str, float]:
     """``{module: output-gradient norm}`` of one step."""
-    prefix = tag("gradient", "norm", "")
-    return {unescape(t[len(prefix) :]): v for t, v in scalars.items() if t.startswith(prefix)}
+    return by_name(scalars, Root.GRADIENT, Stat.NORM)
 
 
 def gradient_flow_image(order: Sequence[str], norms: Mapping[int, Mapping[str, float]]) -> np.ndarray:

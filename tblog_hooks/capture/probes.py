@@ -21,13 +21,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import stats
-from .records import GRADIENT
+from ..stats.kinds import GRADIENT
+from ..stats.sampling import traced_sample
 
 #: Positions in a summary: the gradients summed into it (more than one when the module ran
 #: twice in one forward: autograd adds up the probe's gradients within a backward), elements,
 #: squared L2 norm, non-finite count, min, max; then the histogram sample, padded with NaN.
-CALLS, NUMEL, SQUARES, NONFINITE, MIN, MAX = range(6)
+S_CALLS, S_NUMEL, S_SQUARES, S_NONFINITE, S_MIN, S_MAX = range(6)
 HEAD = 6
 
 
@@ -46,30 +46,31 @@ class _Tap(torch.autograd.Function):
 
 def summary(grad: Tensor, width: int) -> Tensor:
     """``[1, elements, norm², non-finite, min, max]`` of ``grad`` in float64, then its histogram
-    sample (``stats.sample``) padded with NaN to ``width`` (0: no histogram)."""
+    sample (``sampling.traced_sample``: it runs in the compiled backward) padded with NaN to
+    ``width`` (0: no histogram)."""
     norm, bad = GRADIENT.compute(grad)  # type: ignore[misc]  # GRADIENT has one
     lo, hi = torch.aminmax(grad)
     wide = torch.float64
     measured = torch.stack([norm.to(wide).square(), bad.to(wide), lo.to(wide), hi.to(wide)])
     parts = [torch.tensor([1.0, grad.numel()], dtype=wide, device=grad.device), measured]
     if width:
-        sample = stats.sample(grad).to(wide)
+        sample = traced_sample(grad).to(wide)
         parts += [sample, sample.new_full((width - sample.numel(),), math.nan)]
     return torch.cat(parts)
 
 
 def gradient(summed: Tensor) -> tuple[Tensor, ...]:
-    """``records.GRADIENT``'s values from a summary (or several added up: the norm and non-finite
+    """``kinds.GRADIENT``'s values from a summary (or several added up: the norm and non-finite
     count stay right)."""
-    return summed[SQUARES].sqrt(), summed[NONFINITE]
+    return summed[S_SQUARES].sqrt(), summed[S_NONFINITE]
 
 
 def histogram(summed: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The sample, exact min and max, and the elements each sampled one stands for, from a
     summary; all NaN where several summaries were added up (their sums mean nothing)."""
-    kept = torch.where(summed[CALLS] == 1, summed, math.nan)
-    sample, numel = kept[HEAD:], summed[NUMEL]
-    return sample, kept[MIN], kept[MAX], numel / numel.clamp(max=sample.numel())
+    kept = torch.where(summed[S_CALLS] == 1, summed, math.nan)
+    sample, numel = kept[HEAD:], summed[S_NUMEL]
+    return sample, kept[S_MIN], kept[S_MAX], numel / numel.clamp(max=sample.numel())
 
 
 class Probe:

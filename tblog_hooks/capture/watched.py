@@ -12,6 +12,8 @@ import weakref
 
 from torch import Tensor, nn
 
+from .._compat import own_parameters
+
 
 class Watched:
     """The model and its watched modules (``{display name: module}``), held by weak reference."""
@@ -31,8 +33,7 @@ class Watched:
         params: list[tuple[str, Tensor]] = []
         for name, ref in self._modules:
             module = None if name in self._left else ref()
-            # (named_parameters(recurse=False), without its generator machinery: read on every logged step)
-            for pname, p in [] if module is None else module._parameters.items():
+            for pname, p in [] if module is None else own_parameters(module):
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
                     params.append((f"{name}.{pname}", p))

@@ -9,6 +9,7 @@ the batch or the layer size; the README says why each default is what it is.
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import numbers
@@ -17,12 +18,24 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from .errors import HookLoggerError
-from .tags import escape, tag, unescape
+from ..errors import HookLoggerError
+from ..stats.tags import Root, Stat, by_name, escape, tag
 
-VANISHING, EXPLODING, DEAD, NONFINITE = "vanishing_gradient", "exploding_gradient", "dead_units", "nonfinite"
-SKIPPING = "amp_skipped_steps"
-KINDS = (VANISHING, EXPLODING, DEAD, NONFINITE, SKIPPING)
+
+class FindingKind(enum.StrEnum):
+    """What a :class:`Finding` is about (its ``kind``)."""
+
+    VANISHING_GRADIENT = "vanishing_gradient"
+    EXPLODING_GRADIENT = "exploding_gradient"
+    DEAD_UNITS = "dead_units"
+    NONFINITE = "nonfinite"
+    AMP_SKIPPED_STEPS = "amp_skipped_steps"
+
+
+VANISHING, EXPLODING, DEAD = FindingKind.VANISHING_GRADIENT, FindingKind.EXPLODING_GRADIENT, FindingKind.DEAD_UNITS
+NONFINITE, SKIPPING = FindingKind.NONFINITE, FindingKind.AMP_SKIPPED_STEPS
+#: Every finding kind, in the order tables list them.
+FINDING_KINDS: tuple[str, ...] = tuple(FindingKind)
 #: How many earlier logged steps the growth rule of ``exploding_gradient`` compares with (the
 #: latest ones without that finding): a bounded window keeps the cost of a step constant.
 GROWTH_WINDOW = 64
@@ -32,9 +45,7 @@ LOG_WORST, TABLE_ROWS = 3, 20
 #: Findings are reported here, one line per logged step that starts any (WARNING level).
 log = logging.getLogger("tblog_hooks.health")
 
-_SKIPPED, _LOSS_SCALE = tag("amp", "skipped_step"), tag("amp", "loss_scale")
-_UPDATE_RATIO = tag("param", "update_ratio", "")
-_PARAM_GRAD_NORM = tag("param_grad", "norm", "")
+_SKIPPED, _LOSS_SCALE = tag(Root.AMP, Stat.SKIPPED_STEP), tag(Root.AMP, Stat.LOSS_SCALE)
 
 
 @dataclass(frozen=True)
@@ -124,11 +135,11 @@ class Health:
         a step the ``GradScaler`` skipped has no gradient norms, so the gradient findings (and
         ``nonfinite``: the scaler's overflow is expected) keep the state they had."""
         skipped = scalars.get(_SKIPPED, 0.0) > 0
-        norms = [(m, v) for m in order if (v := scalars.get(tag("gradient", "norm", m))) is not None]
+        norms = [(m, v) for m in order if (v := scalars.get(tag(Root.GRADIENT, Stat.NORM, m))) is not None]
         finite = [(m, v) for m, v in norms if math.isfinite(v)]
-        ratios = {unescape(t[len(_UPDATE_RATIO) :]): v for t, v in scalars.items() if t.startswith(_UPDATE_RATIO)}
+        ratios = by_name(scalars, Root.PARAM, Stat.UPDATE_RATIO)
         candidates: _Candidates = {}
-        judged = {DEAD}
+        judged: set[str] = {DEAD}
         candidates.update(self._dead_units(step, scalars, order))
         if finite:
             judged.add(VANISHING)
@@ -179,7 +190,7 @@ class Health:
 
     def counts(self) -> dict[str, float]:
         """``health/{kind}``: how many findings of each kind hold now."""
-        return {f"health/{kind}": float(sum(k == kind for k, _ in self.active)) for kind in KINDS}
+        return {tag(Root.HEALTH, kind): float(sum(k == kind for k, _ in self.active)) for kind in FINDING_KINDS}
 
     def table(self) -> str:
         """The current findings as Markdown, one table per kind, worst first."""
@@ -252,12 +263,17 @@ class Health:
         """Modules whose channels are never positive, except the last one that ran in this step
         (its channels are outputs, e.g. classes). A module that ran is one with statistics of
         this step, so a watched module that never runs cannot take the output layer's place."""
-        ran = [m for m in order if tag("activation", "mean", m) in scalars or tag("input", "nonfinite", m) in scalars]
+        ran = [
+            m
+            for m in order
+            if tag(Root.ACTIVATION, Stat.MEAN, m) in scalars or tag(Root.INPUT, Stat.NONFINITE, m) in scalars
+        ]
         found: _Candidates = {}
         for m in ran[:-1]:
-            frac = scalars.get(tag("activation", "dead_frac", m))
+            frac = scalars.get(tag(Root.ACTIVATION, Stat.DEAD_FRAC, m))
             if frac is not None and frac >= self.thresholds.dead_fraction:
-                zero = scalars.get(tag("activation", "min", m)) == 0 == scalars.get(tag("activation", "max", m))
+                lo, hi = scalars.get(tag(Root.ACTIVATION, Stat.MIN, m)), scalars.get(tag(Root.ACTIVATION, Stat.MAX, m))
+                zero = lo == 0 == hi
                 message = f"{frac:.0%} of the channels of {m} are never positive across the batch" + (
                     " (its output is exactly zero)" if zero else ""
                 )
@@ -286,7 +302,7 @@ def _by_kind(found: Iterable[Finding]) -> list[tuple[str, list[Finding]]]:
     # The smaller a vanishing ratio, the worse; for the other kinds, the larger the value.
     return [
         (kind, sorted(groups[kind], key=lambda f: (f.value if kind == VANISHING else -f.value, f.step)))
-        for kind in KINDS
+        for kind in FINDING_KINDS
         if kind in groups
     ]
 
@@ -299,28 +315,28 @@ def _nonfinite_origin(step: int, scalars: Mapping[str, float], order: Sequence[s
     """Where NaN/Inf start: the first module in forward order whose output is non-finite while
     its input is finite; without non-finite outputs, the last module in forward order (first
     in backward) whose output gradient is non-finite, then any non-finite parameter gradient."""
-    bad_out = [m for m in order if scalars.get(tag("activation", "nonfinite", m), 0.0) > 0]
+    outputs = {m: scalars.get(tag(Root.ACTIVATION, Stat.NONFINITE, m), 0.0) for m in order}
+    bad_out = [m for m in order if outputs[m] > 0]
     for m in bad_out:
-        if not scalars.get(tag("input", "nonfinite", m), 0.0) > 0:
-            count = scalars[tag("activation", "nonfinite", m)]
+        if not scalars.get(tag(Root.INPUT, Stat.NONFINITE, m), 0.0) > 0:
+            count = outputs[m]
             return Finding(
                 NONFINITE, m, step, count, f"{count:.0f} NaN/Inf in the output of {m}, whose input was finite"
             )
     if bad_out:
         m = bad_out[0]
         return Finding(
-            NONFINITE, m, step, scalars[tag("activation", "nonfinite", m)],
+            NONFINITE, m, step, outputs[m],
             f"NaN/Inf already in the input of {m}, the first module with a non-finite output: "
             "check the data (or code outside the watched modules)",
         )  # fmt: skip
     for m in reversed(order):
-        count = scalars.get(tag("gradient", "nonfinite", m), 0.0)
+        count = scalars.get(tag(Root.GRADIENT, Stat.NONFINITE, m), 0.0)
         if count > 0:
             return Finding(
                 NONFINITE, m, step, count, f"{count:.0f} NaN/Inf in the gradient w.r.t. the output of {m} (backward)"
             )
-    for key, norm in scalars.items():
-        if key.startswith(_PARAM_GRAD_NORM) and not math.isfinite(norm):
-            name = unescape(key[len(_PARAM_GRAD_NORM) :])
+    for name, norm in by_name(scalars, Root.PARAM_GRAD, Stat.NORM).items():
+        if not math.isfinite(norm):
             return Finding(NONFINITE, name, step, norm, f"the gradient of parameter {name} is not finite")
     return None

@@ -13,7 +13,7 @@ from typing import Union
 
 from torch import nn
 
-from .errors import HookLoggerError
+from ..errors import HookLoggerError
 
 #: One way to pick modules: a dotted name from ``model.named_modules()`` (``"root"`` for the
 #: model itself, as ``HookLogger.module_names`` shows it), a glob pattern over those names, a

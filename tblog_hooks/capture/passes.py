@@ -45,8 +45,9 @@ class PassFilter:
         self.eval_passes = eval_passes
         self._unmatched: Counter[str] = Counter()  # training-mode no_grad calls, per module
 
-    def classify(self, name: str, training: bool) -> Counted:
-        if _in_backward():
+    def classify(self, name: str, training: bool, in_backward: bool) -> Counted:
+        """What to record of a call of module ``name`` (``in_backward``: it runs inside backward)."""
+        if in_backward:
             if self._unmatched[name] == 0 or not torch.is_grad_enabled():
                 return _SKIP
             self._unmatched[name] -= 1
@@ -57,19 +58,12 @@ class PassFilter:
             self._unmatched[name] += 1
         return Counted(self.eval_passes, False)
 
-    def records_inputs(self, name: str, training: bool) -> bool:
+    def records_inputs(self, name: str, training: bool, in_backward: bool) -> bool:
         """Whether a call's inputs are recorded (forward pre-hooks, before :meth:`classify`
         sees the call): exactly when its activations will be."""
-        if _in_backward():
+        if in_backward:
             return self._unmatched[name] > 0 and not self.eval_passes and torch.is_grad_enabled()
         return self.eval_passes or (training and torch.is_grad_enabled())
 
     def reset(self) -> None:
         self._unmatched.clear()
-
-
-def _in_backward() -> bool:
-    """Whether this forward call runs inside backward: a checkpoint recompute. Compiled
-    forwards are never recomputes seen by module hooks; the private call is skipped there so
-    tracing it cannot break the graph."""
-    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1

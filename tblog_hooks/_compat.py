@@ -1,0 +1,160 @@
+"""Every private torch and tensorboard API the library uses, in one place: each with why it is
+needed and the versions it is known for (checked on torch 2.4-2.14 and tensorboard 2.14-2.21
+unless said otherwise). Nothing else in the package touches a private attribute of either, so a
+torch upgrade means reading this file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import google_crc32c
+import torch
+from torch import Tensor, nn
+from torch.autograd.variable import Variable
+from torch.utils import _pytree
+from torch.utils.tensorboard import SummaryWriter
+
+from .output.event_files import frame
+
+if TYPE_CHECKING:
+    from torch.utils._pytree import TreeSpec
+
+
+# -- autograd ----------------------------------------------------------------------------------
+def in_backward() -> bool:
+    """Whether the caller runs inside a backward pass (a checkpoint recompute). No public API
+    tells; ``torch._C._current_graph_task_id`` is -1 outside backward (torch >= 1.13)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def at_end_of_backward(callback: Callable[[], None]) -> bool:
+    """Run ``callback`` once the running backward pass has finished, as DDP does
+    (``Variable._execution_engine.queue_callback``; torch >= 1.2). False outside backward."""
+    try:
+        Variable._execution_engine.queue_callback(callback)
+    except RuntimeError:  # "Final callbacks can only be installed during backward pass"
+        return False
+    return True
+
+
+def tree_flatten(tree: object) -> tuple[list[Any], TreeSpec]:
+    """The leaves of a nested output and how to rebuild it; ``torch.utils._pytree`` knows every
+    container torch does (named tuples, ``ModelOutput`` of transformers, ...)."""
+    return _pytree.tree_flatten(tree)
+
+
+def tree_unflatten(leaves: list[Any], spec: TreeSpec) -> Any:
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+def version(t: Tensor) -> int:
+    """How many times ``t`` was modified in place (``Tensor._version``, autograd's own counter):
+    tells whether a tensor seen earlier is still unchanged, at no device cost."""
+    return int(t._version)
+
+
+# -- multi-tensor ops: what clip_grad_norm_ and the optimizers use, one op for many tensors ---------
+def foreach_norm(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """L2 norms of many tensors in one op (``torch._foreach_norm``, dtype= since torch 2.3)."""
+    return list(torch._foreach_norm(list(tensors), 2, dtype=dtype))
+
+
+def foreach_div(tensors: Sequence[Tensor], divisor: Tensor | Sequence[Tensor]) -> list[Tensor]:
+    return list(torch._foreach_div(list(tensors), divisor))  # type: ignore[arg-type]
+
+
+def foreach_copy(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Copies of many tensors in one op (``torch._foreach_mul`` by 1)."""
+    return list(torch._foreach_mul(list(tensors), 1.0))
+
+
+def foreach_sub_(tensors: Sequence[Tensor], others: Sequence[Tensor]) -> None:
+    torch._foreach_sub_(list(tensors), list(others))
+
+
+# -- sparse and module internals ---------------------------------------------------------------
+def sparse_parts(g: Tensor) -> tuple[Tensor, Tensor]:
+    """Indices and values of a sparse COO tensor, coalesced or not (``indices()``/``values()``
+    refuse an uncoalesced one, and coalescing syncs with the host)."""
+    return g._indices(), g._values()
+
+
+def own_parameters(module: nn.Module) -> Iterable[tuple[str, Tensor | None]]:
+    """``module.named_parameters(recurse=False)`` without its generator machinery
+    (``Module._parameters``): read on every logged step."""
+    return module._parameters.items()
+
+
+def forward_hooks(module: nn.Module) -> Iterable[object]:
+    """The forward hooks registered on ``module`` (``Module._forward_hooks``): no public API lists them."""
+    return module._forward_hooks.values()
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` is ``torch.compile(model)`` (an ``OptimizedModule``) or had
+    ``model.compile()`` called (``_compiled_call_impl``, torch >= 2.2)."""
+    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or (
+        getattr(model, "_compiled_call_impl", None) is not None
+    )
+
+
+# -- GradScaler --------------------------------------------------------------------------------
+def loss_scale(scaler: torch.amp.GradScaler) -> Tensor | None:
+    """The scaler's scale as its device tensor, without the host read ``get_scale()`` makes
+    (``_get_scale_async``); ``None`` before its first ``scale()``."""
+    return scaler._get_scale_async()
+
+
+def initial_scale(scaler: torch.amp.GradScaler) -> float:
+    return float(scaler._init_scale)
+
+
+def found_inf(scaler: torch.amp.GradScaler) -> list[Tensor]:
+    """The scaler's inf/NaN flags of this step, per optimizer and device, between its ``step()``
+    and ``update()`` (``_per_optimizer_states``); empty otherwise."""
+    states = scaler._per_optimizer_states.values()
+    return [flag for state in states for flag in state["found_inf_per_device"].values()]
+
+
+# -- TensorBoard -------------------------------------------------------------------------------
+def writer_closed(writer: SummaryWriter) -> bool:
+    """Whether ``writer.close()`` was called (it sets ``all_writers`` to ``None``): its next write
+    would silently open a new event file."""
+    return writer.all_writers is None
+
+
+def event_file_writer(writer: SummaryWriter) -> Any:
+    """The writer's event file (``_get_file_writer``), to add one whole ``Summary`` as one event."""
+    return writer._get_file_writer()
+
+
+def fast_checksum(writer: SummaryWriter) -> Callable[[], None]:
+    """Give the record writer of ``writer``'s event file a C CRC-32C in place of TensorBoard's
+    pure-Python one, which holds the GIL ~0.3 ms per kB; the bytes written are the same. Only this
+    writer changes (its ``RecordWriter`` object gets its own ``write``, reached through
+    ``FileWriter.event_writer._async_writer._writer``, tensorboard 2.14-2.21); returns what puts
+    it back. Nothing changes where ``google-crc32c`` has no C implementation."""
+    try:
+        records = event_file_writer(writer).event_writer._async_writer._writer
+        file = records._writer
+    except AttributeError:  # another tensorboard layout: keep its own checksum
+        return _nothing
+    if google_crc32c.implementation != "c" or "write" in vars(records):
+        return _nothing  # (already given one, by another logger sharing this writer)
+
+    def write(data: bytes) -> None:
+        file.write(frame(data))
+
+    records.write = write
+
+    def restore() -> None:
+        if vars(records).get("write") is write:
+            del records.write
+
+    return restore
+
+
+def _nothing() -> None:
+    pass

@@ -1,0 +1,140 @@
+"""Forward and forward pre-hook bodies: statistics of each watched module's outputs and inputs,
+feature maps, and the order in which the modules first run."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor
+
+from .._compat import tree_flatten, version
+from ..stats.feature_maps import feature_grid
+from ..stats.kinds import ACTIVATION, IMAGE, INPUT, NONFINITE_COUNT
+from ..stats.packing import Record
+from ..stats.reductions import finite, loggable
+from .output_gradients import OutputGradientRecorder
+from .passes import PassFilter
+from .step import Mode, StepBuffer
+
+
+class ActivationRecorder:
+    """Records what watched modules return (``activation/*``) and take (``input/*``)."""
+
+    def __init__(
+        self,
+        buffer: StepBuffer,
+        gradients: OutputGradientRecorder | None,
+        *,
+        activations: bool,
+        inputs: bool,
+        eval_passes: bool,
+        feature_maps: frozenset[str],
+    ) -> None:
+        self.buffer, self.gradients = buffer, gradients
+        self.activations, self.inputs, self.feature_maps = activations, inputs, feature_maps
+        self.passes = PassFilter(eval_passes=eval_passes)
+        self.forward_order: list[str] = []  # watched modules in the order their forward hooks first fired
+        self._fired: set[str] = set()
+        self._mapped: set[str] = set()  # feature maps taken this step
+        # The latest activation recorded: (weakref to it, its version, its finite count).
+        self._last_output: tuple[weakref.ref[Tensor], int, Tensor] | None = None
+
+    def on_output(self, name: str, output: object, training: bool) -> object | None:
+        """Forward hook body: statistics of the output now, its gradient watched for later (of
+        training passes only, see ``passes.py``). Returns a replacement output when the gradient
+        is watched through a probe (under ``torch.compile``), else ``None``."""
+        if name in self.buffer.disabled:
+            return None
+        mode = self.buffer.now()
+        if not mode.compiled and name not in self._fired:
+            # Not while compiling: a set that grows would be one more guard and one more graph.
+            self._fired.add(name)
+            self.forward_order.append(name)
+        try:
+            counted = self.passes.classify(name, training, mode.in_backward())
+            if not any(counted):
+                return None
+            tensors = loggable_leaves(output)
+            if not tensors:
+                return None
+            with torch.no_grad():
+                if name in self.feature_maps and name not in self._mapped:
+                    self._add_feature_map(mode, name, tensors)
+                if self.activations and counted.activations:
+                    for t in tensors:
+                        self._remember(mode, t, mode.record(ACTIVATION, name, t))
+            if counted.gradients and self.gradients is not None:
+                return self.gradients.watch(mode, name, output, tensors)
+        except Exception as error:  # the logger must never stop training
+            self.buffer.fail(name, error)
+        return None
+
+    def on_input(self, name: str, inputs: object, training: bool) -> None:
+        """Forward pre-hook body: the inputs' non-finite count (to tell where NaN/Inf start),
+        or with ``inputs=True`` the same statistics as for outputs."""
+        if name in self.buffer.disabled or not (self.activations or self.inputs):
+            return  # without output counts the input count tells nothing
+        mode = self.buffer.now()
+        if not self.passes.records_inputs(name, training, mode.in_backward()):
+            return
+        try:
+            with torch.no_grad():
+                for t in loggable_leaves(inputs):
+                    if self.inputs:
+                        mode.record(INPUT, name, t)
+                    else:
+                        mode.add(Record(NONFINITE_COUNT, name, t.numel(), (self._finite_input(mode, t),)))
+        except Exception as error:
+            self.buffer.fail(name, error)
+
+    def end_step(self) -> None:
+        """A logged step ended: forget its passes, its feature maps and the last output."""
+        self.passes.reset()
+        self._mapped, self._last_output = set(), None
+
+    def _remember(self, mode: Mode, t: Tensor, values: tuple[Tensor, ...]) -> None:
+        """Keep the finite count of an output for the next module's pre-hook, should its input
+        be this very tensor (conv -> bn in a ResNet), saving a pass over it. Not while compiling
+        (no weak reference or version there), nor of inference tensors (they have neither)."""
+        if not mode.compiled and not t.is_inference():
+            self._last_output = (weakref.ref(t), version(t), ACTIVATION.value(values, "finite"))
+
+    def _finite_input(self, mode: Mode, t: Tensor) -> Tensor:
+        """Finite count of an input: the one remembered if the input is the unchanged output
+        of the watched module that ran just before."""
+        last = None if mode.compiled else self._last_output  # is_inference() breaks a graph
+        if last is not None and last[0]() is t and not t.is_inference() and version(t) == last[1]:
+            return last[2]
+        return finite(t)
+
+    def _add_feature_map(self, mode: Mode, name: str, tensors: list[Tensor]) -> None:
+        """Channels of the first sample of the first 3-D-or-more output, first call only."""
+        maps = [t for t in tensors if t.dim() >= 3]
+        if maps:
+            self._mapped.add(name)
+            grid = feature_grid(maps[0][0])
+            mode.add(Record(IMAGE, name, grid.numel(), (grid,), tuple(grid.shape)))
+
+
+def loggable_leaves(tree: object) -> list[Tensor]:
+    """The tensors of a (nested) input or output that statistics are taken of."""
+    if isinstance(tree, Tensor):
+        leaves = [tree]
+    elif _flat_inputs(tree):  # the usual forward pre-hook input, without pytree's walk
+        leaves = list(tree[0])  # type: ignore[index]  # (_flat_inputs: a pair holding a tuple)
+    else:
+        leaves = tree_flatten(tree)[0]
+    return [t for t in leaves if loggable(t)]
+
+
+def _flat_inputs(tree: object) -> bool:
+    """Whether ``tree`` is a pre-hook's ``(args, kwargs)`` with no keyword arguments and only
+    tensors among the arguments."""
+    return (
+        type(tree) is tuple
+        and len(tree) == 2
+        and type(tree[0]) is tuple
+        and not tree[1]
+        and all(isinstance(a, Tensor) for a in tree[0])
+    )

@@ -1,0 +1,148 @@
+"""Gradients w.r.t. the watched modules' outputs: a tensor hook on each output of a training pass
+(eagerly), or the module's probe (under ``torch.compile``, see ``probes.py``)."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from .._compat import tree_flatten, tree_unflatten
+from ..stats import sampling
+from ..stats.binning import Sample
+from ..stats.kinds import ACTIVATION, GRADIENT
+from ..stats.packing import Record
+from ..stats.reductions import loggable
+from ..stats.tags import Root
+from . import probes
+from .step import Mode, StepBuffer
+
+
+class OutputGradientRecorder:
+    """Records ``gradient/*`` of the watched modules' outputs during a logged step's backward."""
+
+    def __init__(self, buffer: StepBuffer, *, histograms: bool) -> None:
+        self.buffer = buffer
+        self._width = sampling.SAMPLE_CAP if histograms else 0  # of a probe's histogram sample
+        self._handles: list[RemovableHandle] = []  # this step's tensor hooks
+        self._probes: dict[str, probes.Probe] = {}
+        self._warned_repeated = False
+
+    def place_probes(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
+        """A probe per watched module, on the device its outputs will be on: made now, before
+        ``torch.compile`` traces the hooks (one made later would be one more graph)."""
+        for name, module in modules.items():
+            self._place_probe(name, probes.home_device(module, model))
+
+    def watch(self, mode: Mode, name: str, output: object, tensors: list[Tensor]) -> object | None:
+        """Watch the gradients of a training pass's outputs (``tensors``, the loggable leaves of
+        ``output``); returns the output to use instead, if any."""
+        if mode.compiled:
+            return self._tap(name, output)
+        for t in tensors:
+            if t.requires_grad:
+                self._handles.append(t.register_hook(_GradientHook(self, name)))
+        return None
+
+    def on_grad(self, name: str, grad: Tensor) -> None:
+        """A tensor hook's gradient."""
+        if name in self.buffer.disabled:
+            return
+        try:
+            if not loggable(grad):
+                return
+            with torch.no_grad():
+                self.buffer.eager.record(GRADIENT, name, grad)
+        except Exception as error:
+            self.buffer.fail(name, error)
+
+    def on_probe(self, name: str, summed: Tensor) -> None:
+        """A probe's gradient: the summary of one backward through the module (``probes.py``)."""
+        buffer = self.buffer
+        if name in buffer.disabled or not buffer.active:  # a backward after its logged step ended
+            return
+        try:
+            with torch.no_grad():
+                # Elements are on the device only; GRADIENT's fields pool without them.
+                buffer.eager.add(Record(GRADIENT, name, 0, probes.gradient(summed)))
+                if buffer.eager.takes_histogram(Root.GRADIENT):
+                    sample, lo, hi, weight = probes.histogram(summed)
+                    buffer.eager.add(Sample(Root.GRADIENT, name, sample, sample.numel(), lo, hi, weight))
+        except Exception as error:
+            buffer.fail(name, error)
+
+    def repeated_backward(self, name: str) -> None:
+        """A second backward reached the same output (``retain_graph=True``); said once."""
+        if not self._warned_repeated:
+            self._warned_repeated = True
+            warnings.warn(
+                f"tblog_hooks: a second backward pass reached an output of {name!r} in one step (retain_graph=True): "
+                "gradient/norm pools the passes' gradients as separate ones (the root of their summed squares), "
+                "not as the norm of their sum, which is what reached the output; keeping each gradient until "
+                "the next one arrives would cost the memory of every watched output",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def end_step(self, records: list[Record]) -> None:
+        """A logged step ended: remove its tensor hooks; probes of modules whose outputs turned
+        out to be on another device (the model was moved after attaching) follow them, at the
+        cost of one more graph."""
+        self._unhook()
+        for record in records:
+            probe = self._probes.get(record.name)
+            if record.kind is ACTIVATION and probe is not None and probe.device != record.values[0].device:
+                self._place_probe(record.name, record.values[0].device)
+
+    def release(self) -> None:
+        """The logger is done: remove every gradient hook, the probes' too."""
+        self._unhook()
+        self._probes.clear()
+
+    def _unhook(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _place_probe(self, name: str, device: torch.device) -> None:
+        # A weak reference: the probe's tensor hook must not keep the recorder alive.
+        self._probes[name] = probes.Probe(device, self._width, functools.partial(_on_probe, weakref.ref(self), name))
+
+    def _tap(self, name: str, output: object) -> object | None:
+        """The output with each tensor that carries a gradient passed through the module's
+        probe, or ``None`` (keep the output) if there is none: a tensor hook that writes into
+        the buffer would break the compiled graph at every module."""
+        probe = self._probes.get(name)
+        if probe is None:
+            return None
+        leaves, spec = tree_flatten(output)
+        tapped = [probe.tap(t) if loggable(t) and t.requires_grad and t.device == probe.device else t for t in leaves]
+        if all(a is b for a, b in zip(tapped, leaves)):
+            return None
+        replaced: object = tree_unflatten(tapped, spec)
+        return replaced
+
+
+def _on_probe(recorder: weakref.ref[OutputGradientRecorder], name: str, summed: Tensor) -> None:
+    alive = recorder()
+    if alive is not None:
+        alive.on_probe(name, summed)
+
+
+class _GradientHook:
+    """Tensor hook on a module output: records the gradient, never changes it."""
+
+    __slots__ = ("calls", "name", "recorder")
+
+    def __init__(self, recorder: OutputGradientRecorder, name: str) -> None:
+        self.recorder, self.name, self.calls = recorder, name, 0
+
+    def __call__(self, grad: Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.recorder.repeated_backward(self.name)
+        self.recorder.on_grad(self.name, grad)

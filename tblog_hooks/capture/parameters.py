@@ -1,0 +1,231 @@
+"""Parameters: each watched parameter's gradient once it is final, the weights' histograms at
+the end of a logged step, and the update ratio of the optimizer step.
+
+Gradients are read either when the backward that made them ends (``optimizer=None``: a
+post-accumulate-grad hook queues the read) or when an optimizer steps them (:class:`OptimizerHooks`:
+after gradient accumulation, DDP averaging and ``GradScaler.unscale_``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .._compat import at_end_of_backward, foreach_copy, foreach_div, foreach_sub_
+from ..stats.binning import Sample
+from ..stats.kinds import PARAM_GRAD
+from ..stats.packing import Record
+from ..stats.reductions import FLOAT_DTYPES, loggable, norms, sparse_values
+from ..stats.tags import Root, Stat, tag
+from ..transport import amp
+from ..transport.distributed import is_sharded, local_shard
+from .step import StepBuffer
+from .watched import Watched
+
+#: The names under which failures of these parts are reported (and they stop).
+PARAMETERS, UPDATE_RATIO = "parameters", "update_ratio"
+
+Named = list[tuple[str, Tensor]]
+
+
+class ParameterRecorder:
+    """Records ``param_grad/*``, ``param/update_ratio/*`` and weight histograms of a logged step."""
+
+    def __init__(self, buffer: StepBuffer) -> None:
+        self.buffer = buffer
+        # Parameters whose gradient was read this step: its record and histogram sample.
+        self._graded: dict[str, tuple[Record, Sample | None]] = {}
+        self._ready: Named = []  # parameters whose gradient this backward made final
+        self._before_update: tuple[Named, list[Tensor], list[Tensor]] | None = None
+
+    def on_param_grad(self, name: str, param: Tensor) -> None:
+        """Post-accumulate-grad hook body: ``param.grad`` is final for this backward. Read when
+        the backward ends, with every other parameter it reached: one norm op for all of them.
+        Each call queues the reading (the first callback reads them all): one queued only by the
+        first would be lost with a backward that raises, and the next backward's with it."""
+        self._ready.append((name, param))
+        if not at_end_of_backward(self._read_ready):  # not run by the autograd engine: read it now
+            self._read_ready()
+
+    def read(self, named: Named, scale: Tensor | None = None) -> None:
+        """Record gradient norms (and histograms) of parameters whose ``.grad`` is final; divided
+        on the device by ``scale``, the loss scale still in ``.grad`` (see ``amp.grad_scale``)."""
+        buffer = self.buffer
+        try:
+            with torch.no_grad():  # (a gradient of create_graph=True backward requires grad)
+                graded = [(key, g) for key, p in named if key not in buffer.disabled and (g := _gradient(p.grad))]
+                if not graded:
+                    return
+                keys = [key for key, _ in graded]
+                grads = [g for _, (g, _) in graded]
+                shown = [h for _, (_, h) in graded]
+                samples = self._samples(Root.PARAM_GRAD, keys, shown)
+                found = norms(grads)
+                if scale is not None:  # a fused optimizer's gradients, still scaled: unscaled here
+                    divisor = scale.to(found[0].device).reshape(())
+                    found = foreach_div(found, divisor)
+                    for row in samples.values():
+                        row.sample.div_(divisor)
+                # A later read (the next micro-batch's accumulated gradient) replaces an earlier one.
+                for key, grad, norm in zip(keys, grads, found):
+                    self._graded[key] = (Record(PARAM_GRAD, key, grad.numel(), (norm,)), samples.get(key))
+        except Exception as error:
+            buffer.fail(named[0][0] if len(named) == 1 else PARAMETERS, error)
+            buffer.disabled.update(key for key, _ in named)
+
+    def weights(self, params: Callable[[], Named]) -> None:
+        """Histograms of the weights whose gradients this step recorded, as they are at the end
+        of the step (after the update). ``params`` looks the watched parameters up: called only
+        on a step that takes weight histograms."""
+        if not self._graded or not self.buffer.eager.takes_histogram(Root.PARAM):
+            return
+        named = [(key, p) for key, p in params() if key in self._graded]
+        if not named:
+            return
+        try:
+            with torch.no_grad():
+                samples = self._samples(Root.PARAM, [key for key, _ in named], [local_shard(p) for _, p in named])
+                for row in samples.values():
+                    self.buffer.eager.add(row)
+        except Exception as error:
+            self.buffer.fail(PARAMETERS, error)
+
+    def before_update(self, named: Named) -> None:
+        """Optimizer step pre-hook: copy the weights (logged steps only) to measure the update.
+        FSDP2-sharded weights are left out: a shard's ratio is not the parameter's."""
+        named = [(key, p) for key, p in named if not is_sharded(p)]
+        if not named:
+            return
+        try:
+            with torch.no_grad():
+                weights = [p for _, p in named]
+                self._before_update = (named, norms(weights), foreach_copy(weights))
+        except Exception as error:
+            self.buffer.fail(UPDATE_RATIO, error)
+
+    def after_update(self) -> None:
+        """Optimizer step post-hook: ``||W_after - W_before|| / ||W_before||`` per parameter,
+        computed in place in the copy, which is then dropped."""
+        if self._before_update is None:
+            return
+        named, weight_norms, before = self._before_update
+        self._before_update = None
+        try:
+            with torch.no_grad():
+                foreach_sub_(before, [p for _, p in named])
+                for (key, _), ratio in zip(named, foreach_div(norms(before), weight_norms)):
+                    self.buffer.record_scalar(tag(Root.PARAM, Stat.UPDATE_RATIO, key), ratio)
+        except Exception as error:
+            self.buffer.fail(UPDATE_RATIO, error)
+
+    def end_step(self) -> tuple[list[Record], list[Sample]]:
+        """The gradients this logged step read, as records and histogram samples; forgets them."""
+        graded, self._graded = self._graded, {}
+        self._ready, self._before_update = [], None  # (of a backward that raised before its end)
+        records = [record for record, _ in graded.values()]
+        return records, [row for _, row in graded.values() if row is not None]
+
+    @property
+    def graded(self) -> bool:
+        """Whether this logged step read any gradient so far."""
+        return bool(self._graded)
+
+    def _read_ready(self) -> None:
+        ready, self._ready = self._ready, []
+        if ready:
+            self.read(ready)
+
+    def _samples(self, kind: str, keys: list[str], tensors: list[Tensor]) -> dict[str, Sample]:
+        """Histogram samples of parameters or their gradients, over the sample's own range (no
+        pass over the whole tensor); empty FSDP2 shards have none, nor a step without ``kind``."""
+        eager = self.buffer.eager
+        if not eager.takes_histogram(kind):
+            return {}
+        return {
+            key: Sample(kind, key, eager.sample(t), t.numel(), None, None) for key, t in zip(keys, tensors) if t.numel()
+        }
+
+
+def _gradient(grad: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    """A parameter's gradient as dense tensors for its norm and its histogram: this rank's shard
+    of an FSDP2 gradient, the summed values of a sparse one (``reductions.sparse_values``);
+    ``None`` if it is not logged."""
+    if grad is not None and grad.layout == torch.sparse_coo and grad.dtype in FLOAT_DTYPES:
+        return sparse_values(grad)
+    if not loggable(grad):
+        return None
+    local = local_shard(grad)  # type: ignore[arg-type]  # loggable: a tensor
+    return local, local
+
+
+class OptimizerHooks:
+    """Step pre- and post-hook of every optimizer (``register_optimizer_step_pre_hook`` and
+    ``_post_hook`` of ``torch.optim.optimizer``): on a logged step, the watched parameters an
+    optimizer steps are read when it steps them — after gradient accumulation, DDP averaging
+    and ``GradScaler.unscale_`` — so each is read by its own optimizer (a GAN's two; one that
+    replaced the optimizer given), and one no optimizer steps is not read. The weights are
+    copied before the step to measure the update."""
+
+    __slots__ = ("_params", "_stepped", "_stepping", "parameters", "watched")
+
+    def __init__(self, parameters: ParameterRecorder, watched: Watched) -> None:
+        self.parameters, self.watched = parameters, watched
+        # This logged step's watched parameters by id, looked up at its first optimizer step
+        # (so parameters replaced just before it are read); None until then and between logged steps.
+        self._params: dict[int, tuple[str, Tensor]] | None = None
+        self._stepped: set[str] = set()  # keys an optimizer stepped this logged step
+        # id(optimizer) -> (its watched parameters, whether to read them after its step), during its step.
+        self._stepping: dict[int, tuple[Named, bool]] = {}
+
+    def pre(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        buffer = self.parameters.buffer
+        if not buffer.active or PARAMETERS in buffer.disabled:
+            return
+        try:
+            params = self._params  # one read: another thread's optimizer may run this hook too
+            if params is None:
+                params = self._params = {id(p): (key, p) for key, p in self.watched.params()}
+            named = [entry for group in optimizer.param_groups for p in group["params"] if (entry := params.get(id(p)))]
+            if not named:
+                return  # another model's optimizer
+            # LBFGS & co. compute gradients inside step(), by calling the closure: read them after it.
+            closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
+            if closure is None:
+                self._read(named, amp.grad_scale(optimizer))
+            self._stepping[id(optimizer)] = (named, closure is not None)
+            self.parameters.before_update([(key, p) for key, p in named if p.requires_grad])
+        except Exception as error:  # the logger must never stop training
+            buffer.fail(PARAMETERS, error)
+
+    def post(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        stepping = self._stepping.pop(id(optimizer), None)
+        if stepping is None:
+            return
+        try:
+            named, read_after = stepping
+            if read_after:
+                self._read(named, None)
+            self.parameters.after_update()
+        except Exception as error:
+            self.parameters.buffer.fail(PARAMETERS, error)
+
+    def _read(self, named: Named, scale: Tensor | None) -> None:
+        self.parameters.read(named, scale=scale)
+        self._stepped.update(key for key, _ in named)
+
+    def unstepped(self) -> list[str]:
+        """Watched parameters holding a gradient that no optimizer stepped this logged step
+        (none when these hooks failed: nothing was read then)."""
+        if PARAMETERS in self.parameters.buffer.disabled:
+            return []
+        params = self.watched.params()
+        return [key for key, p in params if key not in self._stepped and p.requires_grad and p.grad is not None]
+
+    def clear(self) -> None:
+        """End of a logged step: hold no parameter until the next one."""
+        self._params, self._stepped = None, set()
+        self._stepping.clear()

@@ -1,0 +1,119 @@
+"""The recorders of a logger wired to one step buffer and to the model's watched modules: what
+:class:`~tblog_hooks.HookLogger` starts and ends each logged step with."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from ..stats.packing import StepLayout, pack_step
+from ..stats.schedule import Histograms
+from .activations import ActivationRecorder
+from .hooks import ForwardHook, ForwardPreHook, Handles, ParamGradHook
+from .output_gradients import OutputGradientRecorder
+from .parameters import OptimizerHooks, ParameterRecorder
+from .step import StepBuffer
+from .watched import Watched
+
+
+class Recording:
+    """Hooks on the watched modules (and optimizers) that record on logged steps only."""
+
+    def __init__(
+        self,
+        watched: Watched,
+        *,
+        activations: bool,
+        gradients: bool,
+        histograms: Histograms | None,
+        eval_passes: bool,
+        inputs: bool,
+        feature_maps: frozenset[str],
+        optimizer_hooks: bool,
+    ) -> None:
+        self.watched = watched
+        self.buffer = StepBuffer(histograms)
+        self.gradients = OutputGradientRecorder(self.buffer, histograms=histograms is not None) if gradients else None
+        self.activations = ActivationRecorder(
+            self.buffer,
+            self.gradients,
+            activations=activations,
+            inputs=inputs,
+            eval_passes=eval_passes,
+            feature_maps=feature_maps,
+        )
+        self.parameters = ParameterRecorder(self.buffer)
+        #: With ``optimizer=``, parameters are read when an optimizer steps them; else during backward.
+        self.optimizer_hooks = OptimizerHooks(self.parameters, watched) if optimizer_hooks else None
+        self.handles = Handles()  # live until release()
+        self._step_handles = Handles()  # live during one logged step
+
+    @property
+    def forward_order(self) -> list[str]:
+        """Watched modules in the order their forward hooks first fired (grows as they do)."""
+        return self.activations.forward_order
+
+    def attach(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
+        """Register the module hooks (and the optimizer hooks, with ``optimizer=``)."""
+        for name, module in modules.items():
+            self.handles.add(module.register_forward_pre_hook(ForwardPreHook(self.activations, name), with_kwargs=True))
+            self.handles.add(module.register_forward_hook(ForwardHook(self.activations, name)))
+        if self.gradients is not None:
+            self.gradients.place_probes(model, modules)
+        if self.optimizer_hooks is not None:
+            self.handles.add(register_optimizer_step_pre_hook(self.optimizer_hooks.pre))
+            self.handles.add(register_optimizer_step_post_hook(self.optimizer_hooks.post))
+
+    def begin(self, index: int) -> None:
+        """Logged step number ``index`` (in logged steps) begins: hooks record from now on."""
+        self.buffer.active = True
+        self.buffer.begin(index)
+        if self.optimizer_hooks is not None:
+            return  # parameters are read when an optimizer steps them
+        for key, p in self.watched.params():
+            if p.requires_grad:  # a frozen parameter has no gradient (and takes no hook)
+                self._step_handles.add(p.register_post_accumulate_grad_hook(ParamGradHook(self.parameters, key)))
+
+    def stop(self) -> None:
+        """Hooks record nothing from now on, until the next :meth:`begin`."""
+        self.buffer.active = False
+
+    @property
+    def empty(self) -> bool:
+        """Whether nothing was recorded since the logged step began."""
+        return self.buffer.empty and not self.parameters.graded
+
+    def end(self) -> None:
+        """The logged step's training is over: stop recording, remove its per-step hooks, take
+        the weight histograms (after the optimizer's update)."""
+        self.stop()
+        self.activations.end_step()
+        self._step_handles.remove_all()
+        if self.optimizer_hooks is not None:
+            self.optimizer_hooks.clear()
+        self.parameters.weights(self.watched.params)
+
+    def record_scalar(self, key: str, value: Tensor) -> None:
+        """A device value of the step logged under the tag ``key``."""
+        self.buffer.record_scalar(key, value)
+
+    def pack(self) -> tuple[Tensor, StepLayout] | None:
+        """Bin the step's histograms and pack every record into one float64 tensor; reset."""
+        records, samples = self.buffer.drain()
+        if self.gradients is not None:
+            self.gradients.end_step(records)
+        graded, rows = self.parameters.end_step()
+        return pack_step(records + graded, samples + rows, self.buffer.kinds, self.buffer.indices)
+
+    def unstepped(self) -> list[str]:
+        """Watched parameters with a gradient no ``torch.optim`` optimizer stepped this logged step."""
+        return [] if self.optimizer_hooks is None else self.optimizer_hooks.unstepped()
+
+    def release(self) -> None:
+        """The logger is done: stop recording, remove every hook, drop cached tensors."""
+        self.stop()
+        self.handles.remove_all()
+        self._step_handles.remove_all()
+        if self.gradients is not None:
+            self.gradients.release()
+        self.buffer.indices.clear()

@@ -1,0 +1,156 @@
+"""One logged step's records packed into one float64 tensor on the device, and read back on the host.
+
+A hook appends a :class:`Record` holding device tensors. At the end of the step :func:`pack_step`
+bins the step's histogram samples and turns every record into one float64 tensor (a handful of
+ops for the whole step) and a host-side :class:`StepLayout` of :class:`Entry` objects that say
+where each field landed; :func:`pooled` reads them back and pools them per module, as each
+field of its kind declares.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .binning import HIST_WIDTH, RowInfo, Sample, bin_step
+from .kinds import BINNED, PARAM_GRAD, Kind, Values
+from .sampling import IndexCache
+from .tags import Root, Stat, tag
+
+
+class Record(NamedTuple):
+    """What a hook recorded: device tensors, one per field of ``kind``, in field order."""
+
+    kind: Kind
+    name: str
+    numel: int  # elements of the tensor it describes
+    values: tuple[Tensor, ...]
+    shape: tuple[int, ...] = ()  # of an image
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A record on the host: where its fields are in the packed array."""
+
+    kind: Kind
+    name: str
+    numel: int
+    spans: tuple[tuple[int, int], ...]  # (offset, length) per field
+    shape: tuple[int, ...] = ()
+
+    def read(self, values: np.ndarray) -> Values:
+        out, spans = {}, iter(self.spans)
+        for f in self.kind.fields:
+            if f.parts == 1:
+                a, n = next(spans)
+                out[f.name] = values[a : a + n]
+            else:
+                out[f.name] = np.concatenate([values[a : a + n] for a, n in itertools.islice(spans, f.parts)])
+        return out
+
+
+@dataclass
+class StepLayout:
+    """Host-side description of a packed step: one :class:`Entry` per record, in record order."""
+
+    entries: list[Entry] = field(default_factory=list)
+    size: int = 0
+    rows: list[RowInfo] = field(default_factory=list)  # the histogram rows of the BINNED entry
+
+    def of(self, *kinds: Kind) -> list[Entry]:
+        return [e for e in self.entries if e.kind in kinds]
+
+
+def pack(records: Sequence[Record], device: torch.device) -> tuple[Tensor, StepLayout]:
+    """Every record's values in one float64 tensor on ``device``: 0-d values of one dtype are
+    stacked with one op, vectors concatenated with one, so the op count does not grow with the
+    number of records."""
+    groups: dict[tuple[torch.device, torch.dtype, bool], list[Tensor]] = {}
+    where: list[tuple[tuple[torch.device, torch.dtype, bool], int]] = []  # per value: group, index
+    for record in records:
+        for t in record.values:
+            key = (t.device, t.dtype, t.dim() == 0)
+            group = groups.setdefault(key, [])
+            where.append((key, len(group)))
+            group.append(t)
+    starts: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
+    parts = []
+    offset = 0
+    for key, group in groups.items():
+        lengths = [1 if key[2] else t.numel() for t in group]
+        starts[key] = (offset + np.cumsum([0, *lengths[:-1]])).tolist()
+        offset += sum(lengths)
+        joined = torch.stack(group) if key[2] else torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in group])
+        parts.append(joined.to(device, torch.float64, non_blocking=True))
+    layout = StepLayout(size=offset)
+    values = iter(where)
+    for record in records:
+        spans = []
+        for t in record.values:
+            key, index = next(values)
+            spans.append((starts[key][index], 1 if key[2] else t.numel()))
+        layout.entries.append(Entry(record.kind, record.name, record.numel, tuple(spans), record.shape))
+    return torch.cat(parts) if len(parts) > 1 else parts[0], layout
+
+
+def pooled(entries: Iterable[Entry], values: np.ndarray) -> dict[tuple[Kind, str], tuple[Values, int]]:
+    """Fields of every (kind, module), pooled over its records with each field's rule; and the
+    number of elements they cover."""
+    grouped: dict[tuple[Kind, str], list[Entry]] = {}
+    for entry in entries:
+        grouped.setdefault((entry.kind, entry.name), []).append(entry)
+    out = {}
+    for (kind, name), group in grouped.items():
+        if len(group) == 1:  # pooling one record changes nothing
+            out[(kind, name)] = (group[0].read(values), group[0].numel)
+            continue
+        counts = np.array([e.numel for e in group], dtype=np.float64)
+        read = [e.read(values) for e in group]
+        fields = {}
+        for f in kind.fields:
+            rows = [r[f.name] for r in read]
+            if len({row.size for row in rows}) > 1:  # calls with other channel counts: channels side by side
+                fields[f.name] = np.concatenate(rows)
+                continue
+            fields[f.name] = f.pool(np.stack(rows), counts)
+        out[(kind, name)] = (fields, int(counts.sum()))
+    return out
+
+
+def scalars(entries: Iterable[Entry], values: np.ndarray) -> dict[str, float]:
+    """``{tag: value}`` of every pooled record (``param_grad/global_norm`` included)."""
+    out: dict[str, float] = {}
+    norms = []
+    for (kind, name), (fields, count) in pooled(entries, values).items():
+        for stat, value in kind.scalars(fields, count).items():
+            out[tag(kind.name, stat, name) if stat else name] = value
+        if kind is PARAM_GRAD:
+            norms.append(fields["norm"][0])
+    if norms:
+        out[tag(Root.PARAM_GRAD, Stat.GLOBAL_NORM)] = math.sqrt(float(np.sum(np.square(norms))))
+    return out
+
+
+def pack_step(
+    records: list[Record], samples: list[Sample], kinds: frozenset[str], cache: IndexCache
+) -> tuple[Tensor, StepLayout] | None:
+    """Bin the step's histogram samples of ``kinds`` and pack every record into one float64
+    tensor on the device of the first; ``None`` when nothing was recorded."""
+    if not records and not samples:
+        return None
+    device = (records[0].values[0] if records else samples[0].sample).device
+    binned, rows = bin_step(samples, device, kinds, cache)
+    if rows:
+        records = [*records, Record(BINNED, "", binned.numel(), (binned,), (len(rows), HIST_WIDTH))]
+    if not records:
+        return None
+    packed, layout = pack(records, device)
+    layout.rows = rows
+    return packed, layout

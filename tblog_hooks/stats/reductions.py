@@ -1,0 +1,109 @@
+"""Device-side reductions: the statistics of one tensor, counts, norms.
+
+Nothing here reads a value back to the host. Each function is written for few ops (each op is
+a kernel launch on a GPU): reductions return 0-d tensors that ``packing.pack`` stacks once per
+step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .._compat import foreach_norm, sparse_parts
+
+#: Floating dtypes the reductions support (float8 types have no mean, aminmax or promotion).
+FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def loggable(x: object) -> bool:
+    """Dense, non-empty, real floating-point tensors; everything else is skipped, not an error."""
+    return (
+        isinstance(x, Tensor)
+        and x.layout == torch.strided
+        and not x.is_nested
+        and x.dtype in FLOAT_DTYPES
+        and not x.is_meta
+        and x.numel() > 0
+    )
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation type: float32, or float64 for float64 tensors (no ``torch.promote_types``:
+    it is dispatched like an op)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+#: Up to this many elements, float32 counts ones exactly (every partial sum is an integer it holds).
+_EXACT_FLOAT32_COUNT = 1 << 24
+
+
+def finite(x: Tensor) -> Tensor:
+    """Count of finite elements (a float, on the tensor's device; exact): ``1 - 0 * x`` is 1
+    where ``x`` is finite and NaN where not, and ``nansum`` adds up the ones. Two ops, and four
+    times faster on a CPU than ``count_nonzero(x * 0)``, whose counting loop branches."""
+    dtype = torch.float32 if x.numel() <= _EXACT_FLOAT32_COUNT else torch.float64
+    return torch.rsub(x, 1, alpha=0).nansum(dtype=dtype)
+
+
+def nonfinite(x: Tensor) -> Tensor:
+    """Count of NaN/Inf elements (a float, on the tensor's device). Output gradients record
+    this rather than :func:`finite`: under ``torch.compile`` their records (``probes.summary``)
+    do not know their element count on the host, which would take the finite count from it."""
+    return x.numel() - finite(x)
+
+
+def norms(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """L2 norms of many tensors in one op per dtype class, accumulated in float32 or wider
+    (a float16 norm overflows at 65504)."""
+    out: list[Tensor | None] = [None] * len(tensors)
+    for wide in (False, True):
+        index = [i for i, t in enumerate(tensors) if (t.dtype == torch.float64) == wide]
+        if index:
+            dtype = torch.float64 if wide else torch.float32
+            for i, norm in zip(index, foreach_norm([tensors[i] for i in index], dtype)):
+                out[i] = norm
+    return out  # type: ignore[return-value]
+
+
+def sparse_values(g: Tensor) -> tuple[Tensor, Tensor]:
+    """The values of a sparse COO tensor (a sparse ``.grad``) with those of repeated indices added
+    up, as the dense tensor holds them: for the norm, one row per stored entry, sums first,
+    then zero rows; for the histogram, the same with NaN rows (left out of histograms). As
+    ``coalesce()``, but without its host sync (how many indices are distinct is known only on
+    the device). An accumulated sparse ``.grad`` repeats every index looked up more than once."""
+    indices, values = sparse_parts(g)
+    if g.is_coalesced() or values.shape[0] < 2:
+        return values, values
+    key = indices[0]
+    for dim in range(1, g.sparse_dim()):  # one integer per index, ordered as the indices are
+        key = key * g.shape[dim] + indices[dim]
+    key, order = torch.sort(key)
+    first = torch.ones_like(key, dtype=torch.bool)
+    first[1:] = key[1:] != key[:-1]
+    slot = torch.cumsum(first, 0) - 1  # where each sorted entry's sum goes
+    summed = torch.zeros_like(values).index_add_(0, slot, values.index_select(0, order))
+    used = (torch.arange(key.numel(), device=key.device) <= slot[-1]).view(-1, *[1] * (values.dim() - 1))
+    return summed, torch.where(used, summed, math.nan)
+
+
+def tensor_statistics(x: Tensor) -> tuple[Tensor, ...]:
+    """Exact statistics of ``x``: mean and centred L2 norm (float32 or wider; centring costs one
+    pass and keeps the standard deviation accurate when |mean| >> std), min, max, nonzero and
+    finite counts, and per channel (dim 1) the largest value."""
+    dtype = acc_dtype(x.dtype)
+    mean = x.mean(dtype=dtype)
+    # 16-bit inputs are centred in float32: a 16-bit x - mean would round each term.
+    centred = x - mean if x.dtype == dtype else x.to(dtype).sub_(mean)
+    lo, hi = torch.aminmax(x)
+    peak = x.amax(dim=(0, *range(2, x.dim()))) if x.dim() >= 2 else x.new_empty(0)
+    return mean, torch.linalg.vector_norm(centred), lo, hi, torch.count_nonzero(x), finite(x), peak
+
+
+def gradient_statistics(g: Tensor) -> tuple[Tensor, ...]:
+    """L2 norm (float32 or wider) and non-finite count of a gradient. Its extremes are taken
+    only for a linear histogram: not a scalar, and not a default histogram."""
+    return torch.linalg.vector_norm(g, dtype=acc_dtype(g.dtype)), nonfinite(g)
