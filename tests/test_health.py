@@ -18,7 +18,6 @@ from tblog_hooks import HookLogger, HookLoggerError, Thresholds
 from tblog_hooks.cli import main
 from tblog_hooks.cli.demo import run_demo
 from tblog_hooks.cli.report import findings, load
-from tblog_hooks.diagnostics.health import FINDING_KINDS as KINDS
 from tblog_hooks.diagnostics.health import GROWTH_WINDOW, Health
 
 
@@ -370,7 +369,3 @@ def test_each_demo_scenario_shows_its_finding(tmp_path, scenario: str, steps: in
         found.setdefault(f.kind, (f.step, f.module))
     assert found == first
 
-
-def test_all_kinds_are_documented() -> None:
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    assert all(f"`{kind}`" in readme for kind in KINDS)

@@ -12,7 +12,6 @@ checkpoint of it) carries a hook of ours.
 from __future__ import annotations
 
 import enum
-import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -24,10 +23,9 @@ from .activations import ActivationRecorder
 from .parameters import ParameterRecorder
 
 # What a copied or unpickled hook is: a standard-library callable that takes any arguments and
-# returns None (a hook returning None changes nothing). ``Enum.__init__`` is ``def __init__(self,
-# *args, **kwds): pass`` from Python 3.11 on, which torch.compile traces; ``None.__init__`` (a
-# built-in, before 3.11) does the same but is a graph break under torch.compile.
-_NOOP_SOURCE: tuple[object, str] = (enum.Enum, "__init__") if sys.version_info >= (3, 11) else (None, "__init__")
+# returns None (a hook returning None changes nothing), and that torch.compile traces:
+# ``Enum.__init__`` is ``def __init__(self, *args, **kwds): pass``.
+_NOOP_SOURCE: tuple[object, str] = (enum.Enum, "__init__")
 NOOP: Callable[..., None] = getattr(*_NOOP_SOURCE)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple, Optional, TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -77,7 +77,7 @@ def bin_step(
     return binned.reshape(-1), [RowInfo(h.kind, h.name, h.numel, h.sample.numel()) for h in rows]
 
 
-T = TypeVar("T", Tensor, Optional[Tensor])
+T = TypeVar("T", Tensor, Tensor | None)
 
 
 def _on(device: torch.device, tensors: list[T]) -> list[T]:
