@@ -1,7 +1,8 @@
-"""Every private torch and tensorboard API the library uses, in one place: each with why it is
-needed and the versions it is known for (checked on torch 2.4-2.14 and tensorboard 2.14-2.21
-unless said otherwise). Nothing else in the package touches a private attribute of either, so a
-torch upgrade means reading this file.
+"""Every private torch and tensorboard API the library uses, in one place, each with why it is
+needed. All are present in the torch releases the project supports (>= 2.4) and are tested with
+torch 2.14.1 and tensorboard 2.21.0; where a use is known to need a later release, it says so.
+Nothing else in the package touches a private attribute of either, so a torch upgrade means
+reading this file.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ if TYPE_CHECKING:
 # -- autograd ----------------------------------------------------------------------------------
 def in_backward() -> bool:
     """Whether the caller runs inside a backward pass (a checkpoint recompute). No public API
-    tells; ``torch._C._current_graph_task_id`` is -1 outside backward (torch >= 1.13)."""
+    tells; ``torch._C._current_graph_task_id`` is -1 outside backward."""
     return bool(torch._C._current_graph_task_id() != -1)
 
 
 def at_end_of_backward(callback: Callable[[], None]) -> bool:
     """Run ``callback`` once the running backward pass has finished, as DDP does
-    (``Variable._execution_engine.queue_callback``; torch >= 1.2). False outside backward."""
+    (``Variable._execution_engine.queue_callback``). False outside backward."""
     try:
         Variable._execution_engine.queue_callback(callback)
     except RuntimeError:  # "Final callbacks can only be installed during backward pass"
@@ -55,9 +56,9 @@ def version(t: Tensor) -> int:
     return int(t._version)
 
 
-# -- multi-tensor ops: what clip_grad_norm_ and the optimizers use, one op for many tensors ---------
+# -- multi-tensor ops: one op for many tensors, as clip_grad_norm_ and the optimizers use -------
 def foreach_norm(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
-    """L2 norms of many tensors in one op (``torch._foreach_norm``, dtype= since torch 2.3)."""
+    """L2 norms of many tensors in one op (``torch._foreach_norm``), accumulated in ``dtype``."""
     return list(torch._foreach_norm(list(tensors), 2, dtype=dtype))
 
 
@@ -94,7 +95,7 @@ def forward_hooks(module: nn.Module) -> Iterable[object]:
 
 def is_compiled(model: nn.Module) -> bool:
     """Whether ``model`` is ``torch.compile(model)`` (an ``OptimizedModule``) or had
-    ``model.compile()`` called (``_compiled_call_impl``, torch >= 2.2)."""
+    ``model.compile()`` called (``_compiled_call_impl``)."""
     return isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or (
         getattr(model, "_compiled_call_impl", None) is not None
     )
@@ -134,8 +135,8 @@ def fast_checksum(writer: SummaryWriter) -> Callable[[], None]:
     """Give the record writer of ``writer``'s event file a C CRC-32C in place of TensorBoard's
     pure-Python one, which holds the GIL ~0.3 ms per kB; the bytes written are the same. Only this
     writer changes (its ``RecordWriter`` object gets its own ``write``, reached through
-    ``FileWriter.event_writer._async_writer._writer``, tensorboard 2.14-2.21); returns what puts
-    it back. Nothing changes where ``google-crc32c`` has no C implementation."""
+    ``FileWriter.event_writer._async_writer._writer``); returns what puts it back. A writer laid
+    out otherwise keeps its own checksum. Nothing changes where ``google-crc32c`` has no C implementation."""
     try:
         records = event_file_writer(writer).event_writer._async_writer._writer
         file = records._writer

@@ -8,12 +8,10 @@ import sys
 import tempfile
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
@@ -27,11 +25,10 @@ from .diagnostics.per_step import Diagnostics
 from .errors import HookLoggerError
 from .options import Options, check_names
 from .output.destination import Destination
-from .output.summarize import StepSummary, summarize
+from .output.outbox import Outbox, WriteError
 from .stats.packing import StepLayout
 from .transport import amp
 from .transport.distributed import Ranks, is_sharded
-from .transport.transfer import Transfer
 
 
 class _State(enum.Enum):
@@ -45,13 +42,13 @@ class _State(enum.Enum):
     OFF = "logging switched off"
     CLOSED = "closed"
 
+    @property
+    def in_step(self) -> bool:
+        return self in (_State.RECORDING, _State.JOINING)
 
-class _Pending(NamedTuple):
-    """A logged step on its way to the host."""
-
-    step: int
-    transfer: Transfer
-    layout: StepLayout
+    @property
+    def off(self) -> bool:
+        return self in (_State.OFF, _State.JOINING)
 
 
 class HookLogger:
@@ -83,16 +80,7 @@ class HookLogger:
 
     def __init__(self, model: nn.Module, **options: Any) -> None:
         check_names(options)
-        if not isinstance(model, nn.Module):
-            raise HookLoggerError(f"model must be an nn.Module, got {type(model).__name__}")
-        if is_compiled(model):
-            raise HookLoggerError(
-                f"model is already compiled ({type(model).__name__}); hooks added now would be ignored by the "
-                "compiled code: create the HookLogger first, then call torch.compile(model) or model.compile()"
-            )
-        distributed = isinstance(model, nn.parallel.DistributedDataParallel)
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
+        model, distributed = _model_to_watch(model)
         config = Options(**options)
         selected, mapped = _select(model, config)
         self._every = config.every
@@ -105,42 +93,27 @@ class HookLogger:
                 f"got optimizer=None for a {'FSDP2' if sharded else 'DistributedDataParallel'} model, whose parameter "
                 "gradients are final only when the optimizer steps: pass optimizer=your_optimizer, or parameters=False"
             )
-        self._recording = Recording(
-            self._watched,
-            activations=config.activations,
-            gradients=config.gradients,
-            histograms=config.histograms,  # type: ignore[arg-type]  # (Options holds it as Histograms | None)
-            eval_passes=config.eval_passes,
-            inputs=config.inputs,
-            feature_maps=frozenset(mapped),
-            optimizer_hooks=config.optimizer is not None and config.parameters,
-        )
-        self._pending: deque[_Pending] = deque()
-        self._unstepped_warned = False
+        self._recording = Recording.of(self._watched, config, feature_maps=frozenset(mapped))
         scaler = config.scaler
         self._amp = amp.ScaleWatch(scaler) if scaler is not None and scaler.is_enabled() else None
         self._ranks = Ranks(reduce=config.reduce_ranks, sharded=sharded)
         self._diagnostics = Diagnostics(self._module_names, self._recording.forward_order, config.health)
-        self._writer, self._destination = self._open_destination(config)
+        # Rank 0 writes, into writer= or a writer of its own; another rank only into a writer it was given.
+        self._writer, owns_writer = _open_writer(config, self._ranks.rank)
+        self._destination = None if self._writer is None else Destination(self._writer, config.prefix)
+        restore = None if self._writer is None else fast_checksum(self._writer)
+        # Hooks, tensor hooks and an owned writer go when the logger is closed or collected.
+        self._detach = weakref.finalize(self, _detach, self._recording, self._destination, owns_writer, restore)
+        self._outbox = None
+        if self._destination is not None:
+            scaled = self._recording.optimizer_hooks is None  # (see amp.unscale)
+            self._outbox = Outbox(self._destination, self._diagnostics, param_grads_scaled=scaled)
         _warn_if_shared(model, self._destination)
         # A rank that neither writes nor takes part in collectives is off from the start.
         self._state = _State.OFF if self._writer is None and not self._ranks.needed else _State.IDLE
         self._recording.attach(model, selected)
         if self._step % self._every == 0:
             self._begin_logged_step()
-
-    def _open_destination(self, config: Options) -> tuple[SummaryWriter | None, Destination | None]:
-        """Rank 0 writes, into ``writer=`` or a writer of its own; another rank only into a writer
-        it was given. Hooks, tensor hooks and an owned writer go when the logger is closed or
-        collected (``weakref.finalize``)."""
-        writer = config.writer
-        owns_writer = writer is None and self._ranks.rank == 0
-        if owns_writer:
-            writer = _make_writer(config.log_dir, purge_step=config.start_step or None)
-        destination = None if writer is None else Destination(writer, config.prefix)
-        restore = fast_checksum(writer) if writer is not None else None
-        self._detach = weakref.finalize(self, _detach, self._recording, destination, owns_writer, restore)
-        return writer, destination
 
     # -- public API -------------------------------------------------------------------------
     @property
@@ -190,9 +163,11 @@ class HookLogger:
         """
         if self._state is _State.CLOSED:
             raise HookLoggerError("step() called after close(); create a new HookLogger to log again")
-        if self._state is _State.RECORDING:
-            self._check_stepped()  # not in close(): a step begun but not trained is no evidence
-        if self._in_logged_step:
+        if self._state is _State.RECORDING and self._amp is None:
+            # Not in close(): a step begun but not trained is no evidence. Not under an enabled
+            # scaler: a step it skips calls no optimizer at all.
+            self._recording.check_stepped(self._step)
+        if self._state.in_step:
             self._end_logged_step()
         self._step += 1
         self._write(wait=False)
@@ -226,30 +201,13 @@ class HookLogger:
         )
 
     # -- the step state machine ---------------------------------------------------------------
-    @property
-    def _in_logged_step(self) -> bool:
-        return self._state in (_State.RECORDING, _State.JOINING)
-
-    @property
-    def _off(self) -> bool:
-        return self._state in (_State.OFF, _State.JOINING)
-
     def _begin_logged_step(self) -> None:
         if self._state is _State.OFF:
             if self._ranks.needed:  # a rank that stopped logging still joins while the others expect it
                 self._state = _State.JOINING
             return
-        for name in self._watched.newly_left():
-            self._recording.buffer.disabled.add(name)  # should it still be called from elsewhere
-            warnings.warn(
-                f"tblog_hooks: watched module {name!r} is no longer part of the model (replaced or deleted after the "
-                "HookLogger was created), so it is not logged any more; create the HookLogger after changing the "
-                "model to watch the new module",
-                RuntimeWarning,
-                stacklevel=3,
-            )
         self._state = _State.RECORDING
-        self._recording.begin(self._step // self._every)  # (hooks on the parameters still in the model)
+        self._recording.begin(self._step // self._every)
         if self._amp is not None:
             self._amp.begin()
 
@@ -267,40 +225,24 @@ class HookLogger:
             # ranks' records cannot be combined, or a collective fails, every rank stops logging
             # (a warning each) instead of aborting or hanging in mismatched collectives.
             try:
-                numels = self._ranks.agree(None if self._off else packed[1] if packed else StepLayout())
+                numels = self._ranks.agree(None if self._state.off else packed[1] if packed else StepLayout())
                 packed = None if packed is None else self._ranks.combine(*packed, numels)
             except Exception as error:  # different calls on different ranks, a broken process group
                 packed = None
                 self._ranks.stop()
                 self._switch_off(f"combining step {self._step} over ranks", error)
-        if packed is not None and self._writer is not None and not self._off:
-            self._pending.append(_Pending(self._step, Transfer(packed[0]), packed[1]))
-        self._state = _State.OFF if self._off else _State.IDLE
-
-    def _check_stepped(self) -> None:
-        """Warn once when, at the end of a logged step, a watched parameter holds a gradient that no
-        optimizer stepped (one outside ``torch.optim``, or none), so it was not read. Not under an
-        enabled scaler: a step it skips calls no optimizer at all."""
-        if self._unstepped_warned or self._amp is not None:
-            return
-        missed = self._recording.unstepped()
-        if missed:
-            self._unstepped_warned = True
-            warnings.warn(
-                f"tblog_hooks: {len(missed)} watched parameter(s) ({', '.join(map(repr, missed[:5]))}"
-                f"{', ...' if len(missed) > 5 else ''}) have gradients but no torch.optim optimizer stepped them in "
-                f"logged step {self._step}, so param_grad/* leaves them out (with optimizer=, gradients are read when "
-                "an optimizer steps them); pass optimizer=None to read them during backward instead",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        if packed is not None and self._outbox is not None and not self._state.off:
+            self._outbox.send(self._step, *packed)
+        self._state = _State.OFF if self._state.off else _State.IDLE
 
     def _switch_off(self, what: str, error: BaseException) -> None:
         """Stop all logging after a failure outside the hooks, warning once; training continues."""
         self._recording.stop()
-        if self._off:
+        if self._outbox is not None:
+            self._outbox.drop()
+        if self._state.off:
             return
-        self._state = _State.JOINING if self._in_logged_step else _State.OFF
+        self._state = _State.JOINING if self._state.in_step else _State.OFF
         warnings.warn(
             f"tblog_hooks: {what} failed, so logging is switched off (training continues; "
             f"log_dir={self._writer.log_dir if self._writer else None!r}): {type(error).__name__}: {error}",
@@ -311,32 +253,24 @@ class HookLogger:
     # -- writing and closing -------------------------------------------------------------------
     def _write(self, *, wait: bool) -> None:
         """Write finished transfers in step order; with ``wait``, all of them."""
-        while self._pending and (wait or self._pending[0].transfer.ready()):
-            step, transfer, layout = self._pending.popleft()
-            if self._off or self._destination is None:
-                continue
-            try:
-                self._diagnostics.write(self._destination, self._summarize(step, transfer.result(), layout))
-            except Exception as error:  # disk full, permission lost, a broken writer
-                self._switch_off(f"writing step {step} to TensorBoard", error)
-
-    def _summarize(self, step: int, values: np.ndarray, layout: StepLayout) -> StepSummary:
-        """Host side of a logged step: decode (pooling the ranks' records), undo the AMP loss scale."""
-        summary = summarize(step, values, layout)
-        amp.unscale(summary, param_grads_scaled=self._recording.optimizer_hooks is None)
-        return summary
+        if self._outbox is None or self._state.off:
+            return
+        try:
+            self._outbox.write(wait=wait)
+        except WriteError as failure:
+            self._switch_off(f"writing step {failure.step} to TensorBoard", failure.error)
 
     def _close(self, *, failing: bool) -> None:
         if self._state is _State.CLOSED:
             return
         try:
-            if self._in_logged_step and failing and self._ranks.needed:
+            if self._state.in_step and failing and self._ranks.needed:
                 self._recording.stop()  # dropped, see close()
-                self._state = _State.OFF if self._off else _State.IDLE
-            elif self._in_logged_step:
+                self._state = _State.OFF if self._state.off else _State.IDLE
+            elif self._state.in_step:
                 self._end_logged_step()
             self._write(wait=True)
-            if self._destination is not None and not self._off:
+            if self._destination is not None and not self._state.off:
                 self._diagnostics.close(self._destination)
                 self._destination.flush()
         except Exception as error:  # never raise out of close() over a broken writer
@@ -348,6 +282,28 @@ class HookLogger:
             except Exception as error:  # closing a broken writer
                 self._switch_off("closing the writer", error)
             self._state = _State.CLOSED
+
+
+def _model_to_watch(model: object) -> tuple[nn.Module, bool]:
+    """The module to hook (a ``DistributedDataParallel`` wrapper's ``.module``), and whether it
+    was wrapped so."""
+    if not isinstance(model, nn.Module):
+        raise HookLoggerError(f"model must be an nn.Module, got {type(model).__name__}")
+    if is_compiled(model):
+        raise HookLoggerError(
+            f"model is already compiled ({type(model).__name__}); hooks added now would be ignored by the "
+            "compiled code: create the HookLogger first, then call torch.compile(model) or model.compile()"
+        )
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.module, True
+    return model, False
+
+
+def _open_writer(config: Options, rank: int) -> tuple[SummaryWriter | None, bool]:
+    """Where this rank writes, and whether the logger made (and so closes) that writer."""
+    if config.writer is not None or rank != 0:
+        return config.writer, False
+    return _make_writer(config.log_dir, purge_step=config.start_step or None), True
 
 
 def _select(model: nn.Module, config: Options) -> tuple[dict[str, nn.Module], dict[str, nn.Module]]:

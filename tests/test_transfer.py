@@ -7,8 +7,9 @@ import torch
 from conftest import read_run
 from torch import nn
 
-from tblog_hooks import HookLogger, logger
+from tblog_hooks import HookLogger
 from tblog_hooks.diagnostics import per_step as diagnose
+from tblog_hooks.output import outbox
 from tblog_hooks.transport import transfer
 
 
@@ -22,7 +23,7 @@ class SlowTransfer(transfer.Transfer):
 
 
 def test_in_flight_steps_are_written_later_in_order_exactly_once(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(logger, "Transfer", SlowTransfer)
+    monkeypatch.setattr(outbox, "Transfer", SlowTransfer)
     written: list[int] = []
     real_write = diagnose.Diagnostics.write
 

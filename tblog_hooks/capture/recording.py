@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import warnings
+from typing import TYPE_CHECKING
+
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
@@ -14,6 +17,9 @@ from .output_gradients import OutputGradientRecorder
 from .parameters import OptimizerHooks, ParameterRecorder
 from .step import StepBuffer
 from .watched import Watched
+
+if TYPE_CHECKING:
+    from ..options import Options
 
 
 class Recording:
@@ -47,6 +53,21 @@ class Recording:
         self.optimizer_hooks = OptimizerHooks(self.parameters, watched) if optimizer_hooks else None
         self.handles = Handles()  # live until release()
         self._step_handles = Handles()  # live during one logged step
+        self._unstepped_warned = False
+
+    @classmethod
+    def of(cls, watched: Watched, config: Options, *, feature_maps: frozenset[str]) -> Recording:
+        """The recording ``HookLogger`` options ask for (``feature_maps``: the names they select)."""
+        return cls(
+            watched,
+            activations=config.activations,
+            gradients=config.gradients,
+            histograms=config.histograms,  # type: ignore[arg-type]  # (Options holds it as Histograms | None)
+            eval_passes=config.eval_passes,
+            inputs=config.inputs,
+            feature_maps=feature_maps,
+            optimizer_hooks=config.optimizer is not None and config.parameters,
+        )
 
     @property
     def forward_order(self) -> list[str]:
@@ -66,6 +87,15 @@ class Recording:
 
     def begin(self, index: int) -> None:
         """Logged step number ``index`` (in logged steps) begins: hooks record from now on."""
+        for name in self.watched.newly_left():
+            self.buffer.disabled.add(name)  # should it still be called from elsewhere
+            warnings.warn(
+                f"tblog_hooks: watched module {name!r} is no longer part of the model (replaced or deleted after the "
+                "HookLogger was created), so it is not logged any more; create the HookLogger after changing the "
+                "model to watch the new module",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         self.buffer.active = True
         self.buffer.begin(index)
         if self.optimizer_hooks is not None:
@@ -105,9 +135,22 @@ class Recording:
         graded, rows = self.parameters.end_step()
         return pack_step(records + graded, samples + rows, self.buffer.kinds, self.buffer.indices)
 
-    def unstepped(self) -> list[str]:
-        """Watched parameters with a gradient no ``torch.optim`` optimizer stepped this logged step."""
-        return [] if self.optimizer_hooks is None else self.optimizer_hooks.unstepped()
+    def check_stepped(self, step: int) -> None:
+        """Warn once when, at the end of logged step ``step``, a watched parameter holds a gradient
+        that no optimizer stepped (one outside ``torch.optim``, or none), so it was not read."""
+        if self.optimizer_hooks is None or self._unstepped_warned:
+            return
+        missed = self.optimizer_hooks.unstepped()
+        if missed:
+            self._unstepped_warned = True
+            warnings.warn(
+                f"tblog_hooks: {len(missed)} watched parameter(s) ({', '.join(map(repr, missed[:5]))}"
+                f"{', ...' if len(missed) > 5 else ''}) have gradients but no torch.optim optimizer stepped them in "
+                f"logged step {step}, so param_grad/* leaves them out (with optimizer=, gradients are read when "
+                "an optimizer steps them); pass optimizer=None to read them during backward instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def release(self) -> None:
         """The logger is done: stop recording, remove every hook, drop cached tensors."""

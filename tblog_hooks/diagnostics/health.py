@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 
 from ..errors import HookLoggerError
 from ..stats.tags import Root, Stat, by_name, escape, tag
+from ..transport.amp import SCALE_TAG, SKIPPED_TAG
 
 
 class FindingKind(enum.StrEnum):
@@ -44,8 +45,6 @@ LOG_WORST, TABLE_ROWS = 3, 20
 
 #: Findings are reported here, one line per logged step that starts any (WARNING level).
 log = logging.getLogger("tblog_hooks.health")
-
-_SKIPPED, _LOSS_SCALE = tag(Root.AMP, Stat.SKIPPED_STEP), tag(Root.AMP, Stat.LOSS_SCALE)
 
 
 @dataclass(frozen=True)
@@ -134,7 +133,7 @@ class Health:
         returns those that start now. A kind is only judged on a step that carries its evidence:
         a step the ``GradScaler`` skipped has no gradient norms, so the gradient findings (and
         ``nonfinite``: the scaler's overflow is expected) keep the state they had."""
-        skipped = scalars.get(_SKIPPED, 0.0) > 0
+        skipped = scalars.get(SKIPPED_TAG, 0.0) > 0
         norms = [(m, v) for m in order if (v := scalars.get(tag(Root.GRADIENT, Stat.NORM, m))) is not None]
         finite = [(m, v) for m, v in norms if math.isfinite(v)]
         ratios = by_name(scalars, Root.PARAM, Stat.UPDATE_RATIO)
@@ -152,11 +151,11 @@ class Health:
             origin = _nonfinite_origin(step, scalars, order)
             if origin is not None:
                 candidates[(NONFINITE, "")] = (origin, False)
-        if _SKIPPED in scalars:
+        if SKIPPED_TAG in scalars:
             judged.add(SKIPPING)
             self._skipped = self._skipped + 1 if skipped else 0
             if self._skipped >= self.thresholds.skipped_steps:
-                scale = scalars.get(_LOSS_SCALE, math.nan)
+                scale = scalars.get(SCALE_TAG, math.nan)
                 message = (
                     f"the GradScaler skipped the last {self._skipped} logged steps (inf/NaN gradients at every "
                     f"loss scale down to {scale:.3g}): the weights are not being updated"

@@ -1,0 +1,59 @@
+"""Logged steps on their way to TensorBoard: each one's copy to the host, then, in step order, its
+summary (AMP loss scale undone), its diagnostics and its event."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from torch import Tensor
+
+from ..diagnostics.per_step import Diagnostics
+from ..stats.packing import StepLayout
+from ..transport import amp
+from ..transport.transfer import Transfer
+from .destination import Destination
+from .summarize import summarize
+
+
+class WriteError(Exception):
+    """Writing logged step ``step`` failed (disk full, permission lost, a broken writer)."""
+
+    def __init__(self, step: int, error: Exception) -> None:
+        super().__init__(step, error)
+        self.step, self.error = step, error
+
+
+class _Pending(NamedTuple):
+    step: int
+    transfer: Transfer
+    layout: StepLayout
+
+
+class Outbox:
+    """Packed logged steps, written once their transfer to the host has completed."""
+
+    def __init__(self, destination: Destination, diagnostics: Diagnostics, *, param_grads_scaled: bool) -> None:
+        self.destination, self.diagnostics = destination, diagnostics
+        self._param_grads_scaled = param_grads_scaled  # (see amp.unscale)
+        self._pending: deque[_Pending] = deque()
+
+    def send(self, step: int, packed: Tensor, layout: StepLayout) -> None:
+        """Start the transfer of one logged step's packed results."""
+        self._pending.append(_Pending(step, Transfer(packed), layout))
+
+    def write(self, *, wait: bool) -> None:
+        """Write finished transfers in step order; with ``wait``, all of them. Raises
+        :class:`WriteError` for the first step that cannot be written (it is dropped)."""
+        while self._pending and (wait or self._pending[0].transfer.ready()):
+            step, transfer, layout = self._pending.popleft()
+            try:
+                summary = summarize(step, transfer.result(), layout)
+                amp.unscale(summary, param_grads_scaled=self._param_grads_scaled)
+                self.diagnostics.write(self.destination, summary)
+            except Exception as error:
+                raise WriteError(step, error) from error
+
+    def drop(self) -> None:
+        """Forget every step not written yet (logging was switched off)."""
+        self._pending.clear()
