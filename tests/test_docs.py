@@ -1,0 +1,207 @@
+"""The docs' code runs as written and writes what it promises, and the docs list exactly the finding
+kinds and tags the code declares and writes."""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import read_run, read_tags
+from tensorboard.plugins.custom_scalar.metadata import CONFIG_SUMMARY_TAG
+from torch import nn
+
+from tblog_hooks import Histograms, HookLogger
+from tblog_hooks.diagnostics.health import FINDING_KINDS
+from tblog_hooks.diagnostics.per_step import FINDINGS_TAG, FLOW_TAG, ORDER_TAG
+from tblog_hooks.stats.kinds import ACTIVATION, GRADIENT, HISTOGRAM_KINDS, INPUT, NONFINITE_COUNT, PARAM_GRAD
+from tblog_hooks.stats.tags import Root, Stat, escape
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+
+#: The placeholders of the tag table: a watched module's name, and one of its own parameters.
+MODULE, PARAM = "{module}", "{module}.{param}"
+#: The tag table's types, and the kinds of tag TensorBoard's ``EventAccumulator`` reads them back as.
+TYPES = ("scalar", "histogram", "image", "text", "layout")
+_ROW = re.compile(r"\| `(?P<pattern>[^`]+)` \| (?P<type>\w+) \| .+ \|")
+
+
+# -- code blocks ---------------------------------------------------------------------------------
+def _run_block(path: Path, heading: str) -> None:
+    """Run the first Python block after the line ``heading`` of ``path`` as a script."""
+    block = re.search(rf"^{re.escape(heading)}$.*?^```python\n(.*?)^```", path.read_text(), re.S | re.M)
+    assert block is not None, f"no Python block after {heading!r} in {path.name}"
+    exec(compile(block.group(1), str(path), "exec"), {"__name__": "docs"})
+
+
+def test_quickstart_runs(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    _run_block(README, "## Quickstart")
+    assert "('0', '2', '4')" in capsys.readouterr().out
+    run = read_run(tmp_path / "runs" / "quickstart")
+    assert sorted(run.scalars["param_grad/global_norm"]) == list(range(0, 100, 10))
+
+
+def test_lightning_section_runs(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("lightning")
+    monkeypatch.chdir(tmp_path)
+    _run_block(DOCS / "integrations.md", "## Lightning")
+    run = read_run(tmp_path / "runs" / "lightning" / "lightning_logs" / "version_0")
+    assert sorted(run.scalars["param_grad/global_norm"]) == [0, 4, 8, 12]
+    assert sorted(run.scalars["loss"]) == [3, 7, 11, 15]
+    assert "activation/mean/net.1" in run.scalars  # modules=["net.*"] watches the ReLU too
+
+
+def test_transformers_section_runs(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    _run_block(DOCS / "integrations.md", "## Hugging Face Trainer")
+    (run_dir,) = (tmp_path / "runs" / "hf" / "runs").iterdir()
+    run = read_run(run_dir)
+    assert sorted(run.scalars["param_grad/global_norm"]) == sorted(run.scalars["train/loss"]) == [4, 8, 12, 16]
+
+
+def test_readme_links_resolve() -> None:
+    """The README is read outside the docs site (no link check there): its relative links and
+    its picture point at files that exist."""
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text())
+    local = [t for t in targets if "://" not in t]
+    assert "docs/gradient-flow-vanishing.png" in local
+    missing = [t for t in local if not (ROOT / t).exists()]
+    assert not missing, f"README.md links to missing files: {missing}"
+
+
+# -- health findings -----------------------------------------------------------------------------
+def test_health_page_documents_every_finding_kind() -> None:
+    """One ``### `kind``` section per finding kind the code has, and none for a kind it lacks."""
+    documented = re.findall(r"^### `([^`]+)`$", (DOCS / "health.md").read_text(), re.M)
+    assert len(documented) == len(set(documented)), f"a kind documented twice: {documented}"
+    assert set(documented) - set(FINDING_KINDS) == set(), "docs/health.md documents kinds the code does not have"
+    assert set(FINDING_KINDS) - set(documented) == set(), "docs/health.md lacks a section for these kinds"
+
+
+# -- the tag table -------------------------------------------------------------------------------
+def documented_tags() -> dict[str, set[str]]:
+    """``{type: tag patterns}`` of the tag table in docs/logged.md (one pattern per row)."""
+    text = (DOCS / "logged.md").read_text()
+    assert "\n## Tag table\n" in text, "docs/logged.md has no '## Tag table' section"
+    section = text.split("\n## Tag table\n", 1)[1].split("\n## ", 1)[0]
+    header, _rule, *rows = [line for line in section.splitlines() if line.startswith("|")]
+    assert header == "| tag | type | value |", f"unexpected tag table header {header!r}"
+    assert rows, "the tag table has no rows"
+    tags: dict[str, set[str]] = {t: set() for t in TYPES}
+    for row in rows:
+        match = _ROW.fullmatch(row)
+        assert match is not None, f"not a '| `pattern` | type | value |' row: {row!r}"
+        pattern, kind = match["pattern"], match["type"]
+        assert kind in TYPES, f"{pattern}: unknown type {kind!r} (types: {TYPES})"
+        assert pattern not in tags[kind], f"{pattern} is listed twice"
+        tags[kind].add(pattern)
+    return tags
+
+
+def declared_tags() -> dict[str, set[str]]:
+    """``{type: tag patterns}`` as the code declares them."""
+    per_module = (ACTIVATION, INPUT, GRADIENT, NONFINITE_COUNT)
+    scalars = {f"{kind.name}/{stat}/{MODULE}" for kind in per_module for stat in kind.stats}
+    scalars |= {f"{PARAM_GRAD.name}/{stat}/{PARAM}" for stat in PARAM_GRAD.stats}
+    scalars |= {
+        f"{Root.PARAM}/{Stat.UPDATE_RATIO}/{PARAM}",
+        f"{Root.PARAM_GRAD}/{Stat.GLOBAL_NORM}",
+        f"{Root.AMP}/{Stat.LOSS_SCALE}",
+        f"{Root.AMP}/{Stat.SKIPPED_STEP}",
+    }
+    scalars |= {f"{Root.HEALTH}/{kind}" for kind in FINDING_KINDS}
+    histograms = {f"{root}/{PARAM if root in (Root.PARAM_GRAD, Root.PARAM) else MODULE}" for root in HISTOGRAM_KINDS}
+    return {
+        "scalar": scalars,
+        "histogram": histograms,
+        "image": {FLOW_TAG, f"{Root.FEATURE_MAP}/{MODULE}"},
+        "text": {FINDINGS_TAG, ORDER_TAG},
+        "layout": {CONFIG_SUMMARY_TAG},
+    }
+
+
+def test_declared_tags_cover_every_root_and_stat() -> None:
+    """A root or statistic added to ``stats/tags.py`` must reach ``declared_tags`` (and so the docs)."""
+    every = set().union(*declared_tags().values())
+    assert set(Root) - {t.split("/")[0] for t in every} == set(), "a Root no declared tag uses"
+    assert set(Stat) - {t.split("/")[1] for t in every if "/" in t} == set(), "a Stat no declared tag uses"
+
+
+def test_tag_table_matches_the_code() -> None:
+    documented, declared = documented_tags(), declared_tags()
+    for kind in TYPES:
+        assert documented[kind] - declared[kind] == set(), f"docs/logged.md lists {kind} tags the code does not declare"
+        assert declared[kind] - documented[kind] == set(), f"docs/logged.md lacks these {kind} tags"
+
+
+def _regex(pattern: str, modules: list[str], params: list[str]) -> re.Pattern[str]:
+    """A tag pattern of the table, with its placeholders standing for the given (escaped) names."""
+
+    def either(names: list[str]) -> str:
+        return "(?:" + "|".join(re.escape(escape(n)) for n in names) + ")"
+
+    out = re.escape(pattern).replace(re.escape(PARAM), either(params)).replace(re.escape(MODULE), either(modules))
+    return re.compile(out)
+
+
+def _written(log_dir: Path) -> dict[str, set[str]]:
+    """``{type: tags}`` of a run, read back with TensorBoard's ``EventAccumulator``."""
+    tags = read_tags(log_dir)
+    tensors = set(tags["tensors"])
+    text = {t.removesuffix("/text_summary") for t in tensors if t.endswith("/text_summary")}
+    return {
+        "scalar": set(tags["scalars"]),
+        "histogram": set(tags["histograms"]),
+        "image": set(tags["images"]),
+        "text": text,
+        "layout": tensors - {f"{t}/text_summary" for t in text},
+    }
+
+
+def test_every_written_tag_is_documented(tmp_path) -> None:
+    """A run with every option that adds tags writes exactly what the tag table lists."""
+    model = nn.Sequential(
+        OrderedDict(
+            conv=nn.Conv2d(3, 4, 3, padding=1),
+            act=nn.ReLU(),
+            flat=nn.Flatten(),
+            head=nn.Sequential(nn.Linear(4 * 8 * 8, 8), nn.Tanh(), nn.Linear(8, 2)),
+        )
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    everything = Histograms(every_logged=1, weights_every_logged=1, kinds=HISTOGRAM_KINDS)
+    with HookLogger(
+        model,
+        log_dir=tmp_path,
+        every=2,
+        inputs=True,
+        feature_maps=["conv"],
+        optimizer=opt,
+        scaler=scaler,
+        histograms=everything,
+    ) as hooks:
+        for _ in range(6):  # logged steps 0, 2, 4
+            x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 2, (4,))
+            scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            hooks.step()
+        modules = list(hooks.module_names)
+    assert modules == ["conv", "head.0", "head.2"]
+    params = [f"{m}.{p}" for m in modules for p, _ in model.get_submodule(m).named_parameters(recurse=False)]
+
+    documented, written = documented_tags(), _written(tmp_path)
+    for kind in TYPES:
+        patterns = {p: _regex(p, modules, params) for p in documented[kind]}
+        undocumented = {t for t in written[kind] if not any(r.fullmatch(t) for r in patterns.values())}
+        assert not undocumented, f"{kind} tags written but not in docs/logged.md's tag table: {sorted(undocumented)}"
+        unwritten = {p for p, r in patterns.items() if not any(r.fullmatch(t) for t in written[kind])}
+        assert not unwritten, f"documented {kind} tags this run (every option on) did not write: {sorted(unwritten)}"
