@@ -144,8 +144,10 @@ def markdown(rows: list[Row], report: bool) -> str:
 
 
 def histogram_option(value: str) -> bool | int | Histograms:
-    """``true``, ``false``, an int, or ``all`` (every kind on every logged step)."""
-    named = {"true": True, "false": False, "all": Histograms(every_logged=1, weights_every_logged=1, kinds=KINDS)}
+    """``true``, ``false``, an int, or ``all`` (every kind these runs record, on every logged step:
+    all but ``input``, which needs ``inputs=True``)."""
+    every_kind = [kind for kind in KINDS if kind != "input"]
+    named = {"true": True, "false": False, "all": Histograms(every_logged=1, weights_every_logged=1, kinds=every_kind)}
     return named[value.lower()] if value.lower() in named else int(value)
 
 

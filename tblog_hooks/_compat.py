@@ -40,6 +40,12 @@ def at_end_of_backward(callback: Callable[[], None]) -> bool:
     return True
 
 
+def in_functorch_transform() -> bool:
+    """Whether the caller runs inside a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``,
+    ...), whose tensors are wrapped ones (``torch._C._functorch``'s interpreter stack is not empty)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def tree_flatten(tree: object) -> tuple[list[Any], TreeSpec]:
     """The leaves of a nested output and how to rebuild it; ``torch.utils._pytree`` knows every
     container torch does (named tuples, ``ModelOutput`` of transformers, ...)."""
@@ -127,7 +133,8 @@ def writer_closed(writer: SummaryWriter) -> bool:
 
 
 def event_file_writer(writer: SummaryWriter) -> Any:
-    """The writer's event file (``_get_file_writer``), to add one whole ``Summary`` as one event."""
+    """The writer's event file (``_get_file_writer``), to add one whole ``Summary`` as one event.
+    A closed writer opens a new one, as on any write after ``close()``."""
     return writer._get_file_writer()
 
 

@@ -28,7 +28,7 @@ from .output.destination import Destination
 from .output.outbox import Outbox, WriteError
 from .stats.packing import StepLayout
 from .transport import amp
-from .transport.distributed import Ranks, is_sharded
+from .transport.distributed import Ranks, is_sharded, rank_and_world
 
 
 class _State(enum.Enum):
@@ -85,13 +85,18 @@ class HookLogger:
         selected, mapped = _select(model, config)
         self._every = config.every
         self._step = config.start_step
+        # Logged steps that recorded something so far: the histogram schedule counts these, so that
+        # the first logged step a loop trains in has histograms (a framework callback's first logged
+        # step, step 0, ends before its first optimizer step).
+        self._recorded_steps = 0
         self._module_names = tuple(selected)
         self._watched = Watched(model, selected, parameters=config.parameters)
         sharded = {key for key, p in self._watched.params() if is_sharded(p)}
         if config.optimizer is None and (sharded or (distributed and self._watched.params())):
+            what = "an FSDP2 model" if sharded else f"a model trained over {rank_and_world()[1]} ranks (DDP)"
             raise HookLoggerError(
-                f"got optimizer=None for a {'FSDP2' if sharded else 'DistributedDataParallel'} model, whose parameter "
-                "gradients are final only when the optimizer steps: pass optimizer=your_optimizer, or parameters=False"
+                f"got optimizer=None for {what}, whose parameter gradients are final only when the optimizer steps "
+                "(DDP averages them during backward): pass optimizer=your_optimizer, or parameters=False"
             )
         self._recording = Recording.of(self._watched, config, feature_maps=frozenset(mapped))
         scaler = config.scaler
@@ -207,7 +212,7 @@ class HookLogger:
                 self._state = _State.JOINING
             return
         self._state = _State.RECORDING
-        self._recording.begin(self._step // self._every)
+        self._recording.begin(self._recorded_steps)
         if self._amp is not None:
             self._amp.begin()
 
@@ -220,6 +225,7 @@ class HookLogger:
             packed = self._recording.pack()
         except Exception as error:  # e.g. histc under deterministic CUDA
             self._switch_off(f"packing step {self._step}", error)
+        self._recorded_steps += packed is not None
         if self._ranks.needed:
             # Every rank takes part, even one that recorded nothing or stopped logging; if the
             # ranks' records cannot be combined, or a collective fails, every rank stops logging
@@ -285,18 +291,23 @@ class HookLogger:
 
 
 def _model_to_watch(model: object) -> tuple[nn.Module, bool]:
-    """The module to hook (a ``DistributedDataParallel`` wrapper's ``.module``), and whether it
-    was wrapped so."""
+    """The module to hook: a ``DistributedDataParallel`` or ``DataParallel`` wrapper's ``.module``
+    (so tags name the user's modules); and whether its gradients are averaged over ranks, so
+    final only when the optimizer steps."""
     if not isinstance(model, nn.Module):
         raise HookLoggerError(f"model must be an nn.Module, got {type(model).__name__}")
-    if is_compiled(model):
+    wrapper = model if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) else None
+    inner = model if wrapper is None else wrapper.module
+    if is_compiled(inner):
+        within = "" if wrapper is None else f" inside {type(wrapper).__name__}"
         raise HookLoggerError(
-            f"model is already compiled ({type(model).__name__}); hooks added now would be ignored by the "
-            "compiled code: create the HookLogger first, then call torch.compile(model) or model.compile()"
+            f"model is already compiled ({type(inner).__name__}{within}); hooks added now would be ignored by the "
+            "compiled code (and by code it compiled earlier): create the HookLogger first, on the plain model, then "
+            "compile it, then wrap it (hooks = HookLogger(model, optimizer=opt); model = torch.compile(model); "
+            "model = DDP(model))"
         )
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        return model.module, True
-    return model, False
+    averaged = isinstance(wrapper, nn.parallel.DistributedDataParallel) or rank_and_world()[1] > 1
+    return inner, averaged
 
 
 def _open_writer(config: Options, rank: int) -> tuple[SummaryWriter | None, bool]:

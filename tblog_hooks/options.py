@@ -16,6 +16,7 @@ from .capture.selection import Selector
 from .diagnostics.health import Thresholds
 from .errors import HookLoggerError
 from .stats.schedule import Histograms, schedule
+from .stats.tags import Root
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,8 +97,32 @@ class Options:
                 f"health must be a tblog_hooks.Thresholds (or None to switch findings off), got {self.health!r}"
             )
         object.__setattr__(self, "histograms", schedule(self.histograms))
+        self._check_histogram_kinds()
+
+    def _check_histogram_kinds(self) -> None:
+        """Histogram kinds asked for by name must be ones the other options produce."""
+        histograms = self.histograms
+        if not isinstance(histograms, Histograms) or not histograms.explicit:
+            return
+        missing = {kind: option for kind in histograms.kinds if not getattr(self, option := _PRODUCED_BY[kind])}
+        if missing:
+            kinds = ", ".join(map(repr, missing))
+            options = ", ".join(f"{option}=True" for option in dict.fromkeys(missing.values()))
+            raise HookLoggerError(
+                f"Histograms(kinds=...) asks for {kinds} histograms, which need {options}: pass {options} as well, "
+                "or leave those kinds out"
+            )
 
 
+#: The option that makes the logger record each histogram kind.
+_PRODUCED_BY: dict[str, str] = {
+    Root.ACTIVATION: "activations",
+    Root.INPUT: "inputs",
+    Root.GRADIENT: "gradients",
+    Root.GRADIENT_LOG10: "gradients",
+    Root.PARAM_GRAD: "parameters",
+    Root.PARAM: "parameters",
+}
 #: Every option's name, in declaration order.
 NAMES: tuple[str, ...] = tuple(f.name for f in fields(Options))
 

@@ -11,22 +11,19 @@ import numpy as np
 import torch
 import torchvision
 from conftest import read_run
+from models import train
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tblog_hooks import Histograms, HookLogger
-from tblog_hooks.stats.kinds import HISTOGRAM_KINDS as KINDS
+from tblog_hooks.stats.kinds import HISTOGRAM_KINDS
+
+RECORDED = [kind for kind in HISTOGRAM_KINDS if kind != "input"]  # every kind but inputs (inputs=False)
 
 
 def _resnet() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     model = torchvision.models.resnet18(num_classes=10)
     return model, torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,))
-
-
-def _train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
-    nn.functional.cross_entropy(model(x), y).backward()
-    optimizer.step()
-    optimizer.zero_grad()
 
 
 class _OpCounter(TorchDispatchMode):
@@ -42,9 +39,7 @@ class _OpCounter(TorchDispatchMode):
 def _ops_per_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, hooks: HookLogger | None) -> Counter[str]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with _OpCounter() as counter:
-        _train_step(model, x, y, optimizer)
-        if hooks is not None:
-            hooks.step()
+        train(hooks, [nn.functional.cross_entropy(model(x), y)], optimizer)
     return counter.ops
 
 
@@ -72,7 +67,7 @@ def _exact_counts(values: np.ndarray, limits: list[float]) -> np.ndarray:
 def test_histograms_are_faithful_to_the_full_tensors(tmp_path: Path) -> None:
     model, x, y = _resnet()
     exact: dict[str, np.ndarray] = {}
-    with HookLogger(model, log_dir=tmp_path, every=1, histograms=Histograms(kinds=KINDS)) as hooks:
+    with HookLogger(model, log_dir=tmp_path, every=1, histograms=Histograms(kinds=RECORDED)) as hooks:
         names = dict(model.named_modules())
 
         def keep(name: str):  # type: ignore[no-untyped-def]
@@ -84,8 +79,7 @@ def test_histograms_are_faithful_to_the_full_tensors(tmp_path: Path) -> None:
 
         for name in hooks.module_names:  # registered after the logger's hooks: same tensors, before in-place ops
             names[name].register_forward_hook(keep(name))
-        _train_step(model, x, y, torch.optim.SGD(model.parameters(), lr=0.01))
-        hooks.step()
+        train(hooks, [nn.functional.cross_entropy(model(x), y)], torch.optim.SGD(model.parameters(), lr=0.01))
     histograms = read_run(tmp_path).histograms
     distances = {}
     for tag, full in exact.items():

@@ -34,11 +34,16 @@ class ActivationRecorder:
         self.buffer, self.gradients = buffer, gradients
         self.activations, self.inputs, self.feature_maps = activations, inputs, feature_maps
         self.passes = PassFilter(eval_passes=eval_passes)
+        #: Per watched module, the dim of its outputs that holds its units (``reductions.units_dim``).
+        self.units: dict[str, int] = {}
         self.forward_order: list[str] = []  # watched modules in the order their forward hooks first fired
         self._fired: set[str] = set()
         self._mapped: set[str] = set()  # feature maps taken this step
         # The latest activation recorded: (weakref to it, its version, its finite count).
         self._last_output: tuple[weakref.ref[Tensor], int, Tensor] | None = None
+        # Whether this step's forward calls included one in training mode, or in eval mode with
+        # gradients enabled (a model left in eval mode while it trains).
+        self._trained = self._evaluated = False
 
     def on_output(self, name: str, output: object, training: bool) -> object | None:
         """Forward hook body: statistics of the output now, its gradient watched for later (of
@@ -47,14 +52,20 @@ class ActivationRecorder:
         if name in self.buffer.disabled:
             return None
         mode = self.buffer.now()
-        if not mode.compiled and name not in self._fired:
+        if mode is None:
+            return None
+        if not mode.compiled:
             # Not while compiling: a set that grows would be one more guard and one more graph.
-            self._fired.add(name)
-            self.forward_order.append(name)
+            if name not in self._fired:
+                self._fired.add(name)
+                self.forward_order.append(name)
+            self._trained |= training
+            self._evaluated |= not training and torch.is_grad_enabled()
         try:
             counted = self.passes.classify(name, training, mode.in_backward())
             if not any(counted):
                 return None
+            units = self.units.get(name, -1)
             tensors = loggable_leaves(output)
             if not tensors:
                 return None
@@ -63,7 +74,7 @@ class ActivationRecorder:
                     self._add_feature_map(mode, name, tensors)
                 if self.activations and counted.activations:
                     for t in tensors:
-                        self._remember(mode, t, mode.record(ACTIVATION, name, t))
+                        self._remember(mode, t, mode.record(ACTIVATION, name, t, units))
             if counted.gradients and self.gradients is not None:
                 return self.gradients.watch(mode, name, output, tensors)
         except Exception as error:  # the logger must never stop training
@@ -76,22 +87,29 @@ class ActivationRecorder:
         if name in self.buffer.disabled or not (self.activations or self.inputs):
             return  # without output counts the input count tells nothing
         mode = self.buffer.now()
-        if not self.passes.records_inputs(name, training, mode.in_backward()):
+        if mode is None or not self.passes.records_inputs(name, training, mode.in_backward()):
             return
         try:
             with torch.no_grad():
                 for t in loggable_leaves(inputs):
                     if self.inputs:
-                        mode.record(INPUT, name, t)
+                        mode.record(INPUT, name, t, self.units.get(name, -1))
                     else:
                         mode.add(Record(NONFINITE_COUNT, name, t.numel(), (self._finite_input(mode, t),)))
         except Exception as error:
             self.buffer.fail(name, error)
 
+    @property
+    def only_evaluated(self) -> bool:
+        """Whether every forward call of this logged step so far ran in eval mode with gradients
+        enabled (and none was recorded for it, without ``eval_passes=True``)."""
+        return self._evaluated and not self._trained and not self.passes.eval_passes
+
     def end_step(self) -> None:
         """A logged step ended: forget its passes, its feature maps and the last output."""
         self.passes.reset()
         self._mapped, self._last_output = set(), None
+        self._trained = self._evaluated = False
 
     def _remember(self, mode: Mode, t: Tensor, values: tuple[Tensor, ...]) -> None:
         """Keep the finite count of an output for the next module's pre-hook, should its input

@@ -48,7 +48,7 @@ def summary(grad: Tensor, width: int) -> Tensor:
     """``[1, elements, norm², non-finite, min, max]`` of ``grad`` in float64, then its histogram
     sample (``sampling.traced_sample``: it runs in the compiled backward) padded with NaN to
     ``width`` (0: no histogram)."""
-    norm, bad = GRADIENT.compute(grad)  # type: ignore[misc]  # GRADIENT has one
+    norm, bad = GRADIENT.compute(grad, -1)  # type: ignore[misc]  # GRADIENT has one
     lo, hi = torch.aminmax(grad)
     wide = torch.float64
     measured = torch.stack([norm.to(wide).square(), bad.to(wide), lo.to(wide), hi.to(wide)])

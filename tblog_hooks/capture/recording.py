@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..stats.packing import StepLayout, pack_step
+from ..stats.reductions import units_dim
 from ..stats.schedule import Histograms
 from .activations import ActivationRecorder
 from .hooks import ForwardHook, ForwardPreHook, Handles, ParamGradHook
@@ -53,7 +54,7 @@ class Recording:
         self.optimizer_hooks = OptimizerHooks(self.parameters, watched) if optimizer_hooks else None
         self.handles = Handles()  # live until release()
         self._step_handles = Handles()  # live during one logged step
-        self._unstepped_warned = False
+        self._unstepped_warned = self._eval_warned = False
 
     @classmethod
     def of(cls, watched: Watched, config: Options, *, feature_maps: frozenset[str]) -> Recording:
@@ -77,6 +78,7 @@ class Recording:
     def attach(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
         """Register the module hooks (and the optimizer hooks, with ``optimizer=``)."""
         for name, module in modules.items():
+            self.activations.units[name] = units_dim(module)
             self.handles.add(module.register_forward_pre_hook(ForwardPreHook(self.activations, name), with_kwargs=True))
             self.handles.add(module.register_forward_hook(ForwardHook(self.activations, name)))
         if self.gradients is not None:
@@ -117,6 +119,15 @@ class Recording:
         """The logged step's training is over: stop recording, remove its per-step hooks, take
         the weight histograms (after the optimizer's update)."""
         self.stop()
+        if self.activations.only_evaluated and self.parameters.graded and not self._eval_warned:
+            self._eval_warned = True
+            warnings.warn(
+                "tblog_hooks: a logged step ran backward, but every forward pass of the watched modules was in eval "
+                "mode, so no activation or output-gradient statistics were recorded: call model.train() before "
+                "training (or pass eval_passes=True to record eval-mode passes as well)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         self.activations.end_step()
         self._step_handles.remove_all()
         if self.optimizer_hooks is not None:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Union
 
 from torch import nn
+from torch.nn.utils.parametrize import is_parametrized
 
 from ..errors import HookLoggerError
 
@@ -25,9 +26,13 @@ _GLOB_CHARS = frozenset("*?[")
 
 
 def default_selection(name: str, module: nn.Module) -> bool:
-    """Leaf modules that own parameters: the layers whose weights training changes."""
-    has_children = next(module.children(), None) is not None
-    return not has_children and next(module.parameters(recurse=False), None) is not None
+    """Leaf modules that own parameters: the layers whose weights training changes. A layer
+    with ``torch.nn.utils.parametrizations`` (``spectral_norm``, ``weight_norm``, ``orthogonal``)
+    is one too: its parametrizations, which hold its original parameters, are not layers of
+    their own."""
+    parametrized = is_parametrized(module)
+    children = [child for key, child in module.named_children() if not (parametrized and key == "parametrizations")]
+    return not children and (parametrized or next(module.parameters(recurse=False), None) is not None)
 
 
 def select_modules(model: nn.Module, selectors: Selector | Sequence[Selector] | None) -> dict[str, nn.Module]:

@@ -15,7 +15,7 @@ from typing import Generic, TypeVar, Union
 import torch
 from torch import Tensor
 
-from .._compat import in_backward
+from .._compat import in_backward, in_functorch_transform
 from ..stats import sampling
 from ..stats.binning import Sample
 from ..stats.kinds import SCALAR, Kind
@@ -46,9 +46,13 @@ class StepBuffer:
         self.eager = Eager(self)
         self.traced = Traced(self, _NO_KINDS if histograms is None else histograms.all_kinds)
 
-    def now(self) -> Mode:
-        """How the calling hook records: traced while ``torch.compile`` traces it, else eagerly."""
-        return self.traced if torch.compiler.is_compiling() else self.eager
+    def now(self) -> Mode | None:
+        """How the calling hook records: traced while ``torch.compile`` traces it, else eagerly;
+        ``None`` inside a ``torch.func`` transform (per-sample gradients, ``vmap(model)``), whose
+        wrapped tensors no record could outlive: such a call is not recorded."""
+        if torch.compiler.is_compiling():
+            return self.traced
+        return None if in_functorch_transform() else self.eager
 
     def begin(self, index: int) -> None:
         """A logged step begins; ``index`` is its number in logged steps (``step // every``),
@@ -115,10 +119,10 @@ class Mode(abc.ABC):
         kinds = self.kinds
         return kind in kinds or (kind == Root.GRADIENT and Root.GRADIENT_LOG10 in kinds)
 
-    def record(self, kind: Kind, name: str, t: Tensor) -> tuple[Tensor, ...]:
+    def record(self, kind: Kind, name: str, t: Tensor, units: int = -1) -> tuple[Tensor, ...]:
         """Statistics (and a histogram sample over their exact range) of an output, input or
-        output gradient; returns the values."""
-        values = kind.compute(t)  # type: ignore[misc]  # kinds recorded from tensors have one
+        output gradient (``units``: the dim that holds the module's units); returns the values."""
+        values = kind.compute(t, units)  # type: ignore[misc]  # kinds recorded from tensors have one
         self.add(Record(kind, name, t.numel(), values))
         if self.takes_histogram(kind.name):
             lo: Tensor | None

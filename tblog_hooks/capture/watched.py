@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 
 from torch import Tensor, nn
+from torch.nn.utils.parametrize import is_parametrized
 
 from .._compat import own_parameters
 
@@ -33,7 +34,7 @@ class Watched:
         params: list[tuple[str, Tensor]] = []
         for name, ref in self._modules:
             module = None if name in self._left else ref()
-            for pname, p in [] if module is None else own_parameters(module):
+            for pname, p in [] if module is None else _parameters(module):
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
                     params.append((f"{name}.{pname}", p))
@@ -66,3 +67,20 @@ class Watched:
     def clear(self) -> None:
         """Forget everything (``close()``)."""
         self._modules = []
+
+
+def _parameters(module: nn.Module) -> list[tuple[str, Tensor | None]]:
+    """A module's own parameters, by the names the user knows them by: those of a
+    parametrization (``spectral_norm``, ``weight_norm``, ...) as the tensor they make,
+    ``weight`` for ``parametrizations.weight.original`` and ``weight.original0``, ... where
+    there are several (``weight_norm``'s magnitude and direction)."""
+    own = list(own_parameters(module))
+    if not is_parametrized(module):
+        return own
+    for pname, parametrization in module.parametrizations.items():  # type: ignore[union-attr, operator]
+        originals = [(key, p) for key, p in own_parameters(parametrization) if key.startswith("original")]
+        if len(originals) == 1:
+            own.append((pname, originals[0][1]))
+        else:
+            own += [(f"{pname}.{key}", p) for key, p in originals]
+    return own

@@ -4,7 +4,7 @@ Host-side only, from one logged step's scalars at a time: the logger feeds it ea
 writes, and ``tblog-hooks report`` replays a run's event files through the same code. The
 rules compare a model with itself (ratios along the forward order, growth over its own recent
 steps, updates relative to the weights), never with fixed scales that depend on the loss,
-the batch or the layer size; the README says why each default is what it is.
+the batch or the layer size; ``docs/health.md`` says why each default is what it is.
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ class FindingKind(enum.StrEnum):
     AMP_SKIPPED_STEPS = "amp_skipped_steps"
 
 
-VANISHING, EXPLODING, DEAD = FindingKind.VANISHING_GRADIENT, FindingKind.EXPLODING_GRADIENT, FindingKind.DEAD_UNITS
-NONFINITE, SKIPPING = FindingKind.NONFINITE, FindingKind.AMP_SKIPPED_STEPS
 #: Every finding kind, in the order tables list them.
-FINDING_KINDS: tuple[str, ...] = tuple(FindingKind)
+FINDING_KINDS: tuple[str, ...] = tuple(kind.value for kind in FindingKind)
+VANISHING, EXPLODING, DEAD, NONFINITE, SKIPPING = FINDING_KINDS
 #: How many earlier logged steps the growth rule of ``exploding_gradient`` compares with (the
 #: latest ones without that finding): a bounded window keeps the cost of a step constant.
 GROWTH_WINDOW = 64
@@ -50,7 +49,15 @@ log = logging.getLogger("tblog_hooks.health")
 @dataclass(frozen=True)
 class Thresholds:
     """When a finding starts. A rule is switched off by a value that is never crossed:
-    ``vanishing_ratio=0``, ``math.inf`` for the others."""
+    ``vanishing_ratio=0``, ``math.inf`` for the others (``zero_steps`` is no rule of its own).
+
+    Each field below is a keyword with a default; values are Python or NumPy numbers (not
+    bools), and counts of logged steps are whole numbers.
+
+    Raises:
+        HookLoggerError: a field that is not such a number or is out of its range; the message
+            names the field, the value and what is valid.
+    """
 
     #: ``vanishing_gradient``: every output-gradient norm from the input up to a module (in
     #: forward order) is below this fraction of the largest one in the model at the same step.
@@ -64,8 +71,9 @@ class Thresholds:
     #: ... or above this absolute value (off by default: norms scale with the loss reduction,
     #: batch and layer sizes, so no one number suits every model).
     exploding_norm: float = math.inf
-    #: ``dead_units``: this fraction of a module's channels (dim 1) is never positive across
-    #: the batch (the last module that ran, in forward order, is skipped: usually the output layer).
+    #: ``dead_units``: this fraction of a module's units (the channels of a convolution or a batch,
+    #: instance or group norm, else the last dim of its output) is never positive across the batch
+    #: (the last module that ran, in forward order, is skipped: usually the output layer).
     dead_fraction: float = 0.9
     #: Evidence that is exactly zero (a zero output, all gradients up to a module exactly zero) is
     #: what zero-initialised layers show before their first update: it must last this many logged steps.
@@ -99,7 +107,16 @@ class Thresholds:
 
 @dataclass(frozen=True)
 class Finding:
-    """One problem, as it was when it started."""
+    """One problem, as it was when it started.
+
+    Attributes:
+        kind: what it is about, one of :data:`FINDING_KINDS` (``"vanishing_gradient"``, ...).
+        module: the watched module it names (for some findings a parameter,
+            ``{module}.{param}``); ``""`` when it is about the whole model.
+        step: the logged step at which it started (TensorBoard's ``global_step``).
+        value: the measured quantity its rule compared, e.g. the dead fraction or the NaN/Inf count.
+        message: one line saying what was found, as logged.
+    """
 
     kind: str
     module: str
@@ -259,8 +276,8 @@ class Health:
         return found
 
     def _dead_units(self, step: int, scalars: Mapping[str, float], order: Sequence[str]) -> _Candidates:
-        """Modules whose channels are never positive, except the last one that ran in this step
-        (its channels are outputs, e.g. classes). A module that ran is one with statistics of
+        """Modules whose units are never positive, except the last one that ran in this step
+        (its units are outputs, e.g. classes). A module that ran is one with statistics of
         this step, so a watched module that never runs cannot take the output layer's place."""
         ran = [
             m
@@ -273,7 +290,7 @@ class Health:
             if frac is not None and frac >= self.thresholds.dead_fraction:
                 lo, hi = scalars.get(tag(Root.ACTIVATION, Stat.MIN, m)), scalars.get(tag(Root.ACTIVATION, Stat.MAX, m))
                 zero = lo == 0 == hi
-                message = f"{frac:.0%} of the channels of {m} are never positive across the batch" + (
+                message = f"{frac:.0%} of the units of {m} are never positive across the batch" + (
                     " (its output is exactly zero)" if zero else ""
                 )
                 found[(DEAD, m)] = (Finding(DEAD, m, step, frac, message), zero)

@@ -11,7 +11,7 @@ from ..logger import HookLogger
 from ..options import NAMES, unknown_options
 
 #: HookLogger options a framework callback takes from the framework itself.
-FROM_FRAMEWORK = ("writer", "log_dir", "optimizer", "scaler")
+FROM_FRAMEWORK = ("writer", "log_dir", "optimizer", "scaler", "start_step")
 
 
 def missing_framework(extra: str, error: ImportError) -> HookLoggerError:
@@ -28,7 +28,7 @@ def check_options(options: Mapping[str, object], framework: str) -> None:
     if supplied:
         raise HookLoggerError(
             f"{framework} supplies {', '.join(map(repr, supplied))} to the HookLogger (the writer of its TensorBoard "
-            f"run, its optimizer and AMP scaler); leave {'it' if len(supplied) == 1 else 'them'} out"
+            f"run, its optimizer, AMP scaler and step count); leave {'it' if len(supplied) == 1 else 'them'} out"
         )
     unknown = [key for key in options if key not in NAMES]
     if unknown:

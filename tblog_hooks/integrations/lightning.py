@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._compat import event_file_writer, writer_closed
 from ..errors import HookLoggerError
 from ..logger import HookLogger
 from ._common import advance, check_options, grad_scaler, missing_framework
@@ -14,6 +15,7 @@ from ._common import advance, check_options, grad_scaler, missing_framework
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
+    from lightning.pytorch.utilities import rank_zero_info
 except ImportError as error:
     raise missing_framework("lightning", error) from None
 
@@ -21,11 +23,20 @@ except ImportError as error:
 class HookLoggerCallback(pl.Callback):
     """Log the module's statistics into the Trainer's TensorBoard run, indexed by ``trainer.global_step``.
 
-    Takes every ``HookLogger`` option except ``writer``, ``log_dir``, ``optimizer`` and ``scaler``,
-    which come from the Trainer: the experiment of its ``TensorBoardLogger`` (else a writer in
-    ``trainer.log_dir``), its one optimizer and the precision plugin's ``GradScaler``. ``every``
-    defaults to ``trainer.log_every_n_steps``. Attaches when training starts (after a checkpoint
-    is restored, so a resumed run continues its step numbers), closes at fit end and on exceptions.
+    Takes every ``HookLogger`` option except ``writer``, ``log_dir``, ``optimizer``, ``scaler`` and
+    ``start_step``, which come from the Trainer: the experiment of its ``TensorBoardLogger`` (else a
+    writer in ``trainer.log_dir``), its one optimizer, the precision plugin's ``GradScaler`` and
+    ``trainer.global_step``. ``every`` defaults to ``trainer.log_every_n_steps``. Attaches when
+    training starts (after a checkpoint is restored, so a resumed run continues its step numbers),
+    closes at fit end and on exceptions.
+
+    Args:
+        **options: ``HookLogger`` options (see :class:`~tblog_hooks.options.Options`) other than
+            those the Trainer supplies, e.g. ``modules=["encoder.*"]``, ``every=50``.
+
+    Raises:
+        HookLoggerError: at construction, for an option the Trainer supplies or a name that is no
+            option; when training starts, for a Trainer with more than one optimizer.
     """
 
     def __init__(self, **options: Any) -> None:
@@ -39,10 +50,16 @@ class HookLoggerCallback(pl.Callback):
                 f"HookLoggerCallback needs exactly one optimizer (its steps are the logged steps), the Trainer has "
                 f"{len(trainer.optimizers)}; with several, use tblog_hooks.HookLogger in the LightningModule"
             )
+        log_dir = trainer.log_dir  # (a collective: every rank asks)
+        if log_dir is None:  # fast_dev_run: Lightning writes nothing
+            rank_zero_info(
+                "HookLoggerCallback: Lightning logs nothing in this run (fast_dev_run), nor does this callback"
+            )
+            return
         target: dict[str, Any] = {}
         if trainer.is_global_zero:  # other ranks write nothing (HookLogger makes no writer there either)
             tensorboard = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
-            target = {"writer": tensorboard.experiment} if tensorboard is not None else {"log_dir": trainer.log_dir}
+            target = {"log_dir": log_dir} if tensorboard is None else {"writer": _opened(tensorboard)}
         every: int = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set at runtime by Lightning
         self.hooks = HookLogger(
             pl_module,
@@ -50,7 +67,7 @@ class HookLoggerCallback(pl.Callback):
             scaler=grad_scaler(trainer.precision_plugin),
             **{"every": every, **self.options, **target},
         )
-        advance(self.hooks, trainer.global_step)
+        advance(self.hooks, trainer.global_step)  # (a resumed run continues its step numbers)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -70,3 +87,13 @@ class HookLoggerCallback(pl.Callback):
         if self.hooks is not None:
             self.hooks.close()
             self.hooks = None
+
+
+def _opened(logger: TensorBoardLogger) -> Any:
+    """The logger's ``SummaryWriter``, open: Lightning closes it at the end of each stage
+    (``validate``, ``fit``, ``lr_find``) and relies on the next write to open a new event file;
+    the callback opens it now, as that write would."""
+    writer = logger.experiment
+    if writer_closed(writer):
+        event_file_writer(writer)
+    return writer

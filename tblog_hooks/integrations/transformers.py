@@ -23,10 +23,19 @@ except ImportError as error:
 class HookLoggerCallback(TrainerCallback):
     """Log the model's statistics into the Trainer's TensorBoard run, indexed by ``state.global_step``.
 
-    Takes every ``HookLogger`` option except ``writer``, ``log_dir``, ``optimizer`` and ``scaler``,
-    which come from the Trainer: the run directory of its ``TensorBoardCallback``, its optimizer
-    and accelerate's ``GradScaler``. ``every`` defaults to ``logging_steps``. Attaches at train
-    begin, closes at train end (or, after an exception, at the next train begin or :meth:`close`).
+    Takes every ``HookLogger`` option except ``writer``, ``log_dir``, ``optimizer``, ``scaler`` and
+    ``start_step``, which come from the Trainer: the run directory of its ``TensorBoardCallback``,
+    its optimizer, accelerate's ``GradScaler`` and its step count. ``every`` defaults to
+    ``logging_steps``. Attaches at train begin, closes at train end (or, after an exception, at the
+    next train begin or :meth:`close`).
+
+    Args:
+        **options: ``HookLogger`` options (see :class:`~tblog_hooks.options.Options`) other than
+            those the Trainer supplies, e.g. ``modules=["*.attn"]``, ``every=50``.
+
+    Raises:
+        HookLoggerError: at construction, for an option the Trainer supplies or a name that is no
+            option.
     """
 
     def __init__(self, **options: Any) -> None:

@@ -82,9 +82,9 @@ class Kind:
     stats: tuple[Stat, ...] = ()
     #: Pooled over ranks with ``reduce_ranks=True`` (one record per call); otherwise the writing rank's own.
     per_call: bool = False
-    #: The record's values of a tensor, in field order (call under ``no_grad``); for kinds
-    #: recorded from a tensor's statistics.
-    compute: Callable[[Tensor], tuple[Tensor, ...]] | None = None
+    #: The record's values of a tensor, in field order (call under ``no_grad``), given the dim
+    #: that holds its units (``reductions.units_dim``); for kinds recorded from a tensor's statistics.
+    compute: Callable[[Tensor, int], tuple[Tensor, ...]] | None = None
 
     def has(self, name: str) -> bool:
         """Whether records of this kind hold the field ``name``."""
@@ -122,7 +122,7 @@ def _tensor_scalars(v: Values, count: int) -> dict[str, float]:
         Stat.NONFINITE: _nonfinite(v, count),
     }
     peaks = v["peak"]
-    if peaks.size:  # a channel is dead if it is never positive across the pooled batch
+    if peaks.size:  # a unit is dead if it is never positive across the pooled batch
         out[Stat.DEAD_FRAC] = float(np.count_nonzero(peaks <= 0) / peaks.size)
     return out  # type: ignore[return-value]  # (Stat is a str)
 
@@ -133,7 +133,7 @@ _TENSOR_FIELDS = (
     Field("max", _pool_max),
     Field("nonzero", _pool_sum),
     Field("finite", _pool_sum),  # the host knows the elements: NaN/Inf are the rest
-    Field("peak", _pool_max),  # per channel (dim 1): the largest value, for dead units
+    Field("peak", _pool_max),  # per unit: the largest value, for dead units
 )
 _TENSOR_STATS = (Stat.MEAN, Stat.STD, Stat.MIN, Stat.MAX, Stat.ZERO_FRAC, Stat.NONFINITE, Stat.DEAD_FRAC)
 #: A watched module's output (``activation/*``).
@@ -172,6 +172,7 @@ BINNED = Kind("histogram", (Field("rows", _pool_first),), lambda v, n: {})
 #: Every histogram kind, by tag root: ``activation/{module}``, ``input/{module}`` (with
 #: ``inputs=True``), ``gradient/{module}`` (output gradient), ``gradient_log10/{module}`` (log10 of
 #: its magnitudes), ``param_grad/{module}.{param}``, ``param/{module}.{param}`` (weights).
-HISTOGRAM_KINDS: tuple[str, ...] = (
-    Root.ACTIVATION, Root.INPUT, Root.GRADIENT, Root.GRADIENT_LOG10, Root.PARAM_GRAD, Root.PARAM
-)  # fmt: skip
+HISTOGRAM_KINDS: tuple[str, ...] = tuple(
+    root.value
+    for root in (Root.ACTIVATION, Root.INPUT, Root.GRADIENT, Root.GRADIENT_LOG10, Root.PARAM_GRAD, Root.PARAM)
+)

@@ -90,20 +90,37 @@ def sparse_values(g: Tensor) -> tuple[Tensor, Tensor]:
     return summed, torch.where(used, summed, math.nan)
 
 
-def tensor_statistics(x: Tensor) -> tuple[Tensor, ...]:
+def tensor_statistics(x: Tensor, units: int) -> tuple[Tensor, ...]:
     """Exact statistics of ``x``: mean and centred L2 norm (float32 or wider; centring costs one
     pass and keeps the standard deviation accurate when |mean| >> std), min, max, nonzero and
-    finite counts, and per channel (dim 1) the largest value."""
+    finite counts, and per unit (along dim ``units``, see :func:`units_dim`) the largest value."""
     dtype = acc_dtype(x.dtype)
     mean = x.mean(dtype=dtype)
     # 16-bit inputs are centred in float32: a 16-bit x - mean would round each term.
     centred = x - mean if x.dtype == dtype else x.to(dtype).sub_(mean)
     lo, hi = torch.aminmax(x)
-    peak = x.amax(dim=(0, *range(2, x.dim()))) if x.dim() >= 2 else x.new_empty(0)
+    units %= max(x.dim(), 1)
+    peak = x.amax(dim=tuple(d for d in range(x.dim()) if d != units)) if x.dim() >= 2 else x.new_empty(0)
     return mean, torch.linalg.vector_norm(centred), lo, hi, torch.count_nonzero(x), finite(x), peak
 
 
-def gradient_statistics(g: Tensor) -> tuple[Tensor, ...]:
+def gradient_statistics(g: Tensor, units: int) -> tuple[Tensor, ...]:
     """L2 norm (float32 or wider) and non-finite count of a gradient. Its extremes are taken
-    only for a linear histogram: not a scalar, and not a default histogram."""
+    only for a linear histogram: not a scalar, and not a default histogram. (No per-unit field.)"""
     return torch.linalg.vector_norm(g, dtype=acc_dtype(g.dtype)), nonfinite(g)
+
+
+#: Modules whose outputs hold their units along dim 1 (``N, C, ...``): convolutions and the
+#: norms that follow them. Every other module's units are its output's last dim (Linear,
+#: GPT-2's Conv1D, attention, RNNs, LayerNorm: ``..., features``).
+CHANNELS_FIRST = (
+    torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+    torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d,
+    torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm,
+    torch.nn.InstanceNorm1d, torch.nn.InstanceNorm2d, torch.nn.InstanceNorm3d, torch.nn.GroupNorm,
+)  # fmt: skip
+
+
+def units_dim(module: torch.nn.Module) -> int:
+    """The dim of ``module``'s outputs (and inputs) that holds its units, for dead-unit counts."""
+    return 1 if isinstance(module, CHANNELS_FIRST) else -1

@@ -24,18 +24,22 @@ DEFAULT_KINDS = tuple(k for k in HISTOGRAM_KINDS if k != Root.GRADIENT)
 
 @dataclass(frozen=True)
 class Histograms:
-    """Which histograms logged steps write, counted in logged steps (``HookLogger``'s ``every``
-    counts optimizer steps; logged step number ``i`` is optimizer step ``i * every``).
+    """Which histograms logged steps write, counted in the logged steps that recorded something
+    (``HookLogger``'s ``every`` counts optimizer steps): the first of them writes every kind, so a
+    run, a resumed run or a framework callback has histograms from its first trained step on.
 
     Everything on every logged step: ``Histograms(every_logged=1, weights_every_logged=1,
     kinds=HISTOGRAM_KINDS)``.
 
     Args:
-        every_logged: histograms on logged steps ``0, every_logged, 2 * every_logged, ...``.
+        every_logged: histograms on logged steps ``0, every_logged, 2 * every_logged, ...`` (the
+            first logged step that records something is number 0).
         weights_every_logged: weight histograms (``param/...``) on logged steps ``0,
             weights_every_logged, ...``; the other kinds follow ``every_logged``.
         kinds: the tag roots to write histograms of, among
-            :data:`~tblog_hooks.stats.kinds.HISTOGRAM_KINDS`; kept as a tuple in that order.
+            :data:`~tblog_hooks.stats.kinds.HISTOGRAM_KINDS`; kept as a tuple in that order. By
+            default all but ``gradient``, of those the logger's options produce; kinds given
+            here must all be produced (``input`` needs ``inputs=True``, ...).
 
     Raises:
         HookLoggerError: a count that is not a positive int, an empty ``kinds`` or an unknown kind.
@@ -44,6 +48,8 @@ class Histograms:
     every_logged: int = 5
     weights_every_logged: int = 10
     kinds: Iterable[str] = field(default=DEFAULT_KINDS)
+    #: Whether ``kinds`` was given (then every kind must be produced by the logger's options).
+    explicit: bool = field(init=False, repr=False, compare=False)
     # What kinds_at returns, made once: under torch.compile a hook's test `kind in kinds` is
     # guarded on the set object, so the same few objects give a few graphs, not one per step.
     _steps: tuple[frozenset[str], ...] = field(init=False, repr=False, compare=False)
@@ -54,6 +60,7 @@ class Histograms:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise HookLoggerError(f"Histograms({name}={value!r}) is invalid: it must be a positive int")
         given: object = self.kinds
+        object.__setattr__(self, "explicit", given is not DEFAULT_KINDS)
         kinds = list(given) if isinstance(given, Iterable) and not isinstance(given, str) else [given]
         unknown = [repr(k) for k in kinds if k not in HISTOGRAM_KINDS]
         if unknown or not kinds:
@@ -73,7 +80,7 @@ class Histograms:
         return self._steps[3]
 
     def kinds_at(self, index: int) -> frozenset[str]:
-        """The kinds logged step number ``index`` (0, 1, 2, ... in logged steps) writes."""
+        """The kinds logged step number ``index`` (0, 1, 2, ... in logged steps that record) writes."""
         others, weights = index % self.every_logged == 0, index % self.weights_every_logged == 0
         return self._steps[others + 2 * weights]
 
