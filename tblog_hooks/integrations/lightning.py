@@ -28,7 +28,10 @@ class HookLoggerCallback(pl.Callback):
     writer in ``trainer.log_dir``), its one optimizer, the precision plugin's ``GradScaler`` and
     ``trainer.global_step``. ``every`` defaults to ``trainer.log_every_n_steps``. Attaches when
     training starts (after a checkpoint is restored, so a resumed run continues its step numbers),
-    closes at fit end and on exceptions.
+    closes at fit end and on exceptions. A ``fit`` after another stage on the same Trainer
+    (``validate``, ``lr_find``, an earlier ``fit``) writes into the same run: Lightning closes its
+    writer at the end of each stage, and the callback opens it again, as Lightning's next write
+    would. Under ``fast_dev_run`` Lightning logs nothing, and neither does the callback.
 
     Args:
         **options: ``HookLogger`` options (see :class:`~tblog_hooks.options.Options`) other than
