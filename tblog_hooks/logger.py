@@ -28,7 +28,7 @@ from .output.destination import Destination
 from .output.outbox import Outbox, WriteError
 from .stats.packing import StepLayout
 from .transport import amp
-from .transport.distributed import Ranks, is_sharded, rank_and_world
+from .transport.distributed import Ranks, is_sharded, rank_and_world, shard_groups
 
 
 class _State(enum.Enum):
@@ -91,7 +91,7 @@ class HookLogger:
         self._recorded_steps = 0
         self._module_names = tuple(selected)
         self._watched = Watched(model, selected, parameters=config.parameters)
-        sharded = {key for key, p in self._watched.params() if is_sharded(p)}
+        sharded = {key: shard_groups(p) for key, p in self._watched.params() if is_sharded(p)}
         if config.optimizer is None and (sharded or (distributed and self._watched.params())):
             what = "an FSDP2 model" if sharded else f"a model trained over {rank_and_world()[1]} ranks (DDP)"
             raise HookLoggerError(

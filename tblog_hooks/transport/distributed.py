@@ -7,8 +7,10 @@ logged step as usual; then, on all ranks together, at the end of each logged ste
   hash of its layout and its element counts). Ranks that recorded different calls, or a rank
   that stopped logging, would otherwise make collectives of different sizes, which gloo
   aborts on and NCCL hangs or misreads; instead every rank learns it and logging stops;
-- FSDP2 parameters are sharded: each rank has the norm of its local shard, so the squares
-  are summed with one ``all_reduce`` (the norm of the whole gradient, as unsharded);
+- FSDP2 parameters are sharded ``DTensor`` objects: each rank has the norm of its local shard,
+  so the squares are summed over exactly the mesh dimensions the parameter is sharded on (its
+  ``Shard`` placements), never over replicas (HSDP's ``Replicate`` dimension): one ``all_reduce``
+  per group of such dimensions, for all the parameters sharded alike;
 - with ``reduce_ranks=True`` one ``all_gather`` of the per-call values (activations, inputs,
   output gradients; ``Kind.per_call``) lets the writer pool them over every rank's calls,
   exactly as it pools several calls of a module in one process. Parameter gradients (already
@@ -52,6 +54,16 @@ def is_sharded(t: object) -> TypeGuard[DTensor]:
     return isinstance(t, DTensor)
 
 
+def shard_groups(t: DTensor) -> tuple[dist.ProcessGroup, ...]:
+    """The process groups of the mesh dimensions ``t`` is sharded on (a ``Shard`` placement), in
+    mesh order: summing over them gives the whole tensor's sums; over the others (``Replicate``)
+    every rank holds the same values."""
+    from torch.distributed.tensor import Shard
+
+    mesh = t.device_mesh
+    return tuple(mesh.get_group(dim) for dim, placement in enumerate(t.placements) if isinstance(placement, Shard))
+
+
 def local_shard(t: Tensor) -> Tensor:
     """This rank's shard of an FSDP2 parameter or gradient; other tensors as they are.
     Norms of shards are combined across ranks with one all-reduce per logged step."""
@@ -61,10 +73,11 @@ def local_shard(t: Tensor) -> Tensor:
 class Ranks:
     """The collectives of a logged step, made identically on every rank."""
 
-    def __init__(self, *, reduce: bool, sharded: set[str]) -> None:
+    def __init__(self, *, reduce: bool, sharded: dict[str, tuple[dist.ProcessGroup, ...]]) -> None:
         self.rank, self.world = rank_and_world()
         self.reduce = reduce and self.world > 1
-        self.sharded = sharded if self.world > 1 else set()
+        #: Sharded parameters and the groups their gradients' squares are summed over.
+        self.sharded = {key: groups for key, groups in sharded.items() if groups} if self.world > 1 else {}
 
     @property
     def needed(self) -> bool:
@@ -73,7 +86,7 @@ class Ranks:
 
     def stop(self) -> None:
         """No collectives from now on (all ranks stop together, see :meth:`agree`)."""
-        self.reduce, self.sharded = False, set()
+        self.reduce, self.sharded = False, {}
 
     def agree(self, layout: StepLayout | None) -> list[list[int]]:
         """Exchange what each rank recorded (``None``: this rank stopped logging); every
@@ -96,11 +109,14 @@ class Ranks:
     def combine(self, packed: Tensor, layout: StepLayout, numels: list[list[int]]) -> tuple[Tensor, StepLayout]:
         """Sum sharded parameter norms; if reducing, append every other rank's per-call values
         (``numels``: their element counts, from :meth:`agree`) as further calls."""
-        sharded = [e.spans[0][0] for e in self._sharded(layout)]
-        if sharded:
-            index = _index(np.array(sharded), packed.device)
+        alike: dict[tuple[dist.ProcessGroup, ...], list[int]] = {}  # in layout order: the same on every rank
+        for e in self._sharded(layout):
+            alike.setdefault(self.sharded[e.name], []).append(e.spans[0][0])
+        for groups, offsets in alike.items():
+            index = _index(np.array(offsets), packed.device)
             squares = packed[index].square()
-            dist.all_reduce(squares)
+            for group in groups:
+                dist.all_reduce(squares, group=group)
             packed = packed.index_copy(0, index, squares.sqrt())
         per_call = self._per_call(layout)
         if not (self.reduce and per_call):
