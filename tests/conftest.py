@@ -1,14 +1,23 @@
-"""Shared helpers: read a run back with TensorBoard's own reader."""
+"""Shared helpers: read a run back with TensorBoard's own reader, look for hooks left behind, run
+a function on several ranks."""
 
 from __future__ import annotations
 
+import datetime
+import faulthandler
+import gc
 import io
+import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from PIL import Image
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
@@ -86,3 +95,30 @@ def read_layout(log_dir: str | Path) -> layout_pb2.Layout:
     """The custom-scalars layout written with ``add_custom_scalars``."""
     (event,) = _accumulator(log_dir).Tensors("custom_scalars__config__")
     return layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])
+
+
+def spawn_ranks(
+    worker: Callable[[int, str], None], root: str | Path, world: int, timeout: datetime.timedelta | None = None
+) -> None:
+    """``worker(rank, root)`` in ``world`` CPU processes of one gloo process group (its file store in ``root``)."""
+    mp.spawn(_rank, args=(worker, str(root), world, timeout), nprocs=world)
+
+
+def _rank(
+    rank: int, worker: Callable[[int, str], None], root: str, world: int, timeout: datetime.timedelta | None
+) -> None:
+    """One rank: ``worker`` between setting up and tearing down the process group."""
+    faulthandler.enable()  # a crash in native code prints every thread's Python stack
+    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=world, timeout=timeout)
+    try:
+        worker(rank, root)
+        gc.collect()  # FSDP2 modules sit in reference cycles that hold the process group
+        dist.barrier()  # no rank tears the store down while another still uses it
+    finally:
+        dist.destroy_process_group()
+    # Leave without interpreter teardown, where a gloo thread that drops the last reference to a
+    # tensor must take the GIL of a finalizing interpreter, which aborts the process (SIGABRT,
+    # "terminate called without an active exception"; pytorch/pytorch#179291). Seen once in CI.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -65,14 +65,6 @@ def test_default_selection_on_a_model_without_parameters_is_empty(tmp_path) -> N
     assert "selected no module" in message and "leaf modules that own parameters" in message
 
 
-def test_model_and_a_submodule_named_root_cannot_share_the_name(tmp_path) -> None:
-    model = nn.ModuleDict({"root": nn.Linear(2, 2)})
-    message = _error(model, log_dir=tmp_path, modules=["", "root"])
-    assert "both the model itself (shown as 'root') and its submodule named 'root'" in message
-    with HookLogger(model, log_dir=tmp_path, modules="root") as hooks:
-        assert hooks.module_names == ("root",)
-
-
 def test_writer_and_log_dir_together(tmp_path) -> None:
     writer = SummaryWriter(tmp_path / "mine")
     try:

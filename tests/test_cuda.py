@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torchvision
 from conftest import read_run
+from models import mlp, train
 from torch import nn
 
 from tblog_hooks import HookLogger
@@ -15,13 +17,8 @@ from tblog_hooks import HookLogger
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _train(model: nn.Module, hooks: HookLogger, x: torch.Tensor, y: torch.Tensor, steps: int = 3) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for _ in range(steps):
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        hooks.step()
+def _losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
+    return (nn.functional.cross_entropy(model(x), y) for _ in range(steps))
 
 
 def test_cuda_values_match_cpu(tmp_path) -> None:
@@ -34,7 +31,7 @@ def test_cuda_values_match_cpu(tmp_path) -> None:
     for device in ("cpu", "cuda"):
         m = copy.deepcopy(model).to(device)
         with HookLogger(m, log_dir=tmp_path / device, every=1) as hooks:
-            _train(m, hooks, x.to(device), y.to(device), steps=1)
+            train(hooks, _losses(m, x.to(device), y.to(device), 1), torch.optim.SGD(m.parameters(), lr=0.01))
         runs[device] = read_run(tmp_path / device)
     cpu, gpu = runs["cpu"], runs["cuda"]
     assert set(cpu.scalars) == set(gpu.scalars)
@@ -49,24 +46,20 @@ def test_logged_step_never_synchronises(tmp_path) -> None:
     x, y = torch.randn(8, 3, 64, 64, device="cuda"), torch.randint(0, 10, (8,), device="cuda")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with HookLogger(model, log_dir=tmp_path, every=2, optimizer=opt) as hooks:
-        _train(model, hooks, x, y, steps=2)  # warm up allocators and cuDNN outside the check
+        warm_up = torch.optim.SGD(model.parameters(), lr=0.01)
+        train(hooks, _losses(model, x, y, 2), warm_up)  # allocators and cuDNN, outside the check
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            for _ in range(4):  # two logged, two not; step() packs and starts the async copy
-                loss = nn.functional.cross_entropy(model(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                hooks.step()
+            train(hooks, _losses(model, x, y, 4), opt)  # two logged, two not; step() packs and starts the async copy
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert sorted(read_run(tmp_path).scalars["param_grad/global_norm"]) == [0, 2, 4]
 
 
 def test_pending_copies_are_written_at_close(tmp_path) -> None:
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)).cuda()
+    model = mlp(64, 64, 4, act=nn.ReLU).cuda()
     x, y = torch.randn(32, 64, device="cuda"), torch.randint(0, 4, (32,), device="cuda")
     with HookLogger(model, log_dir=tmp_path, every=1) as hooks:
-        _train(model, hooks, x, y, steps=5)
+        train(hooks, _losses(model, x, y, 5), torch.optim.SGD(model.parameters(), lr=0.01))
     assert sorted(read_run(tmp_path).scalars["activation/mean/0"]) == [0, 1, 2, 3, 4]

@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import datetime
 import errno
-import faulthandler
-import gc
-import os
-import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import read_run
+from conftest import read_run, spawn_ranks
+from models import mlp, train
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
@@ -31,56 +27,26 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 TIMEOUT = datetime.timedelta(seconds=20)
 
 
-def _spawn(worker: Callable[[int, str], None], root: Path) -> None:
-    mp.spawn(_process, args=(worker, str(root)), nprocs=WORLD)
-
-
-def _process(rank: int, worker: Callable[[int, str], None], root: str) -> None:
-    """One rank: ``worker`` between setting up and tearing down the process group."""
-    faulthandler.enable()  # a crash in native code prints every thread's Python stack
-    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=WORLD, timeout=TIMEOUT)
-    try:
-        worker(rank, root)
-        gc.collect()  # FSDP2 modules sit in reference cycles that hold the process group
-        dist.barrier()  # neither rank tears the store down while the other still uses it
-    finally:
-        dist.destroy_process_group()
-    # Leave without interpreter teardown, where a gloo thread that drops the last reference to a
-    # tensor must take the GIL of a finalizing interpreter, which aborts the process (SIGABRT,
-    # "terminate called without an active exception"; pytorch/pytorch#179291). Seen once in CI.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)  # the same initial weights on every rank and in the reference
-    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
-
-
 def _batch(rank: int, step: int, inputs: int = 6) -> torch.Tensor:
     return torch.randn(4, inputs, generator=torch.Generator().manual_seed(100 * step + rank))
 
 
-def _train(model: nn.Module, hooks: HookLogger, opt: torch.optim.Optimizer, rank: int, inputs: int = 6) -> None:
-    for step in range(2):
-        model(_batch(rank, step, inputs)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        hooks.step()
+def _losses(model: nn.Module, rank: int, inputs: int = 6) -> Iterator[torch.Tensor]:
+    """The losses of two steps on the rank's own batches."""
+    return (model(_batch(rank, step, inputs)).square().mean() for step in range(2))
 
 
 def _worker(rank: int, root: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    ddp = nn.parallel.DistributedDataParallel(_model())
+    ddp = nn.parallel.DistributedDataParallel(mlp(6, 12, 3, seed=0))
     with pytest.raises(HookLoggerError, match="pass optimizer="):  # .grad is averaged only by then
         HookLogger(ddp, log_dir=f"{root}/never")
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     with HookLogger(ddp, log_dir=f"{root}/ddp{rank}", every=1, optimizer=opt, reduce_ranks=True) as hooks:
-        _train(ddp, hooks, opt, rank)
+        train(hooks, _losses(ddp, rank), opt)
 
-    model = _model()
+    model = mlp(6, 12, 3, seed=0)
     for layer in (model[0], model[2], model):
         fully_shard(layer)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -88,14 +54,14 @@ def _worker(rank: int, root: str) -> None:
     given = SummaryWriter(f"{root}/given1") if rank == 1 else None
     where = {"writer": given} if given is not None else {"log_dir": f"{root}/fsdp0"}
     with HookLogger(model, every=1, optimizer=opt, **where) as hooks:  # type: ignore[arg-type]
-        _train(model, hooks, opt, rank)
+        train(hooks, _losses(model, rank), opt)
     if given is not None:
         given.close()
 
 
 def _reference() -> dict[str, float]:
     """Step 0 on one process: gradients averaged over the ranks' batches, activations of all of them."""
-    model = _model()
+    model = mlp(6, 12, 3, seed=0)
     outs = []
     for rank in range(WORLD):
         h = model[0](_batch(rank, 0))
@@ -111,7 +77,7 @@ def _reference() -> dict[str, float]:
 
 
 def test_ddp_and_fsdp2_on_two_cpu_processes(tmp_path: Path) -> None:
-    _spawn(_worker, tmp_path)
+    spawn_ranks(_worker, tmp_path, WORLD, TIMEOUT)
     assert not (tmp_path / "ddp1").exists() and not (tmp_path / "never").exists()  # only rank 0 writes
     expected = _reference()
     ddp, fsdp, given = (read_run(tmp_path / name) for name in ("ddp0", "fsdp0", "given1"))
@@ -130,10 +96,11 @@ def _failures_worker(rank: int, root: str) -> None:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = _model()
+        model = mlp(6, 12, 3, seed=0)
         for inputs in (False, True):  # input NaN counts (and with inputs=True all statistics) pooled
             where = f"{root}/nan{inputs}"
-            with HookLogger(model, log_dir=where, every=1, reduce_ranks=True, inputs=inputs) as hooks:
+            # (No DDP: each rank's own gradients, so no parameters; several ranks would need optimizer=.)
+            with HookLogger(model, log_dir=where, every=1, reduce_ranks=True, inputs=inputs, parameters=False) as hooks:
                 for step in range(2):
                     model(_nan_batch(rank, step)).sum().backward()
                     hooks.step()
@@ -141,17 +108,17 @@ def _failures_worker(rank: int, root: str) -> None:
                     (finding,) = hooks.findings
                     assert finding.module == "0" and "already in the input of 0" in finding.message, finding
 
-        model = _one_output()
+        model = mlp(16, 8, 1, act=None, seed=0)
         for layer in (model[0], model[1], model):
             fully_shard(layer)  # rank 1's shard of model[1]'s weight and bias is empty
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with HookLogger(model, log_dir=f"{root}/empty{rank}", every=1, optimizer=opt, reduce_ranks=True) as hooks:
-            _train(model, hooks, opt, rank, inputs=16)
+            train(hooks, _losses(model, rank, inputs=16), opt)
         assert not caught, [str(w.message) for w in caught]
 
         # Rank 1 calls the model twice in each step: one warning on each rank, and training goes on.
-        model = _one_output()
-        with HookLogger(model, log_dir=f"{root}/differ{rank}", every=1, reduce_ranks=True) as hooks:
+        model = mlp(16, 8, 1, act=None, seed=0)
+        with HookLogger(model, log_dir=f"{root}/differ{rank}", every=1, reduce_ranks=True, parameters=False) as hooks:
             for _ in range(2):
                 for _ in range(1 + rank):
                     model(torch.randn(4, 16)).sum().backward()
@@ -163,7 +130,7 @@ def _failures_worker(rank: int, root: str) -> None:
         # Rank 0 cannot write step 0 and stops; at step 1 rank 1 learns it and stops too; no
         # collective after that (step 2 would wait for rank 0 alone).
         where = {"writer": _FailingWriter(f"{root}/broken")} if rank == 0 else {}
-        with HookLogger(model, every=1, reduce_ranks=True, **where) as hooks:  # type: ignore[arg-type]
+        with HookLogger(model, every=1, reduce_ranks=True, parameters=False, **where) as hooks:  # type: ignore[arg-type]
             for _ in range(3):
                 model(torch.randn(4, 16)).sum().backward()
                 hooks.step()
@@ -177,19 +144,19 @@ def _failures_worker(rank: int, root: str) -> None:
         try:  # a with-block left normally inside an except clause ends its step on every rank
             raise KeyError("handled before the block")
         except KeyError:
-            with HookLogger(model, log_dir=f"{root}/handled{rank}", every=1, reduce_ranks=True):
+            with HookLogger(model, log_dir=f"{root}/handled{rank}", every=1, reduce_ranks=True, parameters=False):
                 model(_batch(rank, 0, inputs=16)).sum().backward()
 
         # Rank 1 raises inside a logged step, rank 0 once rank 1 is out: neither waits in a collective.
         signal = Path(root, "rank1_out")
         if rank == 1:
-            hooks = HookLogger(model, log_dir=f"{root}/raise{rank}", every=1, reduce_ranks=True)
+            hooks = HookLogger(model, log_dir=f"{root}/raise{rank}", every=1, reduce_ranks=True, parameters=False)
             with pytest.raises(ValueError, match="bad batch"), hooks:
                 model(torch.randn(4, 16)).sum().backward()
                 raise ValueError("bad batch")
             signal.touch()
         else:
-            hooks = HookLogger(model, log_dir=f"{root}/raise{rank}", every=1, reduce_ranks=True)
+            hooks = HookLogger(model, log_dir=f"{root}/raise{rank}", every=1, reduce_ranks=True, parameters=False)
             with pytest.raises(ValueError, match="peer failed"):
                 try:
                     model(torch.randn(4, 16)).sum().backward()
@@ -208,11 +175,6 @@ class _FailingWriter(SummaryWriter):
         raise OSError(errno.EIO, "Input/output error")
 
 
-def _one_output() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 1))
-
-
 def _nan_batch(rank: int, step: int) -> torch.Tensor:
     x = _batch(rank, step) * (1 + 9 * rank)  # rank 1's inputs spread wider: rank 0's alone differ
     if rank == 1 and step == 0:
@@ -221,7 +183,7 @@ def _nan_batch(rank: int, step: int) -> torch.Tensor:
 
 
 def test_failures_and_pooling_on_two_cpu_processes(tmp_path: Path) -> None:
-    _spawn(_failures_worker, tmp_path)
+    spawn_ranks(_failures_worker, tmp_path, WORLD, TIMEOUT)
     for inputs in (False, True):
         run = read_run(tmp_path / f"nan{inputs}")
         assert run.scalar("input/nonfinite/0", 0) == 1  # rank 1's NaN
@@ -233,7 +195,7 @@ def test_failures_and_pooling_on_two_cpu_processes(tmp_path: Path) -> None:
         else:
             assert not any(tag.startswith("input/mean") for tag in run.scalars)
 
-    reference = _one_output()
+    reference = mlp(16, 8, 1, act=None, seed=0)
     for rank in range(WORLD):  # FSDP2 averages the gradients of the ranks' batches
         (reference(_batch(rank, 0, inputs=16)).square().mean() / WORLD).backward()
     run = read_run(tmp_path / "empty0")
@@ -242,6 +204,7 @@ def test_failures_and_pooling_on_two_cpu_processes(tmp_path: Path) -> None:
     assert set(run.scalars["param_grad/global_norm"]) == {0, 1}
     assert run.histograms["param_grad/1.bias"][0].num == 1  # rank 0's shard holds the one element
 
-    pooled = _one_output()[0](torch.cat([_batch(rank, 0, inputs=16) for rank in range(WORLD)])).detach()
+    first_layer = mlp(16, 8, 1, act=None, seed=0)[0]
+    pooled = first_layer(torch.cat([_batch(rank, 0, inputs=16) for rank in range(WORLD)])).detach()
     assert read_run(tmp_path / "handled0").scalar("activation/max/0", 0) == pytest.approx(float(pooled.max()))
     assert not read_run(tmp_path / "differ0").scalars  # logging stopped before step 0 was written

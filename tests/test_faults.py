@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import read_run
+from models import mlp, train
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
@@ -50,22 +51,16 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 8), Exotify(), Unwrap(), nn.Tanh(), nn.Linear(8, 2))
 
 
-def _train(model: nn.Module, hooks: HookLogger | None, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """A fixed training run; returns the final parameters."""
+def _final_parameters(model: nn.Module, hooks: HookLogger | None, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters after a fixed training run."""
     data = torch.Generator().manual_seed(1)
-    for _ in range(STEPS):
-        x = torch.randn(16, 4, generator=data)
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        if hooks is not None:
-            hooks.step()
+    train(hooks, (model(torch.randn(16, 4, generator=data)).square().mean() for _ in range(STEPS)), opt)
     return [p.detach().clone() for p in model.parameters()]
 
 
 def _reference_parameters() -> list[torch.Tensor]:
     model = _model()
-    return _train(model, None, torch.optim.SGD(model.parameters(), lr=0.1))
+    return _final_parameters(model, None, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 @contextmanager
@@ -101,7 +96,7 @@ def _run_with_logger(
         )
         if before_training:
             before_training()
-        final = _train(model, hooks, opt)
+        final = _final_parameters(model, hooks, opt)
         hooks.close()
     for got, expected in zip(final, _reference_parameters()):
         assert torch.equal(got, expected)  # the logger changed nothing in training
@@ -166,7 +161,7 @@ def test_fault_reading_parameter_gradients_is_reported_once(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("optimizer", [False, True])
 def test_freezing_and_unfreezing_a_layer_mid_training(tmp_path, optimizer: bool) -> None:
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = mlp(4, 8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with _logger_warnings() as messages:
         hooks = HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt if optimizer else None)

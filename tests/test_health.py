@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import read_run, read_text
+from models import sigmoid_stack
 from torch import nn
 
 from tblog_hooks import HookLogger, HookLoggerError, Thresholds
@@ -21,15 +22,8 @@ from tblog_hooks.cli.report import findings, load
 from tblog_hooks.diagnostics.health import GROWTH_WINDOW, Health
 
 
-def _deep_sigmoid() -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for _ in range(8):
-        layers += [nn.Linear(16, 16), nn.Sigmoid()]
-    return nn.Sequential(*layers, nn.Linear(16, 2))
-
-
 def test_vanishing_gradient_names_the_modules_the_gradient_has_left(tmp_path, caplog) -> None:
-    model = _deep_sigmoid()
+    model = sigmoid_stack(8, 16)
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     caplog.set_level(logging.WARNING, logger="tblog_hooks.health")
     with HookLogger(model, log_dir=tmp_path, every=1) as hooks:
@@ -154,7 +148,7 @@ def test_a_module_that_never_ran_does_not_take_the_output_layers_place(tmp_path)
 
 
 def test_thresholds_are_configurable_and_validated(tmp_path) -> None:
-    model = _deep_sigmoid()
+    model = sigmoid_stack(8, 16)
     with HookLogger(model, log_dir=tmp_path, every=1, health=Thresholds(vanishing_ratio=1e-30)) as hooks:
         nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 2, (8,))).backward()
         hooks.step()
@@ -302,7 +296,7 @@ def test_dead_units_in_a_relu_mlp_with_a_bad_bias(tmp_path) -> None:
 def _amp_run(log_dir: Path, overflow: set[int], steps: int) -> tuple[HookLogger, list[dict[str, float]]]:
     """The deep sigmoid stack (vanishing on every step) under a CPU GradScaler; the steps in
     ``overflow`` overflow (as AMP calibration does) and are skipped."""
-    model = _deep_sigmoid()
+    model = sigmoid_stack(8, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
     summaries = []
@@ -368,4 +362,3 @@ def test_each_demo_scenario_shows_its_finding(tmp_path, scenario: str, steps: in
     for f in findings(load(run_dir, scenario)):
         found.setdefault(f.kind, (f.step, f.module))
     assert found == first
-

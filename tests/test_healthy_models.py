@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torchvision
+from models import bert, gpt2, timm_model, train
 from torch import Tensor, nn
 
 from tblog_hooks import HookLogger
@@ -88,32 +89,6 @@ def _efficientnet_b0() -> nn.Module:
     return EfficientNet([MBConvConfig(*b, width_mult=0.5, depth_mult=1.0) for b in blocks], 0.2, num_classes=10)
 
 
-def _timm(name: str, **config: object) -> nn.Module:
-    import timm
-
-    return timm.create_model(name, pretrained=False, num_classes=10, **config)  # type: ignore[no-any-return]
-
-
-def _gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=TOKENS))
-
-
-def _bert() -> nn.Module:
-    from transformers import BertConfig, BertForMaskedLM
-
-    config = BertConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        vocab_size=VOCAB,
-        max_position_embeddings=TOKENS,
-    )
-    return BertForMaskedLM(config)
-
-
 def _llama() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -150,11 +125,15 @@ CASES: dict[str, Callable[[], Case]] = {
     ),
     # resnet18d (deep stem, average-pool shortcuts, zero-initialised last BatchNorm per block) at a quarter width.
     "timm_resnet18d": lambda: Case(
-        _timm("resnet18d", channels=(16, 32, 64, 128), stem_width=8), _images(), _classify, every=2, old_rule_fired=True
+        timm_model("resnet18d", channels=(16, 32, 64, 128), stem_width=8),
+        _images(),
+        _classify,
+        every=2,
+        old_rule_fired=True,
     ),
-    "timm_convnext_atto": lambda: Case(_timm("convnext_atto"), _images(), _classify, every=2, old_rule_fired=True),
-    "gpt2": lambda: Case(_gpt2(), _tokens, _hf_loss),
-    "bert_mlm": lambda: Case(_bert(), _tokens, _hf_loss, old_rule_fired=True),
+    "timm_convnext_atto": lambda: Case(timm_model("convnext_atto"), _images(), _classify, every=2, old_rule_fired=True),
+    "gpt2": lambda: Case(gpt2(32, VOCAB), _tokens, _hf_loss),
+    "bert_mlm": lambda: Case(bert(32, VOCAB), _tokens, _hf_loss, old_rule_fired=True),
     "llama": lambda: Case(_llama(), _tokens, _hf_loss),
     "transformer_encoder": lambda: Case(
         _Encoder(), _tokens, lambda m, x, y: nn.functional.cross_entropy(m(x), y.flatten())
@@ -176,11 +155,7 @@ def test_a_healthy_model_raises_no_finding(tmp_path, monkeypatch, name: str) -> 
     opt = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
     # Histograms off: no rule reads them, and they would double the time of a logged step.
     with HookLogger(case.model, log_dir=tmp_path, every=case.every, optimizer=opt, histograms=False) as hooks:
-        for _ in range(STEPS):
-            case.loss(case.model, *case.batch()).backward()
-            opt.step()
-            opt.zero_grad()
-            hooks.step()
+        train(hooks, (case.loss(case.model, *case.batch()) for _ in range(STEPS)), opt)
     assert hooks.findings == []
     # The rules were exercised: every logged step has gradient norms and update ratios.
     assert len(seen) == STEPS // case.every

@@ -3,27 +3,19 @@ norms are those of the averaged gradient, summed over the shards and never over 
 
 from __future__ import annotations
 
-import gc
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import read_run
+from conftest import read_run, spawn_ranks
+from models import mlp
 from torch import nn
 
 from tblog_hooks import HookLogger
 
 WORLD = 4
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)  # the same initial weights on every rank and in the reference
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
 
 
 def _batch(rank: int) -> torch.Tensor:
@@ -34,30 +26,20 @@ def _hsdp(rank: int, root: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=WORLD)
-    try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        model = _model()
-        for layer in (model[0], model[2], model[4], model):
-            fully_shard(layer, mesh=mesh)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with HookLogger(model, log_dir=f"{root}/run", every=1, optimizer=opt, histograms=False) as hooks:
-            model(_batch(rank)).square().mean().backward()
-            opt.step()
-            hooks.step()
-        gc.collect()  # FSDP2 modules sit in reference cycles that hold the process group
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    # Leave without interpreter teardown, as tests/test_distributed.py does (pytorch/pytorch#179291).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = mlp(16, 32, 32, 8, act=nn.ReLU, seed=0)
+    for layer in (model[0], model[2], model[4], model):
+        fully_shard(layer, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with HookLogger(model, log_dir=f"{root}/run", every=1, optimizer=opt, histograms=False) as hooks:
+        model(_batch(rank)).square().mean().backward()
+        opt.step()
+        hooks.step()
 
 
 def test_hsdp_parameter_gradient_norms_are_those_of_one_process(tmp_path: Path) -> None:
-    mp.spawn(_hsdp, args=(str(tmp_path),), nprocs=WORLD)
-    model = _model()
+    spawn_ranks(_hsdp, tmp_path, WORLD)
+    model = mlp(16, 32, 32, 8, act=nn.ReLU, seed=0)
     for rank in range(WORLD):  # the gradient HSDP averages over every rank's batch
         (model(_batch(rank)).square().mean() / WORLD).backward()
     run = read_run(tmp_path / "run")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_same_weights, hook_dicts, read_run
+from models import mlp
 from torch import nn
 
 from tblog_hooks import HookLoggerError
@@ -22,10 +23,6 @@ from tblog_hooks.integrations import lightning as lightning_hooks  # noqa: E402
 from tblog_hooks.integrations import transformers as transformers_hooks  # noqa: E402
 
 X, Y = torch.randn(24, 4, generator=torch.Generator().manual_seed(1)), torch.randn(24, 1)
-
-
-def _net() -> nn.Module:
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
 
 
 def _total_norm(module: nn.Module) -> torch.Tensor:
@@ -66,7 +63,7 @@ def test_options_the_framework_supplies_or_that_do_not_exist_are_rejected(integr
 class _LitNet(pl.LightningModule):
     def __init__(self, fail_at: int | None = None) -> None:
         super().__init__()
-        self.net = _net()
+        self.net = mlp(4, 8, 1, act=nn.ReLU)
         self.fail_at = fail_at
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -184,7 +181,7 @@ def test_lightning_leaves_no_hook_after_fit_and_after_an_exception(tmp_path) -> 
 class _HFNet(nn.Module):
     def __init__(self, fail_at: int | None = None) -> None:
         super().__init__()
-        self.net = _net()
+        self.net = mlp(4, 8, 1, act=nn.ReLU)
         self.calls, self.fail_at = 0, fail_at
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Selection, hook removal, garbage collection and stock torchvision models."""
+"""Hook removal, garbage collection, copies of the model, resumed runs, shared directories and
+stock torchvision models."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import sys
 import threading
 import warnings
 import weakref
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torchvision
 from conftest import hook_dicts, read_run, read_tags, read_text
+from models import conv_net, mlp, train
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
@@ -24,61 +27,29 @@ from tblog_hooks import HookLogger, HookLoggerError
 from tblog_hooks.capture.hooks import NOOP
 
 
-def _net() -> nn.Module:
-    return nn.Sequential(
-        nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()),
-        nn.Sequential(nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4), nn.ReLU()),
-        nn.Flatten(),
-        nn.LazyLinear(2),
-    )
-
-
-def _train(model: nn.Module, hooks: HookLogger, steps: int = 2, opt: torch.optim.Optimizer | None = None) -> None:
-    opt = opt or torch.optim.SGD(model.parameters(), lr=0.01)
-    for _ in range(steps):
-        model(torch.randn(2, 3, 8, 8)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        hooks.step()
-
-
-def test_select_by_name_glob_type_and_predicate(tmp_path) -> None:
-    model = _net()
+def _shaped_net() -> nn.Sequential:
+    """The conv net of these tests, its LazyLinear head shaped by a first forward."""
+    model = conv_net(classes=2, batch_norm=True, lazy=True)
     model(torch.randn(1, 3, 8, 8))
-    cases = {
-        "0.0": ("0.0",),
-        "1.*": ("1.0", "1.1", "1.2"),
-        nn.Conv2d: ("0.0", "1.0"),
-        (lambda name, m: isinstance(m, nn.ReLU)): ("0.1", "1.2"),
-    }
-    for selector, names in cases.items():
-        with HookLogger(model, log_dir=tmp_path, modules=selector) as hooks:
-            assert hooks.module_names == names
-    with HookLogger(model, log_dir=tmp_path) as hooks:  # default: leaf modules owning parameters
-        assert hooks.module_names == ("0.0", "1.0", "1.1", "3")
-    with HookLogger(model, log_dir=tmp_path, modules=["1.*", nn.Conv2d]) as hooks:
-        assert hooks.module_names == ("0.0", "1.0", "1.1", "1.2")
+    return model
 
 
-def test_unknown_names_are_one_error_listing_close_matches(tmp_path) -> None:
-    model = _net()
-    with pytest.raises(HookLoggerError) as info:
-        HookLogger(model, log_dir=tmp_path, modules=["1.O", "layer*", nn.LSTM, "0.0"])
-    message = str(info.value)
-    assert "'1.O'" in message and "1.0" in message  # closest existing name offered
-    assert "'layer*'" in message and "LSTM" in message
-    assert "'0.0'" not in message  # only the selectors that matched nothing
-    assert not list(tmp_path.iterdir())  # nothing written for a logger that never started
+def _losses(model: nn.Module, steps: int, scale: float = 1.0) -> Iterator[torch.Tensor]:
+    """Each step's loss: the sum of the model's outputs for a fresh batch of two images."""
+    return (model(torch.randn(2, 3, 8, 8) * scale).sum() for _ in range(steps))
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.01)
 
 
 def test_close_removes_every_handle_and_is_idempotent(tmp_path) -> None:
-    model = _net()
-    model(torch.randn(1, 3, 8, 8))
+    model = _shaped_net()
     for optimizer in (False, True):
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt = _sgd(model)
         hooks = HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt if optimizer else None)
         assert any(hook_dicts(model, opt))
-        _train(model, hooks, opt=opt)
+        train(hooks, _losses(model, 2), opt)
         model(torch.randn(2, 3, 8, 8))  # a logged forward whose backward never comes
         hooks.close()
         hooks.close()
@@ -88,47 +59,42 @@ def test_close_removes_every_handle_and_is_idempotent(tmp_path) -> None:
 
 
 def test_exception_inside_with_still_removes_hooks_and_writes(tmp_path) -> None:
-    model = _net()
-    model(torch.randn(1, 3, 8, 8))
+    model = _shaped_net()
     with pytest.raises(KeyError), HookLogger(model, log_dir=tmp_path, every=1) as hooks:
-        _train(model, hooks, steps=1)
+        train(hooks, _losses(model, 1), _sgd(model))
         model(torch.randn(2, 3, 8, 8)).sum().backward()
         raise KeyError("boom")
     assert not any(hook_dicts(model))
     assert set(read_run(tmp_path).scalars["activation/mean/0.0"]) == {0, 1}  # the step in flight too
 
 
-def test_model_is_collectable_after_close(tmp_path) -> None:
-    model = _net()
-    model(torch.randn(1, 3, 8, 8))
-    hooks = HookLogger(model, log_dir=tmp_path, every=1)
-    _train(model, hooks)
+@pytest.mark.parametrize(
+    ("optimizer", "close_first"), [(False, True), (False, False), (True, False)], ids=["closed", "open", "optimizer"]
+)
+def test_the_logger_does_not_keep_the_model_alive(tmp_path, optimizer: bool, close_first: bool) -> None:
+    """Dropped after close(), or while the logger is attached (forgotten, or with optimizer=):
+    the model is collected, and the logger's step() and close() go on with nothing left to watch."""
+    model = _shaped_net()
+    opt = _sgd(model)
+    hooks = HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt if optimizer else None)
+    train(hooks, _losses(model, 2), opt)
     ref = weakref.ref(model)
-    hooks.close()
+    if close_first:
+        hooks.close()
     del model
     gc.collect()
     assert ref() is None
+    if not close_first:
+        hooks.step()  # nothing left to watch, nothing to warn about
+        hooks.close()
     assert "closed" in repr(hooks)
-
-
-def test_forgotten_logger_does_not_keep_model_alive(tmp_path) -> None:
-    model = _net()
-    model(torch.randn(1, 3, 8, 8))
-    hooks = HookLogger(model, log_dir=tmp_path, every=1)
-    _train(model, hooks)
-    ref = weakref.ref(model)
-    del model
-    gc.collect()
-    assert ref() is None
-    hooks.close()
 
 
 def test_user_writer_is_flushed_not_closed(tmp_path) -> None:
     writer = SummaryWriter(tmp_path)
-    model = _net()
-    model(torch.randn(1, 3, 8, 8))
+    model = _shaped_net()
     with HookLogger(model, writer=writer, every=1) as hooks:
-        _train(model, hooks, steps=1)
+        train(hooks, _losses(model, 1), _sgd(model))
     writer.add_scalar("user/after", 1.0, 0)
     writer.close()
     run = read_run(tmp_path)
@@ -139,11 +105,8 @@ def test_stock_resnet18_with_inplace_relu_and_residual_add(tmp_path) -> None:
     model = torchvision.models.resnet18(num_classes=10)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with HookLogger(model, log_dir=tmp_path, every=1, modules=["layer1.*", nn.Linear]) as hooks:
-        for _ in range(2):
-            nn.functional.cross_entropy(model(torch.randn(2, 3, 32, 32)), torch.tensor([1, 2])).backward()
-            opt.step()
-            opt.zero_grad()
-            hooks.step()
+        losses = (nn.functional.cross_entropy(model(torch.randn(2, 3, 32, 32)), torch.tensor([1, 2])) for _ in range(2))
+        train(hooks, losses, opt)
     run = read_run(tmp_path)
     # The reused ReLU of a BasicBlock is called twice per step; both calls are pooled.
     assert "activation/mean/layer1.0.relu" in run.scalars
@@ -152,19 +115,29 @@ def test_stock_resnet18_with_inplace_relu_and_residual_add(tmp_path) -> None:
     assert set(run.scalars["param_grad/global_norm"]) == {0, 1}
 
 
-def test_copies_hold_no_hook_of_ours_after_close(tmp_path) -> None:
-    model = _net()
-    model(torch.randn(1, 3, 8, 8))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+def test_copies_of_the_model_never_log_and_hold_no_hook_of_ours_after_close(tmp_path) -> None:
+    """Deep copies and an EMA made while attached, and a copy of the optimizer (as checkpointing code makes)."""
+    model = _shaped_net()
+    opt = _sgd(model)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        mean = float(model[0][0](x).double().mean())  # the reference, before the logger is attached
     with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt) as hooks:
-        clone = copy.deepcopy(opt)  # e.g. checkpointing code that copies the optimizer
-        twin, ema = copy.deepcopy(model), AveragedModel(model)  # EMA: deep copies made while attached
-        twin_hooks = [h for d in hook_dicts(twin) for h in d.values()]
-        assert twin_hooks and all(h is NOOP for h in twin_hooks)  # in place of ours, until close()
+        clone = copy.deepcopy(opt)
+        twin, ema = copy.deepcopy(model), AveragedModel(model)
+        copied = [h for d in hook_dicts(twin) + hook_dicts(ema) for h in d.values()]
+        assert copied and all(h is NOOP for h in copied)  # in place of ours, until close()
         torch.compile(copy.deepcopy(twin), backend="aot_eager", fullgraph=True)(torch.randn(2, 3, 8, 8))
-        twin(torch.randn(5, 3, 8, 8)).sum().backward()  # in logged step 0: a copy never calls into the logger
-        _train(model, hooks, steps=1, opt=opt)
-    assert read_run(tmp_path).histograms["activation/0.0"][0].num == 2 * 4 * 6 * 6  # the model's batch only
+        # In logged step 0: a copy never calls into the logger.
+        twin(torch.randn(5, 3, 8, 8) * 100).sum().backward()
+        ema(torch.randn(5, 3, 8, 8) * 100).sum().backward()
+        ema.update_parameters(model)
+        train(hooks, [model(x).sum()], opt)
+        copied = [h for d in hook_dicts(twin) + hook_dicts(ema) for h in d.values()]
+        assert copied and all(h is NOOP for h in copied)
+    run = read_run(tmp_path)
+    assert run.scalar("activation/mean/0.0", 0) == pytest.approx(mean, rel=1e-5)  # the model's call only
+    assert run.histograms["activation/0.0"][0].num == 2 * 4 * 6 * 6
     assert not any(hook_dicts(model, opt)) and not any(hook_dicts(twin, clone))
     assert not any(hook_dicts(ema))
 
@@ -183,11 +156,10 @@ for path in sys.argv[1:]:
 def test_checkpoint_saved_while_attached_loads_without_the_library(tmp_path) -> None:
     paths = []
     for optimizer in (False, True):  # parameter gradients read by tensor hooks, or by optimizer hooks
-        model = _net()
-        model(torch.randn(1, 3, 8, 8))
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        model = _shaped_net()
+        opt = _sgd(model)
         with HookLogger(model, log_dir=tmp_path / "run", every=1, optimizer=opt if optimizer else None) as hooks:
-            _train(model, hooks, steps=1, opt=opt)
+            train(hooks, _losses(model, 1), opt)
             model(torch.randn(2, 3, 8, 8)).sum().backward()  # mid-step: output and parameter hooks in place
             paths.append(tmp_path / f"checkpoint-{optimizer}.pt")
             torch.save({"model": model, "optimizer": opt}, paths[-1])
@@ -204,11 +176,10 @@ def _writer_threads() -> list[threading.Thread]:
 
 def test_dropped_logger_stops_recording_and_closes_its_writer(tmp_path) -> None:
     """The notebook habit: re-running ``hooks = HookLogger(model, ...)`` without ``close()``."""
-    model = _net()
-    model(torch.randn(1, 3, 8, 8))
+    model = _shaped_net()
     threads = _writer_threads()
     hooks = HookLogger(model, log_dir=tmp_path, every=1)
-    _train(model, hooks)
+    train(hooks, _losses(model, 2), _sgd(model))
     model(torch.randn(2, 3, 8, 8))  # a logged step open, with tensor hooks on its outputs
     buffer, logger = hooks._recording.buffer, weakref.ref(hooks)
     hooks = None  # re-bound: the logger is dropped without close()
@@ -225,8 +196,7 @@ def test_dropped_logger_stops_recording_and_closes_its_writer(tmp_path) -> None:
 
 
 def test_second_logger_on_a_model_with_a_live_one_warns_once(tmp_path) -> None:
-    model = _net()
-    model(torch.randn(1, 3, 8, 8))
+    model = _shaped_net()
     hooks = HookLogger(model, log_dir=tmp_path / "a", every=1)
     with pytest.warns(UserWarning, match=r"already carries the hooks of another live HookLogger") as caught:
         hooks = HookLogger(model, log_dir=tmp_path / "b", every=1)  # a re-run cell
@@ -239,30 +209,22 @@ def test_second_logger_on_a_model_with_a_live_one_warns_once(tmp_path) -> None:
         HookLogger(model, log_dir=tmp_path / "c").close()  # no live logger left: no warning
 
 
-def _steps(model: nn.Module, hooks: HookLogger, n: int, scale: float = 1.0) -> None:
-    for _ in range(n):
-        model(torch.randn(2, 3, 8, 8) * scale).sum().backward()
-        hooks.step()
-
-
 def test_resumed_run_continues_at_start_step_and_replaces_what_followed_the_checkpoint(tmp_path) -> None:
-    model = _net()
-    model(torch.randn(1, 3, 8, 8))
+    model = _shaped_net()
     with HookLogger(model, log_dir=tmp_path, every=10) as hooks:
-        _steps(model, hooks, 45)  # logged 0..40, then the run "crashes" after its checkpoint at step 25
+        train(hooks, _losses(model, 45))  # logged 0..40, then the run "crashes" after its checkpoint at step 25
     with HookLogger(model, log_dir=tmp_path, every=10, start_step=25) as hooks:
         assert hooks.global_step == 25
-        _steps(model, hooks, 20, scale=1000.0)  # steps 25..44: logged 30 and 40, recognisably
+        train(hooks, _losses(model, 20, scale=1000.0))  # steps 25..44: logged 30 and 40, recognisably
     maxima = read_run(tmp_path).scalars["activation/max/0.0"]
     assert set(maxima) == {0, 10, 20, 30, 40}  # one series, no zig-zag
     assert all(maxima[s] < 100 for s in (0, 10, 20)) and all(maxima[s] > 100 for s in (30, 40))
 
 
 def test_start_step_on_a_multiple_of_every_logs_its_first_step(tmp_path) -> None:
-    model = _net()
-    model(torch.randn(1, 3, 8, 8))
+    model = _shaped_net()
     with HookLogger(model, log_dir=tmp_path, every=5, start_step=10) as hooks:
-        _steps(model, hooks, 6)
+        train(hooks, _losses(model, 6))
     assert set(read_run(tmp_path).scalars["activation/mean/0.0"]) == {10, 15}
 
 
@@ -276,7 +238,7 @@ def _layouts(log_dir) -> list[layout_pb2.Layout]:
 
 @pytest.mark.parametrize("shared", ["writer", "log_dir"])
 def test_two_models_in_one_directory_with_prefixes(tmp_path, shared: str) -> None:
-    generator, discriminator = (nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)) for _ in range(2))
+    generator, discriminator = (mlp(4, 4, 4, act=nn.ReLU) for _ in range(2))
     writer = SummaryWriter(tmp_path) if shared == "writer" else None
     where = {"writer": writer} if writer else {"log_dir": tmp_path}
     with warnings.catch_warnings():
@@ -306,7 +268,7 @@ def test_two_models_in_one_directory_with_prefixes(tmp_path, shared: str) -> Non
 
 def test_second_logger_writing_the_same_tags_into_one_directory_warns(tmp_path) -> None:
     def model() -> nn.Module:
-        return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        return mlp(4, 4, 4, act=nn.ReLU)
 
     writer = SummaryWriter(tmp_path)
     first = HookLogger(model(), writer=writer, prefix="run")
@@ -324,13 +286,12 @@ def test_second_logger_writing_the_same_tags_into_one_directory_warns(tmp_path) 
 def test_writer_closed_by_the_user_mid_run_is_not_reopened(tmp_path) -> None:
     threads = _writer_threads()
     writer = SummaryWriter(tmp_path)
-    model = _net()
-    model(torch.randn(1, 3, 8, 8))
+    model = _shaped_net()
     hooks = HookLogger(model, writer=writer, every=1)
-    _steps(model, hooks, 2)
+    train(hooks, _losses(model, 2))
     writer.close()
     with pytest.warns(RuntimeWarning, match=r"writer= .* was closed while the logger was attached") as caught:
-        _steps(model, hooks, 2)
+        train(hooks, _losses(model, 2))
         hooks.close()
     assert len(caught) == 1
     assert len(list(tmp_path.iterdir())) == 1 and _writer_threads() == threads
@@ -338,8 +299,7 @@ def test_writer_closed_by_the_user_mid_run_is_not_reopened(tmp_path) -> None:
 
 
 def test_repeated_deep_copies_do_not_pile_up(tmp_path) -> None:
-    model = _net()
-    model(torch.randn(1, 3, 8, 8))
+    model = _shaped_net()
     with HookLogger(model, log_dir=tmp_path) as hooks:
         for _ in range(3):  # e.g. a copy for evaluation every few hundred steps, then dropped
             copy.deepcopy(model)

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torchvision
 from conftest import read_run, read_tags
+from models import mlp
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -88,7 +89,7 @@ def test_the_witness_catches_a_host_read_in_a_backward_hook(monkeypatch) -> None
 def test_amp_checkpointing_and_eval_passes_never_read_values_on_the_host(tmp_path, monkeypatch, reentrant) -> None:
     from torch.utils.checkpoint import checkpoint
 
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = mlp(8, 16, 4, act=nn.ReLU)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     x = torch.randn(4, 8, requires_grad=True)

@@ -1,5 +1,6 @@
 """Where parameter gradients are read: unfrozen, assigned and replaced parameters and modules,
-several or replaced optimizers, optimizers that take a closure, fused optimizers under GradScaler."""
+several or replaced optimizers, optimizers that take a closure, fused optimizers under GradScaler,
+gradients clipped between backward and the optimizer step."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import weakref
 import pytest
 import torch
 from conftest import read_run
+from models import mlp
 from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
@@ -19,10 +21,6 @@ from tblog_hooks import HookLogger, HookLoggerError
 from tblog_hooks.transport import amp
 
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def _mlp() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
 def _loss(out: torch.Tensor) -> torch.Tensor:
@@ -43,7 +41,7 @@ def _ratio(before: torch.Tensor, after: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("with_optimizer", [False, True])
 def test_layer_unfrozen_later_is_logged_from_the_next_logged_step(tmp_path, with_optimizer: bool) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 16, 3)
     model[0].requires_grad_(False)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     x = torch.randn(8, 6)
@@ -70,7 +68,7 @@ def test_layer_unfrozen_later_is_logged_from_the_next_logged_step(tmp_path, with
 
 @pytest.mark.parametrize("with_optimizer", [False, True])
 def test_parameters_assigned_after_attaching_are_read(tmp_path, with_optimizer: bool) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 16, 3)
     checkpoint = {key: value * 0.5 for key, value in model.state_dict().items()}
     old = model[4].weight
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -94,7 +92,7 @@ def test_parameters_assigned_after_attaching_are_read(tmp_path, with_optimizer: 
 
 
 def test_replaced_module_is_reported_once_and_a_wrapped_one_keeps_logging(tmp_path) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 16, 3)
     x = torch.randn(8, 6)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with warnings.catch_warnings(record=True) as caught, HookLogger(model, log_dir=tmp_path, every=1) as hooks:
@@ -119,47 +117,46 @@ def test_replaced_module_is_reported_once_and_a_wrapped_one_keeps_logging(tmp_pa
     assert set(_logged(tmp_path, "activation/mean/0")) == {0, 1, 2, 3}
 
 
-def test_the_logger_does_not_keep_the_model_alive(tmp_path) -> None:
-    model = _mlp()
-    ref = weakref.ref(model)
-    with HookLogger(model, log_dir=tmp_path, every=1, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as hooks:
-        del model
-        gc.collect()
-        assert ref() is None
-        hooks.step()  # nothing left to watch, nothing to warn about
-
-
-def test_closure_optimizer_logs_the_gradient_of_its_own_step(tmp_path) -> None:
-    model = _mlp()
-    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+@pytest.mark.parametrize("optimizer", ["LBFGS", "SGD"])
+def test_closure_optimizer_logs_the_gradients_of_its_own_step(tmp_path, optimizer: str) -> None:
+    """``optimizer.step(closure)``, as LBFGS needs and Lightning calls it: the step pre-hook runs before
+    the closure's backward, and LBFGS evaluates the closure several times a step (the last one counts)."""
+    model = mlp(6, 16, 16, 3)
+    if optimizer == "LBFGS":
+        opt: torch.optim.Optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(16, 6), torch.randn(16, 3)
-    seen: list[float] = []
+    seen: list[dict[str, float]] = []
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
         loss = (model(x) - y).square().mean()
         loss.backward()
-        seen.append(_norm(model[4].weight.grad))
+        seen.append({name: _norm(p.grad) for name, p in model.named_parameters()})
         return loss
 
-    grads: dict[int, float] = {}
-    ratios: dict[int, float] = {}
+    expected: dict[str, dict[int, float]] = {}
     with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt) as hooks:
         for step in range(3):
-            weight = model[4].weight.detach().clone()
+            before = {name: p.detach().clone() for name, p in model.named_parameters()}
             seen.clear()
             opt.step(closure) if step % 2 else opt.step(closure=closure)
-            grads[step], ratios[step] = seen[-1], _ratio(weight, model[4].weight)  # the closure's last gradient
+            for name, p in model.named_parameters():  # the closure's last gradient, and the update it made
+                expected.setdefault(f"param_grad/norm/{name}", {})[step] = seen[-1][name]
+                expected.setdefault(f"param/update_ratio/{name}", {})[step] = _ratio(before[name], p)
+            norms = seen[-1].values()
+            expected.setdefault("param_grad/global_norm", {})[step] = math.sqrt(sum(n * n for n in norms))
             hooks.step()
-    assert len(set(grads.values())) == 3
-    assert _logged(tmp_path, "param_grad/norm/4.weight") == pytest.approx(grads, rel=1e-5)
-    assert _logged(tmp_path, "param/update_ratio/4.weight") == pytest.approx(ratios, rel=1e-5)
+    assert (len(seen) > 1) == (optimizer == "LBFGS")  # LBFGS evaluated the closure more than once
+    assert len(set(expected["param_grad/norm/4.weight"].values())) == 3
+    for tag, values in expected.items():
+        assert _logged(tmp_path, tag) == pytest.approx(values, rel=1e-5), tag
 
 
 @pytest.mark.parametrize("given", ["G", "both"])
 def test_two_optimizers_each_parameter_read_when_its_own_optimizer_steps(tmp_path, given: str) -> None:
-    g = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6))
-    d = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    g, d = mlp(4, 8, 6), mlp(6, 8, 1)
     model = nn.ModuleDict({"G": g, "D": d})
     opt_g, opt_d = torch.optim.Adam(g.parameters(), lr=0.05), torch.optim.Adam(d.parameters(), lr=0.05)
     real = torch.randn(16, 6) + 1
@@ -190,7 +187,7 @@ def test_two_optimizers_each_parameter_read_when_its_own_optimizer_steps(tmp_pat
 
 
 def test_replaced_optimizer_and_converted_parameters_keep_being_read(tmp_path) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 16, 3)
     opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(8, 6)
     grads: dict[int, float] = {}
@@ -220,7 +217,7 @@ def test_replaced_optimizer_and_converted_parameters_keep_being_read(tmp_path) -
 
 
 def test_parameters_no_optimizer_steps_are_left_out_with_one_warning(tmp_path) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 16, 3)
     opt = torch.optim.SGD(model[4].parameters(), lr=0.1)  # fine-tuning the head; the rest still gets gradients
     x = torch.randn(8, 6)
     with (
@@ -240,7 +237,7 @@ def test_parameters_no_optimizer_steps_are_left_out_with_one_warning(tmp_path) -
 @pytest.mark.parametrize("unscale_first", [False, True])  # scaler.unscale_(opt) before clipping, say
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
 def test_fused_optimizer_under_grad_scaler_logs_unscaled_gradients(tmp_path, device: str, unscale_first: bool) -> None:
-    model = _mlp().to(device)
+    model = mlp(6, 16, 16, 3).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
     scaler = torch.amp.GradScaler(device, init_scale=2.0**16)
     x = torch.randn(8, 6, device=device)
@@ -267,7 +264,7 @@ def test_fused_optimizer_under_grad_scaler_logs_unscaled_gradients(tmp_path, dev
 
 
 def test_optimizer_hooks_are_removed_on_close(tmp_path) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 16, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)
     with HookLogger(model, log_dir=tmp_path, every=1, optimizer=[opt]) as hooks:
@@ -280,20 +277,20 @@ def test_optimizer_hooks_are_removed_on_close(tmp_path) -> None:
 @pytest.mark.parametrize(("bad", "got"), [([], "list of nothing"), (("sgd",), "tuple of str"), ("sgd", "str")])
 def test_optimizer_must_be_optimizers(tmp_path, bad: object, got: str) -> None:
     with pytest.raises(HookLoggerError, match=rf"a non-empty list or tuple of them .*, got {got}$"):
-        HookLogger(_mlp(), log_dir=tmp_path, optimizer=bad)
+        HookLogger(mlp(6, 16, 16, 3), log_dir=tmp_path, optimizer=bad)
 
 
 @pytest.mark.parametrize("with_optimizer", [False, True])
-def test_clipping_shows_only_with_optimizer(tmp_path, with_optimizer: bool) -> None:
-    model = _mlp()
+def test_clipped_gradients_are_logged_only_with_the_optimizer(tmp_path, with_optimizer: bool) -> None:
+    model = mlp(6, 16, 16, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt if with_optimizer else None) as hooks:
-        _loss(model(torch.randn(8, 6) * 10)).backward()
-        raw = float(nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.01))
+        model(torch.randn(8, 6)).square().sum().backward()
+        raw = float(nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5))
         opt.step()
         hooks.step()
-    assert raw > 0.1  # the scenario: clipping changed the gradients
-    assert _logged(tmp_path, "param_grad/global_norm") == pytest.approx({0: 0.01 if with_optimizer else raw}, rel=1e-4)
+    assert raw > 1  # the scenario: clipping changed the gradients
+    assert _logged(tmp_path, "param_grad/global_norm") == pytest.approx({0: 0.5 if with_optimizer else raw}, rel=1e-5)
 
 
 def test_fault_in_the_optimizer_hooks_is_reported_once_and_training_unchanged(tmp_path, monkeypatch) -> None:
@@ -301,7 +298,7 @@ def test_fault_in_the_optimizer_hooks_is_reported_once_and_training_unchanged(tm
         raise RuntimeError("injected fault")
 
     monkeypatch.setattr(amp, "grad_scale", broken)
-    model = _mlp()
+    model = mlp(6, 16, 16, 3)
     reference = copy.deepcopy(model)
     x = torch.randn(8, 6)
     final = []
@@ -327,7 +324,7 @@ def test_fault_in_the_optimizer_hooks_is_reported_once_and_training_unchanged(tm
 
 
 def test_module_that_left_is_not_logged_even_if_still_called(tmp_path) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 16, 3)
     x = torch.randn(8, 6)
     with warnings.catch_warnings(record=True), HookLogger(model, log_dir=tmp_path, every=1) as hooks:
         warnings.simplefilter("always")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import read_images, read_run
+from models import mlp, sigmoid_stack, train
 from PIL import Image
 from tensorboard.backend.event_processing import event_file_loader
 from torch import nn
@@ -20,14 +21,12 @@ from tblog_hooks.cli import main, report
 
 
 def _train_sigmoid(log_dir, steps: int = 3) -> list[tuple[str, str, int]]:
-    layers: list[nn.Module] = []
-    for _ in range(7):
-        layers += [nn.Linear(8, 8), nn.Sigmoid()]
-    model = nn.Sequential(*layers, nn.Linear(8, 2))
+    model = sigmoid_stack(7, 8)
     with HookLogger(model, log_dir=log_dir, every=1, histograms=1) as hooks:  # steps alike in size
-        for _ in range(steps):
-            nn.functional.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 2, (16,))).backward()
-            hooks.step()
+        train(
+            hooks,
+            (nn.functional.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 2, (16,))) for _ in range(steps)),
+        )
     return [(f.kind, f.module, f.step) for f in hooks.findings]
 
 
@@ -106,10 +105,7 @@ def test_a_folder_reports_every_tblog_run_and_names_the_others(tmp_path, capsys,
 
 def test_only_steps_the_logger_logged_count(tmp_path, capsys) -> None:
     # The user's own scalars in the same writer, every step; the logger logs every 5th.
-    layers: list[nn.Module] = []
-    for _ in range(7):
-        layers += [nn.Linear(8, 8), nn.Sigmoid()]
-    model = nn.Sequential(*layers, nn.Linear(8, 2))
+    model = sigmoid_stack(7, 8)
     with SummaryWriter(tmp_path / "run") as writer, HookLogger(model, writer=writer, every=5) as hooks:
         for step in range(15):
             loss = nn.functional.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 2, (16,)))
@@ -162,7 +158,7 @@ def test_a_damaged_event_file_is_an_error_a_cut_short_one_is_not(tmp_path, capsy
 def _train_mlp(log_dir, steps: int, *, skip: int = 0) -> dict[int, float]:
     """Log every 10th step; the first ``skip`` steps run no forward pass, so they log nothing
     (as a run resumed at step ``skip`` would). Returns the logged ``gradient/norm/0``."""
-    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    model = mlp(4, 16, 2, act=nn.ReLU)
     with HookLogger(model, log_dir=log_dir, every=10) as hooks:
         for step in range(steps):
             if step >= skip:

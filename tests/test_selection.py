@@ -1,10 +1,12 @@
-"""``modules=``: exact names before globs, module instances, and the names the logger prints."""
+"""``modules=``: names, globs, types, predicates and module instances, exact names before globs,
+unknown names, and the names the logger prints."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import read_run
+from models import conv_net
 from torch import nn
 
 from tblog_hooks import HookLogger, HookLoggerError
@@ -29,16 +31,43 @@ def test_an_exact_name_selects_that_module_before_globbing(selectors: object, na
     assert list(select_modules(_glob_named(), selectors)) == names  # type: ignore[arg-type]
 
 
-def test_a_module_of_the_model_selects_it(tmp_path) -> None:
+def test_select_by_name_glob_type_predicate_or_module_and_lists_of_them(tmp_path) -> None:
+    model = conv_net(classes=2, batch_norm=True, lazy=True)
+    model(torch.randn(1, 3, 8, 8))  # shapes the LazyLinear head
+    cases = {
+        "0.0": ("0.0",),
+        "1.*": ("1.0", "1.1", "1.2"),
+        nn.Conv2d: ("0.0", "1.0"),
+        (lambda name, m: isinstance(m, nn.ReLU)): ("0.1", "1.2"),
+    }
+    for selector, names in cases.items():
+        with HookLogger(model, log_dir=tmp_path / "names", modules=selector) as hooks:
+            assert hooks.module_names == names
+    with HookLogger(model, log_dir=tmp_path / "names") as hooks:  # default: leaf modules owning parameters
+        assert hooks.module_names == ("0.0", "1.0", "1.1", "3")
+    with HookLogger(model, log_dir=tmp_path / "names", modules=["1.*", nn.Conv2d]) as hooks:
+        assert hooks.module_names == ("0.0", "1.0", "1.1", "1.2")
+
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 2)))
     assert select_modules(model, model[2][0]) == {"2.0": model[2][0]}
     assert select_modules(model, [model[0], "1", model]) == {"root": model, "0": model[0], "1": model[1]}
     assert select_modules(model, model[2]) == {"2": model[2]}  # a container is one module, not its children
-    with HookLogger(model, log_dir=tmp_path, modules=model[0], every=1) as hooks:
+    with HookLogger(model, log_dir=tmp_path / "module", modules=model[0], every=1) as hooks:
         model(torch.randn(5, 3)).sum().backward()
         hooks.step()
     assert hooks.module_names == ("0",)
-    assert set(read_run(tmp_path).scalars["gradient/norm/0"]) == {0}
+    assert set(read_run(tmp_path / "module").scalars["gradient/norm/0"]) == {0}
+
+
+def test_unknown_names_are_one_error_listing_close_matches(tmp_path) -> None:
+    model = conv_net(classes=2, batch_norm=True, lazy=True)
+    with pytest.raises(HookLoggerError) as info:
+        HookLogger(model, log_dir=tmp_path, modules=["1.O", "layer*", nn.LSTM, "0.0"])
+    message = str(info.value)
+    assert "'1.O'" in message and "1.0" in message  # closest existing name offered
+    assert "'layer*'" in message and "LSTM" in message
+    assert "'0.0'" not in message  # only the selectors that matched nothing
+    assert not list(tmp_path.iterdir())  # nothing written for a logger that never started
 
 
 def test_a_module_outside_the_model_is_an_error_naming_it() -> None:
@@ -54,6 +83,12 @@ def test_names_the_logger_prints_are_accepted_back(tmp_path) -> None:
     with HookLogger(model, log_dir=tmp_path / "b", modules=list(first.module_names)) as second:
         assert second.module_names == first.module_names
     assert select_modules(model, "root") == {"root": model}
-    # A submodule named "root" is that submodule (the model is then selected as "").
+    # A submodule named "root" is that submodule (the model is then selected as ""), and the two
+    # cannot both be watched: they would share the name.
     named_root = nn.ModuleDict({"root": nn.Linear(2, 2)})
     assert select_modules(named_root, "root") == {"root": named_root["root"]}
+    with pytest.raises(HookLoggerError) as info:
+        HookLogger(named_root, log_dir=tmp_path / "c", modules=["", "root"])
+    assert "both the model itself (shown as 'root') and its submodule named 'root'" in str(info.value)
+    with HookLogger(named_root, log_dir=tmp_path / "c", modules="root") as hooks:
+        assert hooks.module_names == ("root",)

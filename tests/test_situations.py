@@ -3,32 +3,26 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_run, read_tags
+from conftest import read_run, read_tags, spawn_ranks
+from models import mlp, train
 from torch import nn
 from torch.nn.utils import parametrizations
 
 from tblog_hooks import Histograms, HookLogger, HookLoggerError
 
 
-def _mlp() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
-
-
-def _steps(model: nn.Module, hooks: HookLogger, opt: torch.optim.Optimizer, steps: int = 2) -> None:
-    for _ in range(steps):
-        model(torch.randn(8, 6)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        hooks.step()
+def _losses(model: nn.Module, steps: int) -> Iterator[torch.Tensor]:
+    return (model(torch.randn(8, 6)).square().mean() for _ in range(steps))
 
 
 # -- torch.func inside a logged step ------------------------------------------------------------------
 def test_torch_func_transforms_in_a_logged_step_are_skipped_and_logging_goes_on(tmp_path) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 16, 3, act=nn.ReLU)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     params = {k: v.detach() for k, v in model.named_parameters()}
 
@@ -137,34 +131,34 @@ def test_dead_units_of_a_convolution_are_its_channels(tmp_path) -> None:
     ],
 )
 def test_histogram_kinds_the_options_cannot_produce_are_an_error(tmp_path, options, fragment) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 16, 3, act=nn.ReLU)
     with pytest.raises(HookLoggerError, match=fragment):
         HookLogger(model, log_dir=tmp_path, **options)
     assert not model[0]._forward_hooks
 
 
 def test_default_histogram_kinds_follow_the_options(tmp_path) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 16, 3, act=nn.ReLU)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with HookLogger(model, log_dir=tmp_path, every=1, histograms=Histograms(), inputs=True) as hooks:
-        _steps(model, hooks, opt, 1)
+        train(hooks, _losses(model, 1), opt)
     assert "input/0" in read_tags(tmp_path)["histograms"]
 
 
 # -- wrappers --------------------------------------------------------------------------------------------
 def test_data_parallel_is_unwrapped_like_ddp(tmp_path) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 16, 3, act=nn.ReLU)
     wrapped = nn.DataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with HookLogger(wrapped, log_dir=tmp_path, every=1) as hooks:
         assert hooks.module_names == ("0", "2", "4")
-        _steps(wrapped, hooks, opt, 1)
+        train(hooks, _losses(wrapped, 1), opt)
     assert "gradient/norm/0" in read_run(tmp_path).scalars
 
 
 @pytest.mark.parametrize("wrapper", [nn.DataParallel, lambda m: m], ids=["DataParallel", "plain"])
 def test_a_compiled_model_is_refused_through_any_wrapper_with_the_order_to_use(tmp_path, wrapper) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 16, 3, act=nn.ReLU)
     compiled = torch.compile(model)
     with pytest.raises(HookLoggerError, match=r"already compiled.*HookLogger\(model, optimizer=opt\); model = torch"):
         HookLogger(wrapper(compiled), log_dir=tmp_path)
@@ -174,7 +168,7 @@ def test_a_compiled_model_is_refused_through_any_wrapper_with_the_order_to_use(t
 # -- a model left in eval mode -----------------------------------------------------------------------------
 @pytest.mark.parametrize("optimizer", [False, True])
 def test_training_in_eval_mode_warns_once_naming_the_fix(tmp_path, optimizer: bool) -> None:
-    model = _mlp().eval()
+    model = mlp(6, 16, 16, 3, act=nn.ReLU).eval()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with (
         pytest.warns(
@@ -182,13 +176,17 @@ def test_training_in_eval_mode_warns_once_naming_the_fix(tmp_path, optimizer: bo
         ) as caught,
         HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt if optimizer else None) as hooks,
     ):
-        _steps(model, hooks, opt, 3)
+        for loss in _losses(model, 3):  # step() called here, in this file: the warning must point at it
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step()
     assert sum("eval mode" in str(w.message) for w in caught) == 1
     assert caught[0].filename == __file__  # it points at the user's step() call
 
 
 def test_evaluation_in_a_logged_step_beside_training_does_not_warn(tmp_path) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 16, 3, act=nn.ReLU)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -205,7 +203,7 @@ def test_evaluation_in_a_logged_step_beside_training_does_not_warn(tmp_path) -> 
 
 # -- torch.compile prints no warning about the library ----------------------------------------------------
 def test_compiling_prints_no_warning_about_the_library(tmp_path) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 16, 3, act=nn.ReLU)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -230,7 +228,7 @@ def _lightning_module() -> object:
     class Lit(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = _mlp()
+            self.net = mlp(6, 16, 16, 3, act=nn.ReLU)
 
         def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
             return self.net(batch[0]).square().mean()
@@ -290,7 +288,7 @@ def test_transformers_first_logged_step_has_histograms(tmp_path) -> None:
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.net = _mlp()
+            self.net = mlp(6, 16, 16, 3, act=nn.ReLU)
 
         def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
             return {"loss": self.net(x).square().mean()}
@@ -324,34 +322,15 @@ def test_transformers_first_logged_step_has_histograms(tmp_path) -> None:
 
 # -- several ranks, the inner module of DDP passed ---------------------------------------------------------
 def _inner_module_without_optimizer(rank: int, root: str) -> None:
-    import gc
-    import os
-    import sys
-
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=2)
-    try:
-        ddp = nn.parallel.DistributedDataParallel(_mlp())
-        with pytest.raises(HookLoggerError, match=r"optimizer=None for a model trained over 2 ranks.*pass optimizer="):
-            HookLogger(ddp.module, log_dir=f"{root}/never{rank}")  # nanoGPT's raw_model
-        with HookLogger(ddp.module, every=1, parameters=False, log_dir=f"{root}/run{rank}") as hooks:
-            ddp(torch.randn(4, 6)).square().mean().backward()
-            hooks.step()
-        gc.collect()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    # Leave without interpreter teardown, as tests/test_distributed.py does: a gloo thread taking
-    # the GIL of a finalizing interpreter aborts the process (pytorch/pytorch#179291).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    ddp = nn.parallel.DistributedDataParallel(mlp(6, 16, 16, 3, act=nn.ReLU))
+    with pytest.raises(HookLoggerError, match=r"optimizer=None for a model trained over 2 ranks.*pass optimizer="):
+        HookLogger(ddp.module, log_dir=f"{root}/never{rank}")  # nanoGPT's raw_model
+    with HookLogger(ddp.module, every=1, parameters=False, log_dir=f"{root}/run{rank}") as hooks:
+        ddp(torch.randn(4, 6)).square().mean().backward()
+        hooks.step()
 
 
 def test_the_inner_module_of_ddp_without_optimizer_is_refused(tmp_path) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_inner_module_without_optimizer, args=(str(tmp_path),), nprocs=2)
+    spawn_ranks(_inner_module_without_optimizer, tmp_path, 2)
     assert not (tmp_path / "never0").exists()
     assert "activation/mean/0" in read_run(tmp_path / "run0").scalars

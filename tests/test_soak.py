@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import read_run
+from models import train
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -64,19 +65,11 @@ def soak(log_dir: str) -> None:
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(8, 16)
-
-    def train(steps: int) -> None:
-        for _ in range(steps):
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            hooks.step()
-
     without_logger = _census(model)
     hooks = HookLogger(model, log_dir=log_dir, every=1)
-    train(WARMUP)
+    train(hooks, (model(x).square().mean() for _ in range(WARMUP)), opt)
     before, rss_before = _census(model), _rss_mib()
-    train(STEPS)
+    train(hooks, (model(x).square().mean() for _ in range(STEPS)), opt)
     after, rss_after = _census(model), _rss_mib()
     assert after == before, (before, after)
     assert rss_after - rss_before < 10, (rss_before, rss_after)  # MiB; a kept histogram row per step is ~30

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -9,9 +10,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import read_run
+from models import mlp
 from torch import nn
 
 from tblog_hooks import HookLogger
+
+# An in-place ReLU right after a hooked Linear: statistics must be taken before it runs.
+INPLACE_RELU = functools.partial(nn.ReLU, inplace=True)
 
 
 def _reference_stats(t: torch.Tensor) -> dict[str, float]:
@@ -27,14 +32,9 @@ def _reference_stats(t: torch.Tensor) -> dict[str, float]:
     }
 
 
-def _mlp() -> nn.Sequential:
-    # An in-place ReLU right after a hooked Linear: statistics must be taken before it runs.
-    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(inplace=True), nn.Linear(16, 3))
-
-
 @pytest.mark.parametrize("zero_grad_first", [False, True])
 def test_scalars_match_reference(tmp_path, zero_grad_first: bool) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 3, act=INPLACE_RELU)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     expected: dict[str, dict[int, float]] = {}
 
@@ -83,7 +83,7 @@ def test_scalars_match_reference(tmp_path, zero_grad_first: bool) -> None:
 
 
 def test_gradient_accumulation_reports_the_accumulated_grad(tmp_path) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 3, act=INPLACE_RELU)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with HookLogger(model, log_dir=tmp_path, every=1) as hooks:
         for _ in range(3):  # three micro-batches, one optimizer step
@@ -96,7 +96,7 @@ def test_gradient_accumulation_reports_the_accumulated_grad(tmp_path) -> None:
 
 
 def test_a_backward_that_raises_does_not_cost_the_next_one_its_parameter_gradients(tmp_path) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 3, act=INPLACE_RELU)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def broken(grad: torch.Tensor) -> None:
@@ -119,7 +119,7 @@ def test_a_backward_that_raises_does_not_cost_the_next_one_its_parameter_gradien
 
 
 def test_optimizer_pre_hook_reads_grads_before_the_update(tmp_path) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 3, act=INPLACE_RELU)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt) as hooks:
         model(torch.randn(8, 6)).square().mean().backward()
@@ -209,7 +209,7 @@ def test_module_called_twice_aggregates_both_calls(tmp_path) -> None:
 
 @pytest.mark.parametrize("every", [1, 3, 7])
 def test_logged_steps_are_multiples_of_every(tmp_path, every: int) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 3, act=INPLACE_RELU)
     with HookLogger(model, log_dir=tmp_path, every=every) as hooks:
         for _ in range(15):
             model(torch.randn(4, 6)).sum().backward()
@@ -219,7 +219,7 @@ def test_logged_steps_are_multiples_of_every(tmp_path, every: int) -> None:
 
 
 def test_forward_calls_and_micro_batches_do_not_advance_the_step(tmp_path) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 3, act=INPLACE_RELU)
     with HookLogger(model, log_dir=tmp_path, every=2) as hooks:
         for _ in range(4):
             for _ in range(5):  # five forward/backward passes per optimizer step
@@ -275,7 +275,7 @@ def test_dead_fraction_of_micro_batches_counts_channels_never_positive_in_the_po
 
 
 def test_an_inference_mode_evaluation_inside_a_logged_step_is_recorded_and_training_goes_on(tmp_path) -> None:
-    model = _mlp()
+    model = mlp(6, 16, 3, act=INPLACE_RELU)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(8, 6)
     with warnings.catch_warnings():
@@ -314,7 +314,7 @@ def test_half_precision_parameter_gradients_are_accumulated_in_float32(tmp_path)
 
 def test_two_backward_passes_through_one_output_warn_once(tmp_path) -> None:
     """The passes' gradients are pooled as separate ones, sqrt(|g1|^2 + |g2|^2), and said so."""
-    model = _mlp()
+    model = mlp(6, 16, 3, act=INPLACE_RELU)
     x = torch.randn(8, 6)
     grads: list[torch.Tensor] = []
     with HookLogger(model, log_dir=tmp_path, every=1, modules=["0"]) as hooks:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torchvision
 from conftest import assert_same_weights, hook_dicts, read_run
+from models import bert, gpt2, timm_model
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
@@ -65,23 +66,6 @@ def _language_model(make: Callable[[], nn.Module]) -> Case:
     return Case(make, lambda g: torch.randint(0, 64, (2, 12), generator=g), loss)
 
 
-def _gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, use_cache=True)
-    return GPT2LMHeadModel(config)  # lm_head.weight is transformer.wte.weight
-
-
-def _bert() -> nn.Module:
-    from transformers import BertConfig, BertForMaskedLM
-
-    config = BertConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=16,
-    )  # fmt: skip
-    return BertForMaskedLM(config)  # tied decoder weight
-
-
 class _Recurrent(nn.Module):
     """Padded sequences of different lengths through an LSTM and a GRU as PackedSequence."""
 
@@ -129,40 +113,15 @@ def _attention() -> Case:
     return Case(_Attention, batch, lambda model, b: model(*b))
 
 
-def _timm_vit() -> nn.Module:
-    timm = pytest.importorskip("timm")
-    return timm.create_model(
-        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2, num_classes=10
-    )
-
-
-def _timm_convnext() -> nn.Module:
-    timm = pytest.importorskip("timm")
-    return timm.create_model(
-        "convnext_atto",
-        pretrained=False,
-        num_classes=10,
-        drop_path_rate=0.1,
-        depths=(1, 1, 2, 1),
-        dims=(16, 32, 64, 128),
-    )
-
-
-def _transformers(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-    def checked() -> nn.Module:
-        pytest.importorskip("transformers")
-        return make()
-
-    return checked
-
-
 CASES = {
     "torchvision-mobilenet_v3_small": _classifier(lambda: torchvision.models.mobilenet_v3_small(num_classes=10), 32),
     "torchvision-fasterrcnn": _detection(),
-    "timm-vit": _classifier(_timm_vit, 32),
-    "timm-convnext": _classifier(_timm_convnext, 32),
-    "transformers-gpt2": _language_model(_transformers(_gpt2)),
-    "transformers-bert": _language_model(_transformers(_bert)),
+    "timm-vit": _classifier(lambda: timm_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2), 32),
+    "timm-convnext": _classifier(
+        lambda: timm_model("convnext_atto", drop_path_rate=0.1, depths=(1, 1, 2, 1), dims=(16, 32, 64, 128)), 32
+    ),
+    "transformers-gpt2": _language_model(lambda: gpt2(16, 64)),
+    "transformers-bert": _language_model(lambda: bert(16, 64)),
     "lstm-gru-packed": _recurrent(),
     "transformer-encoder-mha": _attention(),
 }
