@@ -80,7 +80,7 @@ class HookLogger:
 
     def __init__(self, model: nn.Module, **options: Any) -> None:
         check_names(options)
-        model, distributed = _model_to_watch(model)
+        model, averaged = _model_to_watch(model)
         config = Options(**options)
         selected, mapped = _select(model, config)
         self._every = config.every
@@ -92,7 +92,7 @@ class HookLogger:
         self._module_names = tuple(selected)
         self._watched = Watched(model, selected, parameters=config.parameters)
         sharded = {key: shard_groups(p) for key, p in self._watched.params() if is_sharded(p)}
-        if config.optimizer is None and (sharded or (distributed and self._watched.params())):
+        if config.optimizer is None and (sharded or (averaged and self._watched.params())):
             what = "an FSDP2 model" if sharded else f"a model trained over {rank_and_world()[1]} ranks (DDP)"
             raise HookLoggerError(
                 f"got optimizer=None for {what}, whose parameter gradients are final only when the optimizer steps "
