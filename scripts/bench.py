@@ -124,7 +124,7 @@ def attach_logger(writer: SummaryWriter, every: int) -> Callable[[nn.Module, int
 
 def config_tblog(every: int, log_dir: str) -> Config:
     writer = SummaryWriter(log_dir)
-    cadence = Histograms().every  # the default: histograms on every 5th logged step
+    cadence = Histograms().every_logged  # the default: histograms on every 5th logged step
     return Config(
         "tblog",
         attach_logger(writer, every),

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -49,3 +51,16 @@ def test_the_large_models_table_is_what_scripts_large_models_prints(tmp_path, mo
     assert printed[:2] == documented[:2] and printed[4] == documented[4]  # modules, tags: exact
     per_module = float(documented[3].removesuffix(" B").replace(",", ""))
     assert row.bytes / (row.modules * row.steps) == pytest.approx(per_module, rel=0.02)
+
+
+def test_the_benchmark_runs(tmp_path) -> None:
+    """``scripts/bench.py`` end to end on the short workload: a bench that no longer runs cannot
+    reproduce the page's figures."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--workload", "w2", "--steps", "10", "--block", "5",
+         "--warmup", "1", "--configs", "none,tblog,idle,manual", "--json", str(tmp_path / "bench.json")],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    ).stdout  # fmt: skip
+    assert "| w2 | tblog |" in out and "aten ops per watched module" in out
+    results = json.loads((tmp_path / "bench.json").read_text())
+    assert set(results["results"]["w2"]) == {"none", "tblog", "idle", "manual"}
