@@ -55,8 +55,9 @@ class StepBuffer:
         return None if in_functorch_transform() else self.eager
 
     def begin(self, index: int) -> None:
-        """A logged step begins; ``index`` is its number in logged steps (``step // every``),
-        which picks the histograms it takes (none: no sampling, no binning)."""
+        """A logged step begins; ``index`` is its number among the logged steps that recorded
+        something (see ``Histograms``), which picks the histograms it takes (none: no sampling,
+        no binning)."""
         self.kinds = _NO_KINDS if self._schedule is None else self._schedule.kinds_at(index)
 
     @property
