@@ -91,14 +91,15 @@ class HookLogger:
         self._recorded_steps = 0
         self._module_names = tuple(selected)
         self._watched = Watched(model, selected, parameters=config.parameters)
-        sharded = {key: shard_groups(p) for key, p in self._watched.params() if is_sharded(p)}
-        if config.optimizer is None and (sharded or (averaged and self._watched.params())):
+        params = self._watched.params()
+        sharded = {key: shard_groups(p) for key, p in params if is_sharded(p)}
+        if config.optimizer is None and (sharded or (averaged and params)):
             what = "an FSDP2 model" if sharded else f"a model trained over {rank_and_world()[1]} ranks (DDP)"
             raise HookLoggerError(
                 f"got optimizer=None for {what}, whose parameter gradients are final only when the optimizer steps "
                 "(DDP averages them during backward): pass optimizer=your_optimizer, or parameters=False"
             )
-        self._recording = Recording.of(self._watched, config, feature_maps=frozenset(mapped))
+        self._recording = Recording(self._watched, config, feature_maps=frozenset(mapped))
         scaler = config.scaler
         self._amp = amp.ScaleWatch(scaler) if scaler is not None and scaler.is_enabled() else None
         self._ranks = Ranks(reduce=config.reduce_ranks, sharded=sharded)

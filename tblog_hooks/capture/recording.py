@@ -26,49 +26,30 @@ if TYPE_CHECKING:
 class Recording:
     """Hooks on the watched modules (and optimizers) that record on logged steps only."""
 
-    def __init__(
-        self,
-        watched: Watched,
-        *,
-        activations: bool,
-        gradients: bool,
-        histograms: Histograms | None,
-        eval_passes: bool,
-        inputs: bool,
-        feature_maps: frozenset[str],
-        optimizer_hooks: bool,
-    ) -> None:
+    def __init__(self, watched: Watched, config: Options, *, feature_maps: frozenset[str]) -> None:
+        """The recording the ``HookLogger`` options ``config`` ask for (``feature_maps``: the names
+        of the watched modules they select)."""
+        histograms: Histograms | None = config.histograms  # type: ignore[assignment]  # (normalised by Options)
         self.watched = watched
         self.buffer = StepBuffer(histograms)
-        self.gradients = OutputGradientRecorder(self.buffer, histograms=histograms is not None) if gradients else None
+        self.gradients = (
+            OutputGradientRecorder(self.buffer, histograms=histograms is not None) if config.gradients else None
+        )
         self.activations = ActivationRecorder(
             self.buffer,
             self.gradients,
-            activations=activations,
-            inputs=inputs,
-            eval_passes=eval_passes,
+            activations=config.activations,
+            inputs=config.inputs,
+            eval_passes=config.eval_passes,
             feature_maps=feature_maps,
         )
         self.parameters = ParameterRecorder(self.buffer)
         #: With ``optimizer=``, parameters are read when an optimizer steps them; else during backward.
-        self.optimizer_hooks = OptimizerHooks(self.parameters, watched) if optimizer_hooks else None
+        wanted = config.optimizer is not None and config.parameters
+        self.optimizer_hooks = OptimizerHooks(self.parameters, watched) if wanted else None
         self.handles = Handles()  # live until release()
         self._step_handles = Handles()  # live during one logged step
         self._unstepped_warned = self._eval_warned = False
-
-    @classmethod
-    def of(cls, watched: Watched, config: Options, *, feature_maps: frozenset[str]) -> Recording:
-        """The recording ``HookLogger`` options ask for (``feature_maps``: the names they select)."""
-        return cls(
-            watched,
-            activations=config.activations,
-            gradients=config.gradients,
-            histograms=config.histograms,  # type: ignore[arg-type]  # (Options holds it as Histograms | None)
-            eval_passes=config.eval_passes,
-            inputs=config.inputs,
-            feature_maps=feature_maps,
-            optimizer_hooks=config.optimizer is not None and config.parameters,
-        )
 
     @property
     def forward_order(self) -> list[str]:
@@ -133,10 +114,6 @@ class Recording:
         if self.optimizer_hooks is not None:
             self.optimizer_hooks.clear()
         self.parameters.weights(self.watched.params)
-
-    def record_scalar(self, key: str, value: Tensor) -> None:
-        """A device value of the step logged under the tag ``key``."""
-        self.buffer.record_scalar(key, value)
 
     def pack(self) -> tuple[Tensor, StepLayout] | None:
         """Bin the step's histograms and pack every record into one float64 tensor; reset."""

@@ -66,7 +66,7 @@ def shard_groups(t: DTensor) -> tuple[dist.ProcessGroup, ...]:
 
 def local_shard(t: Tensor) -> Tensor:
     """This rank's shard of an FSDP2 parameter or gradient; other tensors as they are.
-    Norms of shards are combined across ranks with one all-reduce per logged step."""
+    Norms of shards are combined over their shard dimensions (:func:`shard_groups`, ``Ranks.combine``)."""
     return t.to_local() if is_sharded(t) else t
 
 
