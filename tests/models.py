@@ -71,3 +71,19 @@ def train(hooks: HookLogger | None, losses: Iterable[torch.Tensor], opt: torch.o
             opt.zero_grad()
         if hooks is not None:
             hooks.step()
+
+
+def lightning_trainer(tmp_path: object, callbacks: list[object], **args: object) -> object:
+    """A quiet CPU ``lightning.pytorch.Trainer`` in ``tmp_path`` (logging every step, one epoch
+    unless ``args`` say otherwise): no checkpoints, progress bar or model summary."""
+    import lightning.pytorch as pl
+
+    return pl.Trainer(
+        accelerator="cpu",
+        default_root_dir=tmp_path,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **{"max_epochs": 1, "log_every_n_steps": 1, **args},
+    )

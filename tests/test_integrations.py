@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_same_weights, hook_dicts, read_run
-from models import mlp
+from models import lightning_trainer, mlp
 from torch import nn
 
 from tblog_hooks import HookLoggerError
@@ -81,14 +81,8 @@ class _LitNet(pl.LightningModule):
 
 def _fit(tmp_path: Path, module: _LitNet, callbacks: list, ckpt_path: Path | None = None, **args) -> pl.Trainer:
     """Two epochs of 12 batches of 2; with accumulate_grad_batches=3, 8 optimizer steps."""
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        default_root_dir=tmp_path,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        **{"max_epochs": 2, "log_every_n_steps": 1, "accumulate_grad_batches": 3, **args},
+    trainer: pl.Trainer = lightning_trainer(
+        tmp_path, callbacks, **{"max_epochs": 2, "accumulate_grad_batches": 3, **args}
     )
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=2)
     trainer.fit(module, loader, ckpt_path=ckpt_path)

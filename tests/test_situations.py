@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import read_run, read_tags, spawn_ranks
-from models import mlp, train
+from models import lightning_trainer, mlp, train
 from torch import nn
 from torch.nn.utils import parametrizations
 
@@ -248,19 +248,9 @@ def _loader() -> torch.utils.data.DataLoader:
 
 
 def _lightning_trainer(tmp_path: Path, **args: object) -> object:
-    import lightning.pytorch as pl
-
     from tblog_hooks.integrations.lightning import HookLoggerCallback
 
-    return pl.Trainer(
-        accelerator="cpu",
-        default_root_dir=tmp_path,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[HookLoggerCallback()],
-        **{"max_epochs": 1, "log_every_n_steps": 1, **args},
-    )
+    return lightning_trainer(tmp_path, [HookLoggerCallback()], **args)
 
 
 def test_lightning_fit_after_another_stage_on_the_same_trainer_trains_and_logs(tmp_path) -> None:
