@@ -16,6 +16,7 @@ baseline:
   counted once per logged step rather than in every non-logged one;
 - idle: the logger attached but logging no step of its blocks, so that its hooks' own cost can
   be told from what logged steps leave behind in the non-logged steps of ``tblog``'s blocks;
+- spikes: ``idle`` with ``spikes=True`` (every step's gradient norms and loss, docs/spikes.md);
 - aten ops a logged step adds per watched module (TorchDispatchMode; ~kernel launches on a GPU);
 - RSS growth: measured in a fresh subprocess per configuration over ``--rss-steps`` steps.
 
@@ -25,6 +26,7 @@ its background thread does not steal the next configuration's time.
     python scripts/bench.py                        # both workloads, CPU, Markdown table
     python scripts/bench.py --workload w2 --steps 120 --json bench.json
     python scripts/bench.py --device cuda --batch 256
+    python scripts/bench.py --attention            # the cost of attention=True on GPT-2 and a ViT
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tblog_hooks import Histograms, HookLogger
 from tblog_hooks.cli.demo import pick_device
 
-CONFIGS = ("none", "tblog", "idle", "manual", "wandb")
+CONFIGS = ("none", "tblog", "idle", "spikes", "manual", "wandb")
 
 
 # -- workloads ---------------------------------------------------------------------------------
@@ -90,6 +92,8 @@ class Attached:
     #: Wait for background work (a writer thread still writing events) before another
     #: configuration's block starts, so that it is not timed against the wrong one.
     settle: Callable[[], None] = lambda: None
+    #: The loss of the step being trained (``spikes`` passes it to ``step(loss=...)``).
+    loss: torch.Tensor | None = None
 
 
 @dataclass
@@ -143,6 +147,20 @@ def config_idle(every: int, log_dir: str) -> Config:
 
 #: An ``every=`` no timed step reaches (the first timed step comes after the warm-up).
 _NEVER = 1 << 62
+
+
+def config_spikes(every: int, log_dir: str) -> Config:
+    """``idle`` with ``spikes=True`` and the loss given to ``step()``: what watching every step's
+    gradient norms and loss costs a step that is not logged (their series are written at close)."""
+    writer = SummaryWriter(log_dir)
+
+    def attach(model: nn.Module, step: int) -> Attached:
+        hooks = HookLogger(model, writer=writer, every=_NEVER, start_step=step, spikes=True)
+        attached = Attached(detach=hooks.close, settle=writer.flush)
+        attached.after_step = lambda: hooks.step(loss=attached.loss)
+        return attached
+
+    return Config("spikes", attach, close=writer.close)
 
 
 def config_manual(every: int, log_dir: str) -> Config:
@@ -219,6 +237,7 @@ MAKERS = {
     "none": config_none,
     "tblog": config_tblog,
     "idle": config_idle,
+    "spikes": config_spikes,
     "manual": config_manual,
     "wandb": config_wandb,
 }
@@ -240,6 +259,7 @@ def train_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, hooks: Attached, step: int, x: torch.Tensor, y: torch.Tensor
 ) -> None:
     loss = nn.functional.cross_entropy(model(x), y)
+    hooks.loss = loss
     loss.backward()
     hooks.after_backward(step)
     optimizer.step()
@@ -357,6 +377,74 @@ def ops_added(workload: str, args: argparse.Namespace, device: torch.device) -> 
     }
 
 
+# -- attention= --------------------------------------------------------------------------------
+def attention_workload(name: str, device: torch.device) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    """GPT-2 (4 layers, width 256, 4 heads) on 8 x 256 tokens, or torchvision's ViT (4 layers,
+    width 256, 4 heads) on 16 x 3 x 64 x 64 images (65 tokens); returns the model and its loss."""
+    torch.manual_seed(0)
+    if name == "gpt2":
+        import transformers
+
+        config = transformers.GPT2Config(vocab_size=1000, n_positions=256, n_embd=256, n_layer=4, n_head=4)
+        gpt = transformers.GPT2LMHeadModel(config).to(device)
+        tokens = torch.randint(0, 1000, (8, 256), device=device)
+        return gpt, lambda: gpt(tokens, labels=tokens).loss
+    if name == "vit":
+        vit = torchvision.models.VisionTransformer(
+            image_size=64, patch_size=8, num_layers=4, num_heads=4, hidden_dim=256, mlp_dim=512, num_classes=10
+        ).to(device)
+        images, labels = torch.randn(16, 3, 64, 64, device=device), torch.randint(0, 10, (16,), device=device)
+        return vit, lambda: nn.functional.cross_entropy(vit(images), labels)
+    raise SystemExit(f"unknown attention workload {name!r}; use gpt2 or vit")
+
+
+def attention_cost(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+    """A logged step (every=1, no histograms) with ``attention=True`` over one without, in
+    interleaved blocks on one model; and the aten ops ``attention=True`` adds to a logged step."""
+    model, loss_of = attention_workload(name, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    ops: dict[bool, int] = {}
+    with tempfile.TemporaryDirectory() as tmp, SummaryWriter(tmp) as writer:
+        for round_ in range(max(1, args.steps // args.block)):
+            for attention in (False, True) if round_ % 2 == 0 else (True, False):
+                hooks = HookLogger(model, writer=writer, every=1, histograms=False, attention=attention)
+                for i in range(args.block + 1):  # the first step of a block is not timed
+                    counter = _OpCounter() if round_ == 0 and i == 1 else contextlib.nullcontext()
+                    start = time.perf_counter()
+                    with counter:
+                        loss_of().backward()
+                        optimizer.step()
+                        optimizer.zero_grad()
+                        hooks.step()
+                    sync(device)
+                    if i:
+                        times[attention].append(time.perf_counter() - start)
+                    if isinstance(counter, _OpCounter):
+                        ops[attention] = counter.count
+                hooks.close()
+    plain, with_attention = statistics.median(times[False]), statistics.median(times[True])
+    return {
+        "logged_ms": plain * 1e3,
+        "logged_attention_ms": with_attention * 1e3,
+        "ratio": with_attention / plain,
+        "ops_added": float(ops[True] - ops[False]),
+    }
+
+
+def attention_table(results: dict[str, dict[str, float]]) -> str:
+    rows = [
+        "| workload | logged step | with attention=True | ratio | aten ops added |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        rows.append(
+            f"| {name} | {r['logged_ms']:.1f} ms | {r['logged_attention_ms']:.1f} ms | {r['ratio']:.2f}x "
+            f"| {r['ops_added']:.0f} |"
+        )
+    return "\n".join(rows)
+
+
 def rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -439,6 +527,9 @@ def main() -> None:
     parser.add_argument("--rss-steps", type=int, default=0, help="also measure RSS over this many steps")
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--attention", action="store_true", help="only the cost of attention=True on a logged step (GPT-2, ViT)"
+    )
     args = parser.parse_args()
     device = pick_device(args.device)
 
@@ -446,6 +537,16 @@ def main() -> None:
         workload, name = args.rss_child.split(":")
         with quiet_warnings():
             print(json.dumps(rss_child(workload, name, args, device)))
+        return
+
+    if args.attention:
+        with quiet_warnings():
+            costs = {name: attention_cost(name, args, device) for name in ("gpt2", "vit")}
+        print(f"\n{environment(device)}; {args.steps} timed logged steps per configuration\n")
+        print(attention_table(costs))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"environment": environment(device), "args": vars(args), "attention": costs}, f, indent=2)
         return
 
     names = [n for n in args.configs.split(",") if available(n)]

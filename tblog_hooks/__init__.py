@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from .capture.selection import Selector
 from .diagnostics.health import Finding, Thresholds
+from .diagnostics.spikes import Spikes
 from .errors import HookLoggerError
 from .logger import HookLogger
 from .stats.schedule import Histograms
 
 __version__ = "0.1.0"
-__all__ = ["Finding", "Histograms", "HookLogger", "HookLoggerError", "Selector", "Thresholds", "__version__"]
+__all__ = ["Finding", "Histograms", "HookLogger", "HookLoggerError", "Selector", "Spikes", "Thresholds", "__version__"]

@@ -20,6 +20,8 @@ from torch.utils.tensorboard import SummaryWriter
 from .output.event_files import frame
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.placement_types import Placement
     from torch.utils._pytree import TreeSpec
 
 
@@ -166,3 +168,53 @@ def fast_checksum(writer: SummaryWriter) -> Callable[[], None]:
 
 def _nothing() -> None:
     pass
+
+
+# -- tensor parallelism ------------------------------------------------------------------------
+def parallel_output(module: nn.Module) -> tuple[DeviceMesh, tuple[Placement, ...] | None] | None:
+    """The device mesh of the tensor-parallel style ``parallelize_module`` gave ``module``, and the
+    placements of the output its caller receives (``None``: a style whose output is not known
+    here); ``None`` for a module without a style. Read from the hooks the style registered:
+    ``distribute_module``'s closures over ``device_mesh`` and ``input_fn``/``output_fn``
+    (``functools.partial`` of the style's ``_prepare_*_fn``, whose first arguments are the layouts),
+    and ``PrepareModuleOutput``'s over ``self``. No public API tells."""
+    if not getattr(module, "_distribute_module_applied", False):
+        return None
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    mesh, placements = None, None
+    for hook in [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]:
+        code, closure = getattr(hook, "__code__", None), getattr(hook, "__closure__", None) or ()
+        contents = {} if code is None else {name: cell.cell_contents for name, cell in zip(code.co_freevars, closure)}
+        mesh = contents.get("device_mesh", mesh)
+        fn = contents.get("output_fn", contents.get("input_fn"))
+        func = getattr(fn, "func", None)
+        # (SequenceParallel's output is sharded as its input)
+        if func in (
+            ColwiseParallel._prepare_output_fn,
+            RowwiseParallel._prepare_output_fn,
+            SequenceParallel._prepare_input_fn,
+        ):
+            placements = tuple(fn.args[0])  # type: ignore[union-attr]
+        elif isinstance(style := contents.get("self"), PrepareModuleOutput) and len(style.desired_output_layouts) == 1:
+            placements = (style.desired_output_layouts[0],)
+    return None if mesh is None else (mesh, placements)
+
+
+# -- torch function modes (attention statistics) -------------------------------------------------
+def function_mode_on_top(mode: object) -> bool:
+    """Whether ``mode`` is the innermost active ``TorchFunctionMode``
+    (``torch.overrides._get_current_function_mode``): leaving a mode pops whichever is innermost."""
+    return torch.overrides._get_current_function_mode() is mode
+
+
+def context_parallel() -> bool:
+    """Whether ``torch.distributed.tensor.experimental.context_parallel`` is active: it replaces
+    ``F.scaled_dot_product_attention`` (its default dispatch mode) while every rank holds a
+    shard of the sequence, as plain tensors that say nothing of it."""
+    return torch.nn.functional.scaled_dot_product_attention is not torch._C._nn.scaled_dot_product_attention

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.tensorboard import SummaryWriter
 
 from ._compat import fast_checksum, forward_hooks, is_compiled
@@ -22,13 +22,14 @@ from .capture.selection import select_modules
 from .capture.watched import Watched
 from .diagnostics.health import Finding
 from .diagnostics.per_step import Diagnostics
+from .diagnostics.spikes import SpikeLog
 from .errors import HookLoggerError
 from .options import Options, check_names
 from .output.destination import Destination
 from .output.outbox import Outbox, WriteError
-from .stats.packing import StepLayout
 from .transport import amp
-from .transport.distributed import Ranks, is_sharded, rank_and_world, shard_groups
+from .transport.distributed import Ranks, rank_and_world
+from .transport.parallel import first_of_groups, holds_split
 
 
 class _State(enum.Enum):
@@ -91,18 +92,12 @@ class HookLogger:
         self._recorded_steps = 0
         self._module_names = tuple(selected)
         self._watched = Watched(model, selected, parameters=config.parameters)
-        params = self._watched.params()
-        sharded = {key: shard_groups(p) for key, p in params if is_sharded(p)}
-        if config.optimizer is None and (sharded or (averaged and params)):
-            what = "an FSDP2 model" if sharded else f"a model trained over {rank_and_world()[1]} ranks (DDP)"
-            raise HookLoggerError(
-                f"got optimizer=None for {what}, whose parameter gradients are final only when the optimizer steps "
-                "(DDP averages them during backward): pass optimizer=your_optimizer, or parameters=False"
-            )
-        self._recording = Recording(self._watched, config, feature_maps=frozenset(mapped))
+        split = holds_split(model)
+        _check_optimizer(config, averaged=averaged and bool(self._watched.params()), split=split)
+        self._recording = Recording(self._watched, config, feature_maps=frozenset(mapped), model=model)
         scaler = config.scaler
         self._amp = amp.ScaleWatch(scaler) if scaler is not None and scaler.is_enabled() else None
-        self._ranks = Ranks(reduce=config.reduce_ranks, sharded=sharded)
+        self._ranks = Ranks(reduce=config.reduce_ranks, split=split, lead=first_of_groups(model))
         self._diagnostics = Diagnostics(self._module_names, self._recording.forward_order, config.health)
         # Rank 0 writes, into writer= or a writer of its own; another rank only into a writer it was given.
         self._writer, owns_writer = _open_writer(config, self._ranks.rank)
@@ -115,6 +110,8 @@ class HookLogger:
             scaled = self._recording.optimizer_hooks is None  # (see amp.unscale)
             self._outbox = Outbox(self._destination, self._diagnostics, param_grads_scaled=scaled)
         _warn_if_shared(model, self._destination)
+        spiking = (self._recording.handles, self._diagnostics.health, self._destination, self._ranks)
+        self._spikes = SpikeLog.of(config, Watched(model, selected, parameters=True), self._module_names, *spiking)
         # A rank that neither writes nor takes part in collectives is off from the start.
         self._state = _State.OFF if self._writer is None and not self._ranks.needed else _State.IDLE
         self._recording.attach(model, selected)
@@ -161,8 +158,11 @@ class HookLogger:
         host has completed, at a later ``step()`` or ``close()``."""
         return self._diagnostics.summary()
 
-    def step(self) -> None:
+    def step(self, loss: Tensor | float | None = None) -> None:
         """Mark the end of one optimizer step; logs it if its index is a multiple of ``every``.
+
+        Args:
+            loss: for ``spikes=`` (which also logs the steps after a spike): the step's loss, not read here.
 
         Raises:
             HookLoggerError: after :meth:`close`.
@@ -173,12 +173,15 @@ class HookLogger:
             # Not in close(): a step begun but not trained is no evidence. Not under an enabled
             # scaler: a step it skips calls no optimizer at all.
             self._recording.check_stepped(self._step)
+        full = self._spikes.step(self._step, loss)  # whether the next step is logged in full
         if self._state.in_step:
             self._end_logged_step()
         self._step += 1
         self._write(wait=False)
-        if self._step % self._every == 0:
+        if self._step % self._every == 0 or full:
             self._begin_logged_step()
+            if full:  # every histogram too
+                self._recording.buffer.begin(0)
 
     def close(self) -> None:
         """Write everything pending, remove every hook, close the writer if the logger made it.
@@ -218,22 +221,29 @@ class HookLogger:
             self._amp.begin()
 
     def _end_logged_step(self) -> None:
-        packed = None
+        late = self._ranks.sharded_late(self._watched.model)
+        if late is not None:
+            self._switch_off(f"logged step {self._step}", late)
+        drained = packed = None
         try:
             self._recording.end()
             if self._amp is not None and not self._recording.empty:
                 self._amp.finish(self._recording.buffer)
-            packed = self._recording.pack()
+            drained = self._recording.drain()
+            records, samples, waiting = drained
+            # Gradients placed Partial, and split samples, are packed with the other ranks (Ranks.finish).
+            if not (self._ranks.needed and (waiting or any(h.split is not None for h in samples))):
+                packed = self._recording.pack(records, samples)
         except Exception as error:  # e.g. histc under deterministic CUDA
             self._switch_off(f"packing step {self._step}", error)
-        self._recorded_steps += packed is not None
+        self._recorded_steps += drained is not None and any(drained)
         if self._ranks.needed:
             # Every rank takes part, even one that recorded nothing or stopped logging; if the
             # ranks' records cannot be combined, or a collective fails, every rank stops logging
             # (a warning each) instead of aborting or hanging in mismatched collectives.
+            mine = None if self._state.off else drained or ([], [], [])
             try:
-                numels = self._ranks.agree(None if self._state.off else packed[1] if packed else StepLayout())
-                packed = None if packed is None else self._ranks.combine(*packed, numels)
+                packed = self._ranks.finish(mine, packed, self._recording.pack, self._recording.parameters.resolve)
             except Exception as error:  # different calls on different ranks, a broken process group
                 packed = None
                 self._ranks.stop()
@@ -277,6 +287,7 @@ class HookLogger:
             elif self._state.in_step:
                 self._end_logged_step()
             self._write(wait=True)
+            self._spikes.close()
             if self._destination is not None and not self._state.off:
                 self._diagnostics.close(self._destination)
                 self._destination.flush()
@@ -309,6 +320,17 @@ def _model_to_watch(model: object) -> tuple[nn.Module, bool]:
         )
     averaged = isinstance(wrapper, nn.parallel.DistributedDataParallel) or rank_and_world()[1] > 1
     return inner, averaged
+
+
+def _check_optimizer(config: Options, *, averaged: bool, split: bool) -> None:
+    """``optimizer=`` is required where the gradients of watched parameters are final only when the
+    optimizer steps: averaged over ranks (DDP), or split over them (FSDP2, tensor parallelism)."""
+    if config.optimizer is None and (split or averaged):
+        what = "a sharded model" if split else f"a model trained over {rank_and_world()[1]} ranks (DDP)"
+        raise HookLoggerError(
+            f"got optimizer=None for {what}, whose parameter gradients are final only when the optimizer steps "
+            "(DDP averages them during backward): pass optimizer=your_optimizer, or parameters=False"
+        )
 
 
 def _open_writer(config: Options, rank: int) -> tuple[SummaryWriter | None, bool]:

@@ -14,6 +14,7 @@ from torch.utils.tensorboard import SummaryWriter
 from ._compat import writer_closed
 from .capture.selection import Selector
 from .diagnostics.health import Thresholds
+from .diagnostics.spikes import Spikes, spikes_option
 from .errors import HookLoggerError
 from .stats.schedule import Histograms, schedule
 from .stats.tags import Root
@@ -46,7 +47,7 @@ class Options:
     #: ``Histograms`` or ``None``.
     histograms: bool | int | Histograms | None = True
     #: The loop's optimizer, or a list or tuple of them: gradients are then read when an
-    #: optimizer steps them. Required for DDP and FSDP2 models unless ``parameters=False``.
+    #: optimizer steps them. Required for DDP, FSDP2 and tensor-parallel models unless ``parameters=False``.
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None
     #: The loop's ``torch.amp.GradScaler``: gradients are unscaled and skipped steps reported.
     scaler: torch.amp.GradScaler | None = None
@@ -58,12 +59,19 @@ class Options:
     inputs: bool = False
     #: Selectors (as for ``modules``) of watched modules whose output is shown as an image.
     feature_maps: Selector | Sequence[Selector] | None = None
+    #: Log ``attention/*`` of the ``scaled_dot_product_attention`` calls of logged forward passes
+    #: (``docs/attention.md``): ``True`` (every module), ``False``, or selectors (as for ``modules``)
+    #: of the modules whose calls (their own and their submodules') are covered.
+    attention: bool | Selector | Sequence[Selector] = False
     #: When health findings start, or ``None`` to switch them off.
     health: Thresholds | None = field(default_factory=Thresholds)
     #: The index of the first ``step()`` call, e.g. the optimizer steps a resumed run already made.
     start_step: int = 0
     #: Put every tag under ``{prefix}/`` (several models in one directory).
     prefix: str | None = None
+    #: Watch every step's gradient norm and loss for spikes (``docs/spikes.md``): ``True``
+    #: (``Spikes()``), ``False`` or a :class:`~tblog_hooks.Spikes`; held as a ``Spikes`` or ``None``.
+    spikes: bool | Spikes | None = False
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -90,6 +98,10 @@ class Options:
         if self.writer is not None:
             _check_writer(self.writer)
         _check_optimizers(self.optimizer)
+        if self.attention is None or (isinstance(self.attention, (list, tuple)) and not self.attention):
+            raise HookLoggerError(
+                f"attention must be True, False, or one or more selectors (as for modules=), got {self.attention!r}"
+            )
         if self.scaler is not None and not isinstance(self.scaler, torch.amp.GradScaler):
             raise HookLoggerError(f"scaler must be a torch.amp.GradScaler, got {type(self.scaler).__name__}")
         if self.health is not None and not isinstance(self.health, Thresholds):
@@ -97,6 +109,7 @@ class Options:
                 f"health must be a tblog_hooks.Thresholds (or None to switch findings off), got {self.health!r}"
             )
         object.__setattr__(self, "histograms", schedule(self.histograms))
+        object.__setattr__(self, "spikes", spikes_option(self.spikes))
         self._check_histogram_kinds()
 
     def _check_histogram_kinds(self) -> None:

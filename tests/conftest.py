@@ -9,6 +9,7 @@ import gc
 import io
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch.multiprocessing as mp
 from PIL import Image
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @dataclass
@@ -41,6 +43,18 @@ def read_run(log_dir: str | Path) -> Run:
     scalars = {t: {e.step: e.value for e in acc.Scalars(t)} for t in tags["scalars"]}
     histograms = {t: {e.step: e.histogram_value for e in acc.Histograms(t)} for t in tags["histograms"]}
     return Run(scalars, histograms)
+
+
+class OpCounter(TorchDispatchMode):
+    """The aten ops run inside it, by overload packet (``aten.add``, ...), in ``ops``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def hook_dicts(model: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> list[dict]:

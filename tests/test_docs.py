@@ -13,10 +13,19 @@ from conftest import read_run, read_tags
 from tensorboard.plugins.custom_scalar.metadata import CONFIG_SUMMARY_TAG
 from torch import nn
 
-from tblog_hooks import Histograms, HookLogger
+from tblog_hooks import Histograms, HookLogger, Spikes
+from tblog_hooks.diagnostics.attention_rules import PICTURES
 from tblog_hooks.diagnostics.health import FINDING_KINDS
 from tblog_hooks.diagnostics.per_step import FINDINGS_TAG, FLOW_TAG, ORDER_TAG
-from tblog_hooks.stats.kinds import ACTIVATION, GRADIENT, HISTOGRAM_KINDS, INPUT, NONFINITE_COUNT, PARAM_GRAD
+from tblog_hooks.stats.kinds import (
+    ACTIVATION,
+    ATTENTION,
+    GRADIENT,
+    HISTOGRAM_KINDS,
+    INPUT,
+    NONFINITE_COUNT,
+    PARAM_GRAD,
+)
 from tblog_hooks.stats.tags import Root, Stat, escape
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +115,7 @@ def documented_tags() -> dict[str, set[str]]:
 
 def declared_tags() -> dict[str, set[str]]:
     """``{type: tag patterns}`` as the code declares them."""
-    per_module = (ACTIVATION, INPUT, GRADIENT, NONFINITE_COUNT)
+    per_module = (ACTIVATION, INPUT, GRADIENT, NONFINITE_COUNT, ATTENTION)
     scalars = {f"{kind.name}/{stat}/{MODULE}" for kind in per_module for stat in kind.stats}
     scalars |= {f"{PARAM_GRAD.name}/{stat}/{PARAM}" for stat in PARAM_GRAD.stats}
     scalars |= {
@@ -116,11 +125,12 @@ def declared_tags() -> dict[str, set[str]]:
         f"{Root.AMP}/{Stat.SKIPPED_STEP}",
     }
     scalars |= {f"{Root.HEALTH}/{kind}" for kind in FINDING_KINDS}
+    scalars |= {f"{Root.STEP}/{Stat.GRAD_NORM}", f"{Root.STEP}/{Stat.LOSS}", f"{Root.SPIKE}/{Stat.GRAD_NORM}/{MODULE}"}
     histograms = {f"{root}/{PARAM if root in (Root.PARAM_GRAD, Root.PARAM) else MODULE}" for root in HISTOGRAM_KINDS}
     return {
         "scalar": scalars,
         "histogram": histograms,
-        "image": {FLOW_TAG, f"{Root.FEATURE_MAP}/{MODULE}"},
+        "image": {FLOW_TAG, f"{Root.FEATURE_MAP}/{MODULE}", *PICTURES.values()},
         "text": {FINDINGS_TAG, ORDER_TAG},
         "layout": {CONFIG_SUMMARY_TAG},
     }
@@ -164,12 +174,21 @@ def _written(log_dir: Path) -> dict[str, set[str]]:
     }
 
 
+class _SelfAttention(nn.Module):
+    """One-head self-attention over the positions of a feature map, without parameters."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.flatten(2).transpose(1, 2)
+        return nn.functional.scaled_dot_product_attention(tokens, tokens, tokens).transpose(1, 2).reshape(x.shape)
+
+
 def test_every_written_tag_is_documented(tmp_path) -> None:
     """A run with every option that adds tags writes exactly what the tag table lists."""
     model = nn.Sequential(
         OrderedDict(
             conv=nn.Conv2d(3, 4, 3, padding=1),
             act=nn.ReLU(),
+            attn=_SelfAttention(),  # no parameters: not watched, but its attention is logged
             flat=nn.Flatten(),
             head=nn.Sequential(nn.Linear(4 * 8 * 8, 8), nn.Tanh(), nn.Linear(8, 2)),
         )
@@ -186,21 +205,24 @@ def test_every_written_tag_is_documented(tmp_path) -> None:
         optimizer=opt,
         scaler=scaler,
         histograms=everything,
+        attention=True,
+        spikes=Spikes(warmup=3, window=3),
     ) as hooks:
-        for _ in range(6):  # logged steps 0, 2, 4
+        for step in range(6):  # logged steps 0, 2, 4; a spike at 5 (spike/*)
             x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 2, (4,))
-            scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+            loss = nn.functional.cross_entropy(model(x), y) * (100 if step == 5 else 1)
+            scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
-            hooks.step()
+            hooks.step(loss=loss)
         modules = list(hooks.module_names)
     assert modules == ["conv", "head.0", "head.2"]
     params = [f"{m}.{p}" for m in modules for p, _ in model.get_submodule(m).named_parameters(recurse=False)]
 
     documented, written = documented_tags(), _written(tmp_path)
     for kind in TYPES:
-        patterns = {p: _regex(p, modules, params) for p in documented[kind]}
+        patterns = {p: _regex(p, [*modules, "attn"], params) for p in documented[kind]}
         undocumented = {t for t in written[kind] if not any(r.fullmatch(t) for r in patterns.values())}
         assert not undocumented, f"{kind} tags written but not in docs/logged.md's tag table: {sorted(undocumented)}"
         unwritten = {p for p, r in patterns.items() if not any(r.fullmatch(t) for t in written[kind])}

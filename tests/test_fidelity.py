@@ -10,10 +10,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torchvision
-from conftest import read_run
+from conftest import OpCounter, read_run
 from models import train
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tblog_hooks import Histograms, HookLogger
 from tblog_hooks.stats.kinds import HISTOGRAM_KINDS
@@ -26,19 +25,9 @@ def _resnet() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return model, torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,))
 
 
-class _OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _ops_per_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, hooks: HookLogger | None) -> Counter[str]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    with _OpCounter() as counter:
+    with OpCounter() as counter:
         train(hooks, [nn.functional.cross_entropy(model(x), y)], optimizer)
     return counter.ops
 

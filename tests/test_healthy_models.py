@@ -146,9 +146,11 @@ def test_a_healthy_model_raises_no_finding(tmp_path, monkeypatch, name: str) -> 
     seen: list[Mapping[str, float]] = []  # the scalars each logged step gave the health rules
     judge = Health.update
 
-    def spy(self: Health, step: int, scalars: Mapping[str, float], order: Sequence[str]) -> list[Finding]:
+    def spy(
+        self: Health, step: int, scalars: Mapping[str, float], order: Sequence[str], heads: object = None
+    ) -> list[Finding]:
         seen.append(dict(scalars))
-        return judge(self, step, scalars, order)
+        return judge(self, step, scalars, order, heads)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Health, "update", spy)
     case = CASES[name]()

@@ -157,7 +157,7 @@ def test_pooled_calls_match_the_concatenation(parts: list[torch.Tensor]) -> None
     )
     buffer.begin(0)  # the first logged step: it takes histograms
     for x in parts:
-        recorder.on_output("m", x, training=True)
+        recorder.on_output("m", torch.nn.Identity(), (x,), x)
     packed, layout = pack_step(*buffer.drain(), buffer.kinds, buffer.indices)  # type: ignore[misc]
     summary = summarize(0, packed.numpy(), layout)
     a = np.concatenate([_reference(x).reshape(-1) for x in parts])

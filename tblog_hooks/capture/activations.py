@@ -6,16 +6,21 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._compat import tree_flatten, version
 from ..stats.feature_maps import feature_grid
 from ..stats.kinds import ACTIVATION, IMAGE, INPUT, NONFINITE_COUNT
 from ..stats.packing import Record
 from ..stats.reductions import finite, loggable
+from ..transport.parallel import CONTEXT_PARALLEL, TensorParallel, along_units
+from ..transport.sharding import Split
 from .output_gradients import OutputGradientRecorder
 from .passes import PassFilter
 from .step import Mode, StepBuffer
+
+#: The name under which a failure of every module's statistics at once is reported.
+MODULE_STATISTICS = "module statistics"
 
 
 class ActivationRecorder:
@@ -30,8 +35,9 @@ class ActivationRecorder:
         inputs: bool,
         eval_passes: bool,
         feature_maps: frozenset[str],
+        parallel: TensorParallel | None = None,
     ) -> None:
-        self.buffer, self.gradients = buffer, gradients
+        self.buffer, self.gradients, self.parallel = buffer, gradients, parallel
         self.activations, self.inputs, self.feature_maps = activations, inputs, feature_maps
         self.passes = PassFilter(eval_passes=eval_passes)
         #: Per watched module, the dim of its outputs that holds its units (``reductions.units_dim``).
@@ -45,14 +51,17 @@ class ActivationRecorder:
         # gradients enabled (a model left in eval mode while it trains).
         self._trained = self._evaluated = False
 
-    def on_output(self, name: str, output: object, training: bool) -> object | None:
+    def on_output(self, name: str, module: nn.Module, args: object, output: object) -> object | None:
         """Forward hook body: statistics of the output now, its gradient watched for later (of
         training passes only, see ``passes.py``). Returns a replacement output when the gradient
-        is watched through a probe (under ``torch.compile``), else ``None``."""
+        is watched through a probe (under ``torch.compile``), else ``None``. Of an output split
+        over tensor-parallel ranks, this rank's piece, combined with the others' at the end of
+        the step (``capture/parallel.py``)."""
+        training = module.training
         if name in self.buffer.disabled:
             return None
         mode = self.buffer.now()
-        if mode is None:
+        if mode is None or self._sequence_split(mode):
             return None
         if not mode.compiled:
             # Not while compiling: a set that grows would be one more guard and one more graph.
@@ -69,14 +78,15 @@ class ActivationRecorder:
             tensors = loggable_leaves(output)
             if not tensors:
                 return None
+            pieces = self._pieces(module, args, tensors, units, mode)
             with torch.no_grad():
                 if name in self.feature_maps and name not in self._mapped:
-                    self._add_feature_map(mode, name, tensors)
+                    self._add_feature_map(mode, name, [t for t, _ in pieces])
                 if self.activations and counted.activations:
-                    for t in tensors:
-                        self._remember(mode, t, mode.record(ACTIVATION, name, t, units))
+                    for t, split in pieces:
+                        self._remember(mode, t, mode.record(ACTIVATION, name, t, units, split))
             if counted.gradients and self.gradients is not None:
-                return self.gradients.watch(mode, name, output, tensors)
+                return self.gradients.watch(mode, name, output, tensors, [split for _, split in pieces])
         except Exception as error:  # the logger must never stop training
             self.buffer.fail(name, error)
         return None
@@ -87,15 +97,24 @@ class ActivationRecorder:
         if name in self.buffer.disabled or not (self.activations or self.inputs):
             return  # without output counts the input count tells nothing
         mode = self.buffer.now()
-        if mode is None or not self.passes.records_inputs(name, training, mode.in_backward()):
+        if (
+            mode is None
+            or self._sequence_split(mode)
+            or not self.passes.records_inputs(name, training, mode.in_backward())
+        ):
             return
         try:
+            units = self.units.get(name, -1)
+            leaves = loggable_leaves(inputs)
+            whole: list[tuple[Tensor, Split | None]] = [(t, None) for t in leaves]
+            pieces = whole if mode.compiled or self.parallel is None else self.parallel.inputs(leaves)
             with torch.no_grad():
-                for t in loggable_leaves(inputs):
+                for t, split in pieces:
                     if self.inputs:
-                        mode.record(INPUT, name, t, self.units.get(name, -1))
+                        mode.record(INPUT, name, t, units, along_units(split, units, t.dim()))
                     else:
-                        mode.add(Record(NONFINITE_COUNT, name, t.numel(), (self._finite_input(mode, t),)))
+                        count = (self._finite_input(mode, t),)
+                        mode.add(Record(NONFINITE_COUNT, name, t.numel(), count, split=split))
         except Exception as error:
             self.buffer.fail(name, error)
 
@@ -110,6 +129,25 @@ class ActivationRecorder:
         self.passes.reset()
         self._mapped, self._last_output = set(), None
         self._trained = self._evaluated = False
+        if self.parallel is not None:
+            self.parallel.end()
+
+    def _sequence_split(self, mode: Mode) -> bool:
+        """Under context parallelism no module's statistics are recorded (said once, see
+        ``transport/parallel.py``)."""
+        if mode.compiled or self.parallel is None or not self.parallel.sequence_split():
+            return False
+        self.buffer.fail(MODULE_STATISTICS, RuntimeError(CONTEXT_PARALLEL))
+        self.buffer.disabled.update(self.units)
+        return True
+
+    def _pieces(
+        self, module: nn.Module, args: object, tensors: list[Tensor], units: int, mode: Mode
+    ) -> list[tuple[Tensor, Split | None]]:
+        """The outputs as this rank's pieces, each with how it is split over ranks (``None``: whole)."""
+        if mode.compiled or self.parallel is None:
+            return [(t, None) for t in tensors]
+        return [(t, along_units(split, units, t.dim())) for t, split in self.parallel.outputs(module, args, tensors)]
 
     def _remember(self, mode: Mode, t: Tensor, values: tuple[Tensor, ...]) -> None:
         """Keep the finite count of an output for the next module's pre-hook, should its input

@@ -72,7 +72,7 @@ class ForwardHook(_ModuleHook):
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.buffer.active:
-            return self.recorder.on_output(self.name, output, module.training)
+            return self.recorder.on_output(self.name, module, args, output)
         return None
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 import weakref
@@ -18,6 +19,7 @@ from ..stats.kinds import ACTIVATION, GRADIENT
 from ..stats.packing import Record
 from ..stats.reductions import loggable
 from ..stats.tags import Root
+from ..transport.sharding import Split, is_dtensor, local
 from . import probes
 from .step import Mode, StepBuffer
 
@@ -38,25 +40,31 @@ class OutputGradientRecorder:
         for name, module in modules.items():
             self._place_probe(name, probes.home_device(module, model))
 
-    def watch(self, mode: Mode, name: str, output: object, tensors: list[Tensor]) -> object | None:
+    def watch(
+        self, mode: Mode, name: str, output: object, tensors: list[Tensor], splits: list[Split | None]
+    ) -> object | None:
         """Watch the gradients of a training pass's outputs (``tensors``, the loggable leaves of
-        ``output``); returns the output to use instead, if any."""
+        ``output``, each split over ranks as ``splits`` says); returns the output to use instead,
+        if any."""
         if mode.compiled:
             return self._tap(name, output)
-        for t in tensors:
+        for t, split in zip(tensors, splits):
             if t.requires_grad:
-                self._handles.append(t.register_hook(_GradientHook(self, name)))
+                self._handles.append(t.register_hook(_GradientHook(self, name, split)))
         return None
 
-    def on_grad(self, name: str, grad: Tensor) -> None:
-        """A tensor hook's gradient."""
+    def on_grad(self, name: str, grad: Tensor, split: Split | None) -> None:
+        """A tensor hook's gradient (of an output split as ``split``; a ``DTensor``'s says itself)."""
         if name in self.buffer.disabled:
             return
         try:
             if not loggable(grad):
                 return
             with torch.no_grad():
-                self.buffer.eager.record(GRADIENT, name, grad)
+                if is_dtensor(grad):  # (its units are where its output's were)
+                    grad, placed = local(grad)
+                    split = placed and dataclasses.replace(placed, axis=split.axis if split else placed.axis)
+                self.buffer.eager.record(GRADIENT, name, grad, split=split)
         except Exception as error:
             self.buffer.fail(name, error)
 
@@ -136,13 +144,13 @@ def _on_probe(recorder: weakref.ref[OutputGradientRecorder], name: str, summed: 
 class _GradientHook:
     """Tensor hook on a module output: records the gradient, never changes it."""
 
-    __slots__ = ("calls", "name", "recorder")
+    __slots__ = ("calls", "name", "recorder", "split")
 
-    def __init__(self, recorder: OutputGradientRecorder, name: str) -> None:
-        self.recorder, self.name, self.calls = recorder, name, 0
+    def __init__(self, recorder: OutputGradientRecorder, name: str, split: Split | None) -> None:
+        self.recorder, self.name, self.split, self.calls = recorder, name, split, 0
 
     def __call__(self, grad: Tensor) -> None:
         self.calls += 1
         if self.calls == 2:
             self.recorder.repeated_backward(self.name)
-        self.recorder.on_grad(self.name, grad)
+        self.recorder.on_grad(self.name, grad, self.split)

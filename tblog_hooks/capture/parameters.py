@@ -17,12 +17,12 @@ from torch.optim import Optimizer
 
 from .._compat import at_end_of_backward, foreach_copy, foreach_div, foreach_sub_
 from ..stats.binning import Sample
-from ..stats.kinds import PARAM_GRAD
+from ..stats.kinds import PARAM_GRAD, UPDATE
 from ..stats.packing import Record
 from ..stats.reductions import FLOAT_DTYPES, loggable, norms, sparse_values
-from ..stats.tags import Root, Stat, tag
+from ..stats.tags import Root
 from ..transport import amp
-from ..transport.distributed import is_sharded, local_shard
+from ..transport.sharding import Pending, Split, local, pending
 from .step import StepBuffer
 from .watched import Watched
 
@@ -39,8 +39,10 @@ class ParameterRecorder:
         self.buffer = buffer
         # Parameters whose gradient was read this step: its record and histogram sample.
         self._graded: dict[str, tuple[Record, Sample | None]] = {}
+        self._pending: dict[str, Pending] = {}  # gradients placed Partial, read this step
         self._ready: Named = []  # parameters whose gradient this backward made final
-        self._before_update: tuple[Named, list[Tensor], list[Tensor]] | None = None
+        # Before an optimizer step: the parameters, their pieces' splits, norms and copies.
+        self._before_update: tuple[Named, list[Split | None], list[Tensor], list[Tensor]] | None = None
 
     def on_param_grad(self, name: str, param: Tensor) -> None:
         """Post-accumulate-grad hook body: ``param.grad`` is final for this backward. Read when
@@ -53,17 +55,21 @@ class ParameterRecorder:
 
     def read(self, named: Named, scale: Tensor | None = None) -> None:
         """Record gradient norms (and histograms) of parameters whose ``.grad`` is final; divided
-        on the device by ``scale``, the loss scale still in ``.grad`` (see ``amp.grad_scale``)."""
+        on the device by ``scale``, the loss scale still in ``.grad`` (see ``amp.grad_scale``).
+        Of a ``DTensor`` gradient, this rank's piece, combined with the others' at the end of the
+        step (``transport/sharding.py``)."""
         buffer = self.buffer
         try:
             with torch.no_grad():  # (a gradient of create_graph=True backward requires grad)
-                graded = [(key, g) for key, p in named if key not in buffer.disabled and (g := _gradient(p.grad))]
+                graded = [
+                    (key, g) for key, p in named if key not in buffer.disabled and (g := self._gradient(key, p, scale))
+                ]
                 if not graded:
                     return
                 keys = [key for key, _ in graded]
-                grads = [g for _, (g, _) in graded]
-                shown = [h for _, (_, h) in graded]
-                samples = self._samples(Root.PARAM_GRAD, keys, shown)
+                grads = [g for _, (g, _, _) in graded]
+                splits = [split for _, (_, _, split) in graded]
+                samples = self._samples(Root.PARAM_GRAD, keys, [h for _, (_, h, _) in graded], splits)
                 found = norms(grads)
                 if scale is not None:  # a fused optimizer's gradients, still scaled: unscaled here
                     divisor = scale.to(found[0].device).reshape(())
@@ -71,8 +77,9 @@ class ParameterRecorder:
                     for row in samples.values():
                         row.sample.div_(divisor)
                 # A later read (the next micro-batch's accumulated gradient) replaces an earlier one.
-                for key, grad, norm in zip(keys, grads, found):
-                    self._graded[key] = (Record(PARAM_GRAD, key, grad.numel(), (norm,)), samples.get(key))
+                for key, grad, norm, split in zip(keys, grads, found, splits):
+                    record = Record(PARAM_GRAD, key, grad.numel(), (norm,), split=split)
+                    self._graded[key] = (record, samples.get(key))
         except Exception as error:
             buffer.fail(named[0][0] if len(named) == 1 else PARAMETERS, error)
             buffer.disabled.update(key for key, _ in named)
@@ -83,83 +90,113 @@ class ParameterRecorder:
         on a step that takes weight histograms."""
         if not self._graded or not self.buffer.eager.takes_histogram(Root.PARAM):
             return
-        named = [(key, p) for key, p in params() if key in self._graded]
+        named = [(key, local(p)) for key, p in params() if key in self._graded or key in self._pending]
         if not named:
             return
         try:
             with torch.no_grad():
-                samples = self._samples(Root.PARAM, [key for key, _ in named], [local_shard(p) for _, p in named])
+                keys = [key for key, _ in named]
+                pieces = [piece for _, (piece, _) in named]
+                samples = self._samples(Root.PARAM, keys, pieces, [split for _, (_, split) in named])
                 for row in samples.values():
                     self.buffer.eager.add(row)
         except Exception as error:
             self.buffer.fail(PARAMETERS, error)
 
     def before_update(self, named: Named) -> None:
-        """Optimizer step pre-hook: copy the weights (logged steps only) to measure the update.
-        FSDP2-sharded weights are left out: a shard's ratio is not the parameter's."""
-        named = [(key, p) for key, p in named if not is_sharded(p)]
+        """Optimizer step pre-hook: copy the weights (logged steps only) to measure the update."""
         if not named:
             return
         try:
             with torch.no_grad():
-                weights = [p for _, p in named]
-                self._before_update = (named, norms(weights), foreach_copy(weights))
+                pieces = [local(p) for _, p in named]
+                weights = [piece for piece, _ in pieces]
+                splits = [split for _, split in pieces]
+                self._before_update = (named, splits, norms(weights), foreach_copy(weights))
         except Exception as error:
             self.buffer.fail(UPDATE_RATIO, error)
 
     def after_update(self) -> None:
-        """Optimizer step post-hook: ``||W_after - W_before|| / ||W_before||`` per parameter,
-        computed in place in the copy, which is then dropped."""
+        """Optimizer step post-hook: ``||W_after - W_before||`` and ``||W_before||`` per parameter
+        (their ratio is the update ratio), computed in place in the copy, which is then dropped."""
         if self._before_update is None:
             return
-        named, weight_norms, before = self._before_update
+        named, splits, weight_norms, before = self._before_update
         self._before_update = None
         try:
             with torch.no_grad():
-                foreach_sub_(before, [p for _, p in named])
-                for (key, _), ratio in zip(named, foreach_div(norms(before), weight_norms)):
-                    self.buffer.record_scalar(tag(Root.PARAM, Stat.UPDATE_RATIO, key), ratio)
+                foreach_sub_(before, [local(p)[0] for _, p in named])
+                for (key, p), split, change, weight in zip(named, splits, norms(before), weight_norms):
+                    self.buffer.eager.add(Record(UPDATE, key, p.numel(), (change, weight), split=split))
         except Exception as error:
             self.buffer.fail(UPDATE_RATIO, error)
 
-    def end_step(self) -> tuple[list[Record], list[Sample]]:
-        """The gradients this logged step read, as records and histogram samples; forgets them."""
+    def end_step(self) -> tuple[list[Record], list[Sample], list[Pending]]:
+        """The gradients this logged step read, as records and histogram samples, and those
+        still to be reduced over ranks; forgets them."""
         graded, self._graded = self._graded, {}
+        waiting, self._pending = list(self._pending.values()), {}
         self._ready, self._before_update = [], None  # (of a backward that raised before its end)
         records = [record for record, _ in graded.values()]
-        return records, [row for _, row in graded.values() if row is not None]
+        return records, [row for _, row in graded.values() if row is not None], waiting
+
+    def resolve(self, waiting: list[Pending], reduced: list[Tensor]) -> tuple[list[Record], list[Sample]]:
+        """Records and histogram samples of gradients placed ``Partial``, from their terms
+        ``reduced`` over ranks (``Ranks.finish``)."""
+        with torch.no_grad():
+            wholes = [p.whole(t) for p, t in zip(waiting, reduced)]
+            keys = [p.key for p in waiting]
+            splits = [split for _, split in wholes]
+            found = norms([t for t, _ in wholes])
+            records = [Record(PARAM_GRAD, k, t.numel(), (n,), split=s) for k, (t, s), n in zip(keys, wholes, found)]
+            samples = self._samples(Root.PARAM_GRAD, keys, [t for t, _ in wholes], splits)
+        return records, list(samples.values())
 
     @property
     def graded(self) -> bool:
         """Whether this logged step read any gradient so far."""
-        return bool(self._graded)
+        return bool(self._graded or self._pending)
 
     def _read_ready(self) -> None:
         ready, self._ready = self._ready, []
         if ready:
             self.read(ready)
 
-    def _samples(self, kind: str, keys: list[str], tensors: list[Tensor]) -> dict[str, Sample]:
+    def _samples(
+        self, kind: str, keys: list[str], tensors: list[Tensor], splits: list[Split | None]
+    ) -> dict[str, Sample]:
         """Histogram samples of parameters or their gradients, over the sample's own range (no
-        pass over the whole tensor); empty FSDP2 shards have none, nor a step without ``kind``."""
+        pass over the whole tensor); none on a step without ``kind``, nor of an empty tensor unless
+        it is a piece of a split one (an empty FSDP2 shard: its empty sample joins the others')."""
         eager = self.buffer.eager
         if not eager.takes_histogram(kind):
             return {}
         return {
-            key: Sample(kind, key, eager.sample(t), t.numel(), None, None) for key, t in zip(keys, tensors) if t.numel()
+            key: Sample(kind, key, eager.sample(t), t.numel(), None, None, split=split)
+            for key, t, split in zip(keys, tensors, splits)
+            if t.numel() or split is not None
         }
 
-
-def _gradient(grad: Tensor | None) -> tuple[Tensor, Tensor] | None:
-    """A parameter's gradient as dense tensors for its norm and its histogram: this rank's shard
-    of an FSDP2 gradient, the summed values of a sparse one (``reductions.sparse_values``);
-    ``None`` if it is not logged."""
-    if grad is not None and grad.layout == torch.sparse_coo and grad.dtype in FLOAT_DTYPES:
-        return sparse_values(grad)
-    if not loggable(grad):
-        return None
-    local = local_shard(grad)  # type: ignore[arg-type]  # loggable: a tensor
-    return local, local
+    def _gradient(self, key: str, p: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor, Split | None] | None:
+        """A parameter's gradient as dense tensors for its norm and its histogram, and how it is
+        split over ranks: this rank's piece of a ``DTensor`` gradient, the summed values of a
+        sparse one (``reductions.sparse_values``); ``None`` if it is not logged now: not
+        loggable, or placed ``Partial`` (kept as ``Pending``; ``scale`` as for :meth:`read`)."""
+        grad = p.grad
+        if grad is not None and grad.layout == torch.sparse_coo and grad.dtype in FLOAT_DTYPES:
+            return (*sparse_values(grad), None)
+        if not loggable(grad):
+            return None
+        waiting = pending(key, grad)  # type: ignore[arg-type]  # loggable: a tensor
+        if waiting is not None:  # read once reduced over ranks, at the end of the step
+            if scale is not None:
+                waiting.terms.div_(scale.to(waiting.terms.device).reshape(()))
+            self._pending[key] = waiting
+            self._graded.pop(key, None)
+            return None
+        piece, split = local(grad)  # type: ignore[arg-type]
+        self._pending.pop(key, None)
+        return piece, piece, split
 
 
 class OptimizerHooks:

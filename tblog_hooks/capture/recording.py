@@ -9,10 +9,14 @@ from typing import TYPE_CHECKING
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ..stats.packing import StepLayout, pack_step
+from ..stats.binning import Sample
+from ..stats.packing import Record, StepLayout, pack_step
 from ..stats.reductions import units_dim
 from ..stats.schedule import Histograms
+from ..transport.parallel import TensorParallel
+from ..transport.sharding import Pending
 from .activations import ActivationRecorder
+from .attention import AttentionRecorder
 from .hooks import ForwardHook, ForwardPreHook, Handles, ParamGradHook
 from .output_gradients import OutputGradientRecorder
 from .parameters import OptimizerHooks, ParameterRecorder
@@ -26,7 +30,7 @@ if TYPE_CHECKING:
 class Recording:
     """Hooks on the watched modules (and optimizers) that record on logged steps only."""
 
-    def __init__(self, watched: Watched, config: Options, *, feature_maps: frozenset[str]) -> None:
+    def __init__(self, watched: Watched, config: Options, *, feature_maps: frozenset[str], model: nn.Module) -> None:
         """The recording the ``HookLogger`` options ``config`` ask for (``feature_maps``: the names
         of the watched modules they select)."""
         histograms: Histograms | None = config.histograms  # type: ignore[assignment]  # (normalised by Options)
@@ -35,6 +39,7 @@ class Recording:
         self.gradients = (
             OutputGradientRecorder(self.buffer, histograms=histograms is not None) if config.gradients else None
         )
+        self.parallel = TensorParallel(model)
         self.activations = ActivationRecorder(
             self.buffer,
             self.gradients,
@@ -42,8 +47,16 @@ class Recording:
             inputs=config.inputs,
             eval_passes=config.eval_passes,
             feature_maps=feature_maps,
+            parallel=self.parallel,
         )
         self.parameters = ParameterRecorder(self.buffer)
+        self.attention = (
+            AttentionRecorder(
+                self.buffer, model, config.attention, eval_passes=config.eval_passes, parallel=self.parallel
+            )
+            if config.attention is not False
+            else None
+        )
         #: With ``optimizer=``, parameters are read when an optimizer steps them; else during backward.
         wanted = config.optimizer is not None and config.parameters
         self.optimizer_hooks = OptimizerHooks(self.parameters, watched) if wanted else None
@@ -64,6 +77,10 @@ class Recording:
             self.handles.add(module.register_forward_hook(ForwardHook(self.activations, name)))
         if self.gradients is not None:
             self.gradients.place_probes(model, modules)
+        if self.attention is not None:
+            enter, leave = self.attention.hooks()
+            self.handles.add(model.register_forward_pre_hook(enter))
+            self.handles.add(model.register_forward_hook(leave, always_call=True))
         if self.optimizer_hooks is not None:
             self.handles.add(register_optimizer_step_pre_hook(self.optimizer_hooks.pre))
             self.handles.add(register_optimizer_step_post_hook(self.optimizer_hooks.post))
@@ -81,6 +98,7 @@ class Recording:
             )
         self.buffer.active = True
         self.buffer.begin(index)
+        self.parallel.begin()
         if self.optimizer_hooks is not None:
             return  # parameters are read when an optimizer steps them
         for key, p in self.watched.params():
@@ -110,18 +128,25 @@ class Recording:
                 stacklevel=4,
             )
         self.activations.end_step()
+        if self.attention is not None:
+            self.attention.end_step()
         self._step_handles.remove_all()
         if self.optimizer_hooks is not None:
             self.optimizer_hooks.clear()
         self.parameters.weights(self.watched.params)
 
-    def pack(self) -> tuple[Tensor, StepLayout] | None:
-        """Bin the step's histograms and pack every record into one float64 tensor; reset."""
+    def drain(self) -> tuple[list[Record], list[Sample], list[Pending]]:
+        """The step's records and histogram samples, and the gradients still to be reduced over
+        ranks (``sharding.Pending``); the recorders are reset."""
         records, samples = self.buffer.drain()
         if self.gradients is not None:
             self.gradients.end_step(records)
-        graded, rows = self.parameters.end_step()
-        return pack_step(records + graded, samples + rows, self.buffer.kinds, self.buffer.indices)
+        graded, rows, waiting = self.parameters.end_step()
+        return records + graded, samples + rows, waiting
+
+    def pack(self, records: list[Record], samples: list[Sample]) -> tuple[Tensor, StepLayout] | None:
+        """Bin the step's histograms and pack every record into one float64 tensor."""
+        return pack_step(records, samples, self.buffer.kinds, self.buffer.indices)
 
     def check_stepped(self, step: int) -> None:
         """Warn once when, at the end of logged step ``step``, a watched parameter holds a gradient

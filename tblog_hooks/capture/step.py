@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import warnings
-from typing import Generic, TypeVar, Union
+from typing import TYPE_CHECKING, Generic, TypeVar, Union
 
 import torch
 from torch import Tensor
@@ -23,6 +23,9 @@ from ..stats.packing import Record
 from ..stats.sampling import IndexCache
 from ..stats.schedule import Histograms
 from ..stats.tags import Root
+
+if TYPE_CHECKING:
+    from ..transport.sharding import Split
 
 Item = TypeVar("Item")
 Recorded = Union[Record, Sample]
@@ -120,11 +123,14 @@ class Mode(abc.ABC):
         kinds = self.kinds
         return kind in kinds or (kind == Root.GRADIENT and Root.GRADIENT_LOG10 in kinds)
 
-    def record(self, kind: Kind, name: str, t: Tensor, units: int = -1) -> tuple[Tensor, ...]:
+    def record(
+        self, kind: Kind, name: str, t: Tensor, units: int = -1, split: Split | None = None
+    ) -> tuple[Tensor, ...]:
         """Statistics (and a histogram sample over their exact range) of an output, input or
-        output gradient (``units``: the dim that holds the module's units); returns the values."""
+        output gradient (``units``: the dim that holds the module's units; ``split``: how ``t``,
+        one rank's piece, is split over ranks); returns the values."""
         values = kind.compute(t, units)  # type: ignore[misc]  # kinds recorded from tensors have one
-        self.add(Record(kind, name, t.numel(), values))
+        self.add(Record(kind, name, t.numel(), values, split=split))
         if self.takes_histogram(kind.name):
             lo: Tensor | None
             hi: Tensor | None
@@ -134,7 +140,7 @@ class Mode(abc.ABC):
                 lo, hi = torch.aminmax(t)
             else:
                 lo = hi = None
-            self.add(Sample(kind.name, name, self.sample(t), t.numel(), lo, hi))
+            self.add(Sample(kind.name, name, self.sample(t), t.numel(), lo, hi, split=split))
         return values
 
 

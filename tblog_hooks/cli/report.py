@@ -2,7 +2,8 @@
 
 Reads event files (no training, no model) and replays the logged scalars through the same
 :class:`~tblog_hooks.diagnostics.health.Health` the logger uses, with the default
-:class:`~tblog_hooks.Thresholds`. Each tag prefix in a directory is a run of its own.
+:class:`~tblog_hooks.Thresholds`, and the per-step series of ``spikes=`` through the same spike
+detector, with the default :class:`~tblog_hooks.Spikes`. Each tag prefix in a directory is a run of its own.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tensorboard.compat.proto import event_pb2
 
 from ..diagnostics.health import Finding, Health, Thresholds, log
 from ..diagnostics.per_step import ORDER_TAG, gradient_flow_image, gradient_norms, parse_order
+from ..diagnostics.spikes import replay
 from ..output.event_files import DamagedFile, read_records
 from ..output.events import png
 from ..stats.tags import Root, Stat, tag, unescape
@@ -39,6 +41,8 @@ class Run:
     #: ``(from, to)`` for each time the logged steps went back (a run restarted into the same
     #: directory); from ``to`` on, the steps are those of the restart.
     restarts: list[tuple[int, int]] = field(default_factory=list)
+    #: With ``spikes=``: ``{step: {tag: value}}`` of every step (``step/*``, ``spike/*``).
+    series: dict[int, dict[str, float]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -49,13 +53,15 @@ class Run:
 #: A scalar tag of the logger, after an optional ``{prefix}/``: module and parameter names are
 #: escaped (no ``/``), so each kind has a fixed number of parts. The prefix is matched greedily;
 #: no stat is named like a kind, so an unprefixed tag never reads as a prefixed one.
-_PER_NAME = (Root.ACTIVATION, Root.INPUT, Root.GRADIENT, Root.PARAM_GRAD, Root.PARAM)  # root/stat/name
-_WHOLE_MODEL = (Root.PARAM_GRAD, Root.AMP, Root.HEALTH)  # root/stat
+_PER_NAME = (Root.ACTIVATION, Root.INPUT, Root.GRADIENT, Root.PARAM_GRAD, Root.PARAM, Root.SPIKE)  # root/stat/name
+_WHOLE_MODEL = (Root.PARAM_GRAD, Root.AMP, Root.HEALTH, Root.STEP)  # root/stat
 _LOGGER_TAG = re.compile(
     rf"(?:(?P<prefix>.+)/)?(?P<tag>(?:{'|'.join(_PER_NAME)})/[^/]+/[^/]+|(?:{'|'.join(_WHOLE_MODEL)})/[^/]+)"
 )
 #: Kinds that only a logged step holds: their presence marks a step as logged.
 _STATISTICS = tuple(tag(root, "") for root in (Root.ACTIVATION, Root.GRADIENT, Root.PARAM_GRAD))
+#: The per-step series of ``spikes=``, written in events of their own.
+_SERIES = tuple(tag(root, "") for root in (Root.STEP, Root.SPIKE))
 _ORDER_TEXT = re.compile(rf"(?:(?P<prefix>.+)/)?{re.escape(ORDER_TAG)}/text_summary")
 #: Tags whose last part names every watched module (the forward order may be missing).
 _NAMED = (tag(Root.GRADIENT, Stat.NORM, ""), tag(Root.ACTIVATION, Stat.MEAN, ""))
@@ -103,6 +109,8 @@ def load_all(run_dir: Path, label: str) -> list[Run]:
     orders: dict[str, list[str]] = {}
     for file in sorted(files, key=lambda f: f.start):
         orders |= file.orders
+        for step, prefix, scalars in file.series:
+            runs.setdefault(prefix, Run(label, prefix, {}, [])).series.setdefault(step, {}).update(scalars)
         for step, prefix, scalars in file.steps:
             run = runs.setdefault(prefix, Run(label, prefix, {}, []))
             last = next(reversed(run.scalars), None)  # steps are kept in increasing order
@@ -122,6 +130,7 @@ class _EventFile:
     start: tuple[float, str]  # first event's wall time, then the name: the order files were started in
     steps: list[tuple[int, str, dict[str, float]]]  # (step, prefix, scalars) of each logged step, in file order
     orders: dict[str, list[str]]  # the latest forward order of each prefix
+    series: list[tuple[int, str, dict[str, float]]] = field(default_factory=list)  # (step, prefix, values)
 
 
 def _read_file(path: Path) -> _EventFile:
@@ -143,13 +152,18 @@ def _read_file(path: Path) -> _EventFile:
                 for prefix, scalars in by_prefix.items()
                 if any(t.startswith(_STATISTICS) for t in scalars)
             ]
+            file.series += [
+                (event.step, prefix, scalars)
+                for prefix, scalars in by_prefix.items()
+                if all(t.startswith(_SERIES) for t in scalars)
+            ]
     except (DamagedFile, DecodeError) as error:
         raise ReportError(f"{str(path)!r} is damaged: {error} (what follows cannot be trusted)") from None
     return file
 
 
 def findings(run: Run, thresholds: Thresholds | None = None) -> list[Finding]:
-    """Every finding that starts in the run, in step order."""
+    """Every finding that starts in the run, in step order (spikes of its per-step series too)."""
     health = Health(thresholds or Thresholds())
     log.disabled = True  # the report prints them itself
     try:
@@ -157,7 +171,7 @@ def findings(run: Run, thresholds: Thresholds | None = None) -> list[Finding]:
             health.update(step, scalars, run.order)
     finally:
         log.disabled = False
-    return health.started
+    return sorted(health.started + replay(run.series), key=lambda f: f.step)
 
 
 def module_rows(run: Run) -> list[dict[str, object]]:

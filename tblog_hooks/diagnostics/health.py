@@ -14,13 +14,14 @@ import logging
 import math
 import numbers
 import statistics
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from ..errors import HookLoggerError
 from ..stats.tags import Root, Stat, by_name, escape, tag
 from ..transport.amp import SCALE_TAG, SKIPPED_TAG
+from .attention_rules import AttentionRules, Heads
 
 
 class FindingKind(enum.StrEnum):
@@ -31,11 +32,18 @@ class FindingKind(enum.StrEnum):
     DEAD_UNITS = "dead_units"
     NONFINITE = "nonfinite"
     AMP_SKIPPED_STEPS = "amp_skipped_steps"
+    ATTENTION_LOGIT_GROWTH = "attention_logit_growth"
+    ATTENTION_ENTROPY_COLLAPSE = "attention_entropy_collapse"
+    #: With ``spikes=``: judged every step by ``diagnostics/spikes.py``; each starts and ends at its own step.
+    GRADIENT_SPIKE = "gradient_spike"
+    LOSS_SPIKE = "loss_spike"
 
 
 #: Every finding kind, in the order tables list them.
 FINDING_KINDS: tuple[str, ...] = tuple(kind.value for kind in FindingKind)
-VANISHING, EXPLODING, DEAD, NONFINITE, SKIPPING = FINDING_KINDS
+VANISHING, EXPLODING, DEAD, NONFINITE, SKIPPING = FINDING_KINDS[:5]
+LOGIT_GROWTH, ENTROPY_COLLAPSE = FindingKind.ATTENTION_LOGIT_GROWTH.value, FindingKind.ATTENTION_ENTROPY_COLLAPSE.value
+_SMALLER_IS_WORSE = (VANISHING, ENTROPY_COLLAPSE)  # finding kinds whose smaller values are worse
 #: How many earlier logged steps the growth rule of ``exploding_gradient`` compares with (the
 #: latest ones without that finding): a bounded window keeps the cost of a step constant.
 GROWTH_WINDOW = 64
@@ -80,6 +88,14 @@ class Thresholds:
     zero_steps: int = 3
     #: ``amp_skipped_steps``: the ``GradScaler`` skipped this many logged steps in a row.
     skipped_steps: float = 20
+    #: ``attention_logit_growth``: with ``attention=``, a module's max attention logit is above this
+    #: (a key whose logit is 30 above the others takes all the weight among 1e12 keys) ...
+    attention_logit: float = 30.0
+    #: ... or above this multiple of the median of its latest logged steps without the finding (and above 10).
+    attention_growth: float = 100.0
+    #: ``attention_entropy_collapse``: a module's (in the live logger: a head's) mean attention entropy is below
+    #: this many nats (``exp(0.3)``: each query spreads its attention over about 1.35 keys).
+    attention_entropy: float = 0.3
 
     def __post_init__(self) -> None:
         limits = {  # name: (low, high, low allowed, high allowed, integral, what is valid)
@@ -90,6 +106,9 @@ class Thresholds:
             "dead_fraction": (0.0, math.inf, False, True, False, "a fraction in (0, 1] (above 1: off)"),
             "zero_steps": (1.0, math.inf, True, False, True, "a whole number of logged steps, at least 1"),
             "skipped_steps": (1.0, math.inf, True, True, True, "a whole number of logged steps, at least 1 (inf: off)"),
+            "attention_logit": (0.0, math.inf, False, True, False, "a positive number (inf: off)"),
+            "attention_growth": (1.0, math.inf, False, True, False, "a number above 1 (inf: off)"),
+            "attention_entropy": (0.0, math.inf, True, False, False, "a number of nats >= 0 (0: off)"),
         }  # fmt: skip
         for f in fields(self):
             value = getattr(self, f.name)
@@ -113,7 +132,8 @@ class Finding:
         kind: what it is about, one of :data:`FINDING_KINDS` (``"vanishing_gradient"``, ...).
         module: the watched module it names (for some findings a parameter,
             ``{module}.{param}``); ``""`` when it is about the whole model.
-        step: the logged step at which it started (TensorBoard's ``global_step``).
+        step: the step at which it started (TensorBoard's ``global_step``): a logged step, or for
+            ``gradient_spike`` and ``loss_spike`` any step.
         value: the measured quantity its rule compared, e.g. the dead fraction or the NaN/Inf count.
         message: one line saying what was found, as logged.
     """
@@ -144,9 +164,16 @@ class Health:
         self._streaks: dict[_Key, int] = {}  # consecutive judged steps each candidate held
         self._from_zero: set[_Key] = set()  # candidates whose streak holds exactly-zero evidence
         self._skipped = 0  # consecutive logged steps the GradScaler skipped
+        self._attention = AttentionRules(thresholds)
+        self._spikes: deque[Finding] = deque(maxlen=TABLE_ROWS)  # the latest spike findings (text summary)
+        self._spiked: list[Finding] = []  # spike findings since the last update ...
+        self._spike_counts: Counter[str] = Counter()  # ... and by kind, those before it (health/{kind})
 
-    def update(self, step: int, scalars: Mapping[str, float], order: Sequence[str]) -> list[Finding]:
-        """Findings of one logged step's scalars (``order``: watched modules in forward order);
+    def update(
+        self, step: int, scalars: Mapping[str, float], order: Sequence[str], heads: Mapping[str, Heads] | None = None
+    ) -> list[Finding]:
+        """Findings of one logged step's scalars (``order``: watched modules in forward order;
+        ``heads``: per-head attention values, see ``attention_rules.py``);
         returns those that start now. A kind is only judged on a step that carries its evidence:
         a step the ``GradScaler`` skipped has no gradient norms, so the gradient findings (and
         ``nonfinite``: the scaler's overflow is expected) keep the state they had."""
@@ -155,6 +182,7 @@ class Health:
         finite = [(m, v) for m, v in norms if math.isfinite(v)]
         ratios = by_name(scalars, Root.PARAM, Stat.UPDATE_RATIO)
         candidates: _Candidates = {}
+        self._spike_counts, self._spiked = Counter(f.kind for f in self._spiked), []
         judged: set[str] = {DEAD}
         candidates.update(self._dead_units(step, scalars, order))
         if finite:
@@ -178,7 +206,19 @@ class Health:
                     f"loss scale down to {scale:.3g}): the weights are not being updated"
                 )
                 candidates[(SKIPPING, "")] = (Finding(SKIPPING, "", step, float(self._skipped), message), False)
+        attention = self._attention.candidates(step, scalars, heads or {})
+        if attention is not None:
+            judged |= {LOGIT_GROWTH, ENTROPY_COLLAPSE}
+            candidates.update({key: (finding, False) for key, finding in attention.items()})
         return self._advance(step, judged, candidates)
+
+    def spiked(self, found: Sequence[Finding]) -> None:
+        """Spike findings of a step (``diagnostics/spikes.py``), which hold at their step only: listed,
+        logged, and counted in ``health/{kind}`` of the next logged step written."""
+        self.started += found
+        self._spikes.extend(found)
+        self._spiked += found
+        log.warning("tblog_hooks: step %d: %s", found[0].step, started_line(found))
 
     def _advance(self, step: int, judged: set[str], candidates: _Candidates) -> list[Finding]:
         """Findings of judged kinds hold while their candidate does; others keep their state."""
@@ -205,15 +245,18 @@ class Health:
         return new
 
     def counts(self) -> dict[str, float]:
-        """``health/{kind}``: how many findings of each kind hold now."""
-        return {tag(Root.HEALTH, kind): float(sum(k == kind for k, _ in self.active)) for kind in FINDING_KINDS}
+        """``health/{kind}``: how many findings of each kind hold now (spikes: since the logged step before)."""
+        return {
+            tag(Root.HEALTH, kind): float(sum(k == kind for k, _ in self.active) + self._spike_counts[kind])
+            for kind in FINDING_KINDS
+        }
 
     def table(self) -> str:
         """The current findings as Markdown, one table per kind, worst first."""
-        if not self.active:
+        if not self.active and not self._spikes:
             return "No findings."
         parts = []
-        for kind, found in _by_kind(self.active.values()):
+        for kind, found in _by_kind([*self.active.values(), *self._spikes]):
             parts.append(
                 f"**{kind}**: {_count(found)}" + (f", the worst {TABLE_ROWS}" if len(found) > TABLE_ROWS else "")
             )
@@ -315,9 +358,9 @@ def _by_kind(found: Iterable[Finding]) -> list[tuple[str, list[Finding]]]:
     groups: dict[str, list[Finding]] = {}
     for f in found:
         groups.setdefault(f.kind, []).append(f)
-    # The smaller a vanishing ratio, the worse; for the other kinds, the larger the value.
+    # The smaller a vanishing ratio or an entropy, the worse; for the other kinds, the larger the value.
     return [
-        (kind, sorted(groups[kind], key=lambda f: (f.value if kind == VANISHING else -f.value, f.step)))
+        (kind, sorted(groups[kind], key=lambda f: (f.value if kind in _SMALLER_IS_WORSE else -f.value, f.step)))
         for kind in FINDING_KINDS
         if kind in groups
     ]

@@ -18,6 +18,7 @@ from ..output.destination import Destination
 from ..output.summarize import StepSummary
 from ..stats.tags import Root, Stat, by_name, escape, tag, unescape
 from . import pictures
+from .attention_rules import heads_pictures
 from .health import Health, Thresholds
 
 FLOW_TAG, FINDINGS_TAG = tag(Root.HEALTH, "gradient_flow"), tag(Root.HEALTH, "findings")
@@ -108,8 +109,9 @@ class Diagnostics:
     def _annotate(self, summary: StepSummary, order: list[str], norms: dict[str, float]) -> None:
         """Findings and ``health/*`` scalars, and the heatmap of the output-gradient ``norms``, into ``summary``."""
         if self.health is not None:
-            self.health.update(summary.step, summary.scalars, order)
+            self.health.update(summary.step, summary.scalars, order, summary.heads)
             summary.scalars.update(self.health.counts())
+        summary.images.update(heads_pictures(summary.heads))
         if norms:
             self._norms[summary.step] = norms
             while len(self._norms) > pictures.MAX_COLUMNS:

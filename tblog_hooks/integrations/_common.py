@@ -41,7 +41,8 @@ def grad_scaler(owner: object) -> torch.amp.GradScaler | None:
     return scaler if isinstance(scaler, torch.amp.GradScaler) else None
 
 
-def advance(hooks: HookLogger, step: int) -> None:
-    """Call ``hooks.step()`` until its step index is ``step`` (the framework's count of optimizer steps)."""
+def advance(hooks: HookLogger, step: int, loss: object = None) -> None:
+    """Call ``hooks.step()`` until its step index is ``step`` (the framework's count of optimizer
+    steps); the last call gets ``loss``, the loss of the step that ended (for ``spikes=``)."""
     while hooks.global_step < step:
-        hooks.step()
+        hooks.step(loss if hooks.global_step + 1 == step else None)  # type: ignore[arg-type]  # (checked there)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from .._compat import event_file_writer, writer_closed
@@ -26,7 +27,8 @@ class HookLoggerCallback(pl.Callback):
     Takes every ``HookLogger`` option except ``writer``, ``log_dir``, ``optimizer``, ``scaler`` and
     ``start_step``, which come from the Trainer: the experiment of its ``TensorBoardLogger`` (else a
     writer in ``trainer.log_dir``), its one optimizer, the precision plugin's ``GradScaler`` and
-    ``trainer.global_step``. ``every`` defaults to ``trainer.log_every_n_steps``. Attaches when
+    ``trainer.global_step``. ``every`` defaults to ``trainer.log_every_n_steps``. With ``spikes=``,
+    each step's loss is the ``training_step`` output's (the tensor, or its ``"loss"``). Attaches when
     training starts (after a checkpoint is restored, so a resumed run continues its step numbers),
     closes at fit end and on exceptions. A ``fit`` after another stage on the same Trainer
     (``validate``, ``lr_find``, an earlier ``fit``) writes into the same run: Lightning closes its
@@ -77,7 +79,8 @@ class HookLoggerCallback(pl.Callback):
     ) -> None:
         # Called for every batch; under accumulate_grad_batches only some of them step the optimizer.
         if self.hooks is not None:
-            advance(self.hooks, trainer.global_step)
+            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+            advance(self.hooks, trainer.global_step, loss if self.options.get("spikes") else None)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.close()

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Mapping
 from typing import Any
+
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from ..logger import HookLogger
 from ._common import advance, check_options, grad_scaler, missing_framework
@@ -26,7 +30,9 @@ class HookLoggerCallback(TrainerCallback):
     Takes every ``HookLogger`` option except ``writer``, ``log_dir``, ``optimizer``, ``scaler`` and
     ``start_step``, which come from the Trainer: the run directory of its ``TensorBoardCallback``,
     its optimizer, accelerate's ``GradScaler`` and its step count. ``every`` defaults to
-    ``logging_steps``. Attaches at train begin, closes at train end (or, after an exception, at the
+    ``logging_steps``. With ``spikes=``, each step's loss is the ``loss`` of the model's output in its
+    last training forward pass (the last micro-batch's, before the Trainer divides it for gradient
+    accumulation). Attaches at train begin, closes at train end (or, after an exception, at the
     next train begin or :meth:`close`).
 
     Args:
@@ -42,6 +48,8 @@ class HookLoggerCallback(TrainerCallback):
         check_options(options, "the Hugging Face Trainer")
         self.options = options
         self.hooks: HookLogger | None = None
+        self._loss: Tensor | None = None  # of the latest training forward pass (spikes=)
+        self._loss_hook: RemovableHandle | None = None
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -56,12 +64,20 @@ class HookLoggerCallback(TrainerCallback):
             scaler=grad_scaler(optimizer),
             **{"every": int(state.logging_steps), **self.options},  # a float when given as one
         )
+        if self.options.get("spikes"):  # a callback is not given the loss: the model's output holds it
+            self._loss_hook = kwargs["model"].register_forward_hook(self._keep_loss)
         # The Trainer shows an optimizer step at the global_step it ends with: the first is step 1.
         advance(self.hooks, state.global_step + 1)
 
+    def _keep_loss(self, module: nn.Module, args: Any, output: Any) -> None:
+        loss = output.get("loss") if isinstance(output, Mapping) else None
+        if module.training and isinstance(loss, Tensor):
+            self._loss = loss.detach()
+
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.hooks is not None:
-            advance(self.hooks, state.global_step + 1)
+            loss, self._loss = self._loss, None
+            advance(self.hooks, state.global_step + 1, loss)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -70,6 +86,9 @@ class HookLoggerCallback(TrainerCallback):
 
     def close(self) -> None:
         """Write what is pending and remove every hook (done at train end; safe to call again)."""
+        if self._loss_hook is not None:
+            self._loss_hook.remove()
+            self._loss_hook = self._loss = None
         if self.hooks is not None:
             self.hooks.close()
             self.hooks = None

@@ -12,8 +12,10 @@ import os
 import re
 import threading
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
+from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 
 from .._compat import event_file_writer, writer_closed
@@ -64,6 +66,14 @@ class Destination:
             for value in proto.value:
                 value.tag = self.tag(value.tag)
         event_file_writer(self.writer).add_summary(proto, global_step=summary.step)
+
+    def write_series(self, values: Mapping[int, Mapping[str, float]]) -> None:
+        """Scalars of several steps (``{step: {tag: value}}``), one event per step in step order."""
+        self._check_open()
+        events = event_file_writer(self.writer)
+        for step in sorted(values):
+            scalars = [Summary.Value(tag=self.tag(t), simple_value=v) for t, v in values[step].items()]
+            events.add_summary(Summary(value=scalars), global_step=step)
 
     def add_text(self, tag: str, text: str, step: int) -> None:
         self._check_open()

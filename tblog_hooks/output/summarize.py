@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..stats import packing
+from ..stats.attention import Heads, attention_summary
 from ..stats.binning import BINS, H_HALF_SPAN, H_MAX, H_MIN, H_START, HIST_WIDTH, RowInfo
-from ..stats.kinds import ACTIVATION, BINNED, GRADIENT, IMAGE, INPUT, NONFINITE_COUNT, PARAM_GRAD, SCALAR
+from ..stats.kinds import BINNED, IMAGE, SCALAR_KINDS
 from ..stats.packing import StepLayout
 from ..stats.tags import tag
 
@@ -40,12 +41,16 @@ class StepSummary:
     scalars: dict[str, float]
     histograms: dict[str, Histogram]
     images: dict[str, np.ndarray] = field(default_factory=dict)
+    #: With ``attention=``: per module, each head's largest logit and mean entropy (``stats/attention.py``).
+    heads: dict[str, Heads] = field(default_factory=dict)
 
 
 def summarize(step: int, values: np.ndarray, layout: StepLayout) -> StepSummary:
     """Decode the packed array of one step (see ``packing.pack_step``) into tags."""
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf activations are data, not warnings
-        scalars = packing.scalars(layout.of(ACTIVATION, INPUT, GRADIENT, PARAM_GRAD, NONFINITE_COUNT, SCALAR), values)
+        scalars = packing.scalars(layout.of(*SCALAR_KINDS), values)
+        attention, heads = attention_summary(layout, values)
+        scalars.update(attention)
     images = {
         tag(e.kind.name, e.name): np.round(e.read(values)["pixels"].reshape(e.shape) * 255).astype(np.uint8)
         for e in layout.of(IMAGE)
@@ -53,7 +58,7 @@ def summarize(step: int, values: np.ndarray, layout: StepLayout) -> StepSummary:
     histograms = {}
     for entry in layout.of(BINNED):
         histograms = decode_histograms(layout.rows, entry.read(values)["rows"].reshape(entry.shape))
-    return StepSummary(step, scalars, histograms, images)
+    return StepSummary(step, scalars, histograms, images, heads)
 
 
 def decode_histograms(meta: list[RowInfo], rows: np.ndarray) -> dict[str, Histogram]:
@@ -63,7 +68,7 @@ def decode_histograms(meta: list[RowInfo], rows: np.ndarray) -> dict[str, Histog
     trimmed; histograms without a finite element dropped."""
     tags: dict[str, int] = {}
     key = np.array([tags.setdefault(tag(m.kind, m.name), len(tags)) for m in meta])
-    weights = np.array([m.numel / m.sampled for m in meta])
+    weights = np.array([m.numel / m.sampled if m.sampled else 0.0 for m in meta])  # (an empty piece's row)
     weighted = rows[:, HIST_WIDTH - BINS :] * weights[:, None]
     first = np.unique(key, return_index=True)[1]  # each tag's first row: its bucket edges
     if len(tags) == len(meta):

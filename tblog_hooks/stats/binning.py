@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -14,6 +14,9 @@ from torch import Tensor
 from .reductions import acc_dtype
 from .sampling import IndexCache, device_index
 from .tags import Root
+
+if TYPE_CHECKING:
+    from ..transport.sharding import Split
 
 #: Histogram buckets over ``[min, max]`` (TensorBoard's chart re-bins to ~30 anyway).
 BINS = 32
@@ -36,6 +39,8 @@ class Sample(NamedTuple):
     #: Elements each sampled one stands for, where only the device knows (``probes.histogram``):
     #: then ``numel`` is the sample's length and the counts are scaled on the device.
     weight: Tensor | None = None
+    #: Of one rank's piece of a tensor split over ranks: the other pieces' ranks.
+    split: Split | None = None
 
 
 class RowInfo(NamedTuple):

@@ -64,6 +64,8 @@ class Field:
     name: str
     pool: Callable[[np.ndarray, np.ndarray], np.ndarray]  # (values per record, elements per record) -> pooled
     parts: int = 1
+    #: One value per unit of the module (its pieces, where the units are split over ranks, go side by side).
+    per_unit: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,6 +87,9 @@ class Kind:
     #: The record's values of a tensor, in field order (call under ``no_grad``), given the dim
     #: that holds its units (``reductions.units_dim``); for kinds recorded from a tensor's statistics.
     compute: Callable[[Tensor, int], tuple[Tensor, ...]] | None = None
+    #: Every field is an L2 norm: those of a tensor's pieces on several ranks combine as the root
+    #: of their summed squares.
+    norms: bool = False
 
     def has(self, name: str) -> bool:
         """Whether records of this kind hold the field ``name``."""
@@ -103,6 +108,12 @@ class Kind:
 def _finite(value: float) -> dict[str, float]:
     """A scalar left out where undefined (the update ratio of an all-zero weight)."""
     return {"": value} if math.isfinite(value) else {}
+
+
+def _ratio(change: float, weight: float) -> dict[str, float]:
+    """The update ratio where defined (not of an all-zero or non-finite weight)."""
+    ratio = change / weight if weight > 0 else math.nan
+    return {Stat.UPDATE_RATIO: ratio} if math.isfinite(ratio) else {}
 
 
 def _nonfinite(v: Values, count: int) -> float:
@@ -133,7 +144,7 @@ _TENSOR_FIELDS = (
     Field("max", _pool_max),
     Field("nonzero", _pool_sum),
     Field("finite", _pool_sum),  # the host knows the elements: NaN/Inf are the rest
-    Field("peak", _pool_max),  # per unit: the largest value, for dead units
+    Field("peak", _pool_max, per_unit=True),  # per unit: the largest value, for dead units
 )
 _TENSOR_STATS = (Stat.MEAN, Stat.STD, Stat.MIN, Stat.MAX, Stat.ZERO_FRAC, Stat.NONFINITE, Stat.DEAD_FRAC)
 #: A watched module's output (``activation/*``).
@@ -151,7 +162,20 @@ GRADIENT = Kind(
 )
 #: A parameter's final gradient: ``param_grad/norm`` (``param_grad/global_norm`` is derived from all).
 PARAM_GRAD = Kind(
-    Root.PARAM_GRAD, (Field("norm", _pool_first),), lambda v, n: {Stat.NORM: float(v["norm"][0])}, (Stat.NORM,)
+    Root.PARAM_GRAD,
+    (Field("norm", _pool_first),),
+    lambda v, n: {Stat.NORM: float(v["norm"][0])},
+    (Stat.NORM,),
+    norms=True,
+)
+#: An optimizer step's change of a parameter, ``||W_after - W_before|| / ||W_before||``
+#: (``param/update_ratio``; left out where the weight is all zeros).
+UPDATE = Kind(
+    Root.PARAM,
+    (Field("change", _pool_first), Field("weight", _pool_first)),
+    lambda v, n: _ratio(float(v["change"][0]), float(v["weight"][0])),
+    (Stat.UPDATE_RATIO,),
+    norms=True,
 )
 #: Without ``inputs=True``, the NaN/Inf count of a watched module's inputs alone
 #: (``input/nonfinite/{module}``), recorded as their finite count (``reductions.finite``).
@@ -162,12 +186,41 @@ NONFINITE_COUNT = Kind(
     (Stat.NONFINITE,),
     per_call=True,
 )
-#: A device value logged under its own tag (``param/update_ratio/*``, ``amp/*``); the first record.
+#: A device value logged under its own tag (``amp/*``); the first record.
 SCALAR = Kind("scalar", (Field("value", _pool_first),), lambda v, n: _finite(float(v["value"][0])))
 #: A module's feature maps, an image in [0, 1] (``feature_map/{module}``); the first record of a step.
 IMAGE = Kind(Root.FEATURE_MAP, (Field("pixels", _pool_first),), lambda v, n: {})
+
+
+def _attention_scalars(v: Values, count: int) -> dict[str, float]:
+    """A module's attention calls pooled over heads: the largest logit, the mean entropy per query."""
+    queries = float(v["queries"].sum())
+    out = {Stat.MAX_LOGIT: float(v["max_logit"].max())}
+    if queries > 0:
+        out[Stat.ENTROPY] = float(v["entropy"].sum()) / queries
+    return out  # type: ignore[return-value]  # (Stat is a str)
+
+
+#: With ``attention=``, the attention calls of a module (``attention/*``; ``stats/attention.py``),
+#: one value per head: the largest logit, the summed entropy of its queries and their count. The
+#: heads of a tensor-parallel attention, split over ranks, go side by side.
+ATTENTION = Kind(
+    Root.ATTENTION,
+    (
+        Field("max_logit", _pool_max, per_unit=True),
+        Field("entropy", _pool_sum, per_unit=True),
+        Field("queries", _pool_sum, per_unit=True),
+    ),
+    _attention_scalars,
+    (Stat.MAX_LOGIT, Stat.ENTROPY),
+    per_call=True,
+)
 #: Every histogram of the step: rows ``[start, span, min, max, counts...]`` (``binning.bin_rows``).
 BINNED = Kind("histogram", (Field("rows", _pool_first),), lambda v, n: {})
+
+#: The kinds whose records become scalars as their ``scalars`` say (attention's are summarised
+#: with their per-head values, ``stats/attention.py``).
+SCALAR_KINDS = (ACTIVATION, INPUT, GRADIENT, PARAM_GRAD, UPDATE, NONFINITE_COUNT, SCALAR)
 
 #: Every histogram kind, by tag root: ``activation/{module}``, ``input/{module}`` (with
 #: ``inputs=True``), ``gradient/{module}`` (output gradient), ``gradient_log10/{module}`` (log10 of

@@ -13,16 +13,19 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from .binning import HIST_WIDTH, RowInfo, Sample, bin_step
-from .kinds import BINNED, PARAM_GRAD, Kind, Values
+from .kinds import BINNED, PARAM_GRAD, Field, Kind, Values
 from .sampling import IndexCache
 from .tags import Root, Stat, tag
+
+if TYPE_CHECKING:
+    from ..transport.sharding import Split
 
 
 class Record(NamedTuple):
@@ -33,6 +36,8 @@ class Record(NamedTuple):
     numel: int  # elements of the tensor it describes
     values: tuple[Tensor, ...]
     shape: tuple[int, ...] = ()  # of an image
+    #: Of one rank's piece of a tensor split over ranks: the other pieces' ranks.
+    split: Split | None = None
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,10 @@ class Entry:
     numel: int
     spans: tuple[tuple[int, int], ...]  # (offset, length) per field
     shape: tuple[int, ...] = ()
+    split: Split | None = None
+    #: Of a piece of a tensor split along its units: the piece's position, so that per-unit
+    #: fields of the pieces are put side by side (``Field.per_unit``).
+    part: int | None = None
 
     def read(self, values: np.ndarray) -> Values:
         out, spans = {}, iter(self.spans)
@@ -96,7 +105,7 @@ def pack(records: Sequence[Record], device: torch.device) -> tuple[Tensor, StepL
         for t in record.values:
             key, index = next(values)
             spans.append((starts[key][index], 1 if key[2] else t.numel()))
-        layout.entries.append(Entry(record.kind, record.name, record.numel, tuple(spans), record.shape))
+        layout.entries.append(Entry(record.kind, record.name, record.numel, tuple(spans), record.shape, record.split))
     return torch.cat(parts) if len(parts) > 1 else parts[0], layout
 
 
@@ -116,12 +125,24 @@ def pooled(entries: Iterable[Entry], values: np.ndarray) -> dict[tuple[Kind, str
         fields = {}
         for f in kind.fields:
             rows = [r[f.name] for r in read]
-            if len({row.size for row in rows}) > 1:  # calls with other channel counts: channels side by side
+            if f.per_unit and any(e.part is not None for e in group):
+                fields[f.name] = _side_by_side(f, rows, [e.part or 0 for e in group])
+            elif len({row.size for row in rows}) > 1:  # calls with other channel counts: channels side by side
                 fields[f.name] = np.concatenate(rows)
-                continue
-            fields[f.name] = f.pool(np.stack(rows), counts)
+            else:
+                fields[f.name] = f.pool(np.stack(rows), counts)
         out[(kind, name)] = (fields, int(counts.sum()))
     return out
+
+
+def _side_by_side(f: Field, rows: list[np.ndarray], parts: list[int]) -> np.ndarray:
+    """A per-unit field of pieces split along the units: each piece's units pooled over its
+    calls, then the pieces side by side, in mesh order."""
+    by_part: dict[int, list[np.ndarray]] = {}
+    for part, row in zip(parts, rows):
+        by_part.setdefault(part, []).append(row)
+    pooled_parts = [f.pool(np.stack(by_part[p]), np.ones(len(by_part[p]))) for p in sorted(by_part)]
+    return np.concatenate(pooled_parts)
 
 
 def scalars(entries: Iterable[Entry], values: np.ndarray) -> dict[str, float]:

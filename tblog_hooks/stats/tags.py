@@ -21,6 +21,9 @@ class Root(enum.StrEnum):
     AMP = "amp"  #: the ``GradScaler``
     HEALTH = "health"  #: findings and the pictures that go with them
     FEATURE_MAP = "feature_map"  #: a watched module's output channels as an image
+    ATTENTION = "attention"  #: the attention calls made inside a module (``attention=``)
+    STEP = "step"  #: every optimizer step (``spikes=``), not only logged ones
+    SPIKE = "spike"  #: the steps around a spike (``spikes=``)
 
 
 class Stat(enum.StrEnum):
@@ -38,6 +41,10 @@ class Stat(enum.StrEnum):
     UPDATE_RATIO = "update_ratio"
     LOSS_SCALE = "loss_scale"
     SKIPPED_STEP = "skipped_step"
+    MAX_LOGIT = "max_logit"
+    ENTROPY = "entropy"
+    GRAD_NORM = "grad_norm"
+    LOSS = "loss"
 
 
 @functools.lru_cache(maxsize=1 << 16)  # the same tags recur every logged step

@@ -1,40 +1,49 @@
-"""Several processes (DDP, FSDP2): who writes, and the collectives of a logged step.
+"""Several processes (DDP, FSDP2, tensor parallelism): who writes, and the collectives of a logged step.
 
-Rank 0 writes (other ranks only when given their own ``writer=``). Every rank packs its
+Rank 0 writes (other ranks only when given their own ``writer=``). Every rank records its
 logged step as usual; then, on all ranks together, at the end of each logged step:
 
 - one ``all_gather_object`` of a small host-side description of what each rank recorded (a
-  hash of its layout and its element counts). Ranks that recorded different calls, or a rank
+  hash of its records and their element counts). Ranks that recorded different calls, or a rank
   that stopped logging, would otherwise make collectives of different sizes, which gloo
   aborts on and NCCL hangs or misreads; instead every rank learns it and logging stops;
-- FSDP2 parameters are sharded ``DTensor`` objects: each rank has the norm of its local shard,
-  so the squares are summed over exactly the mesh dimensions the parameter is sharded on (its
-  ``Shard`` placements), never over replicas (HSDP's ``Replicate`` dimension): one ``all_reduce``
-  per group of such dimensions, for all the parameters sharded alike;
+- for the pieces of tensors split over ranks (``sharding.Split``: ``DTensor`` parameters of
+  FSDP2 and tensor parallelism, tensor-parallel module outputs), over exactly the mesh dims
+  they are split on, never over replicas: norms' squares are summed (one ``all_reduce`` per
+  group of such dims, for every tensor split alike); the per-call statistics and histogram
+  samples of the other pieces are gathered (one ``all_gather`` per group each), so that the
+  writer pools them as the pieces of one tensor;
 - with ``reduce_ranks=True`` one ``all_gather`` of the per-call values (activations, inputs,
   output gradients; ``Kind.per_call``) lets the writer pool them over every rank's calls,
-  exactly as it pools several calls of a module in one process. Parameter gradients (already
-  averaged by DDP) and histograms are the writing rank's own.
+  exactly as it pools several calls of a module in one process; a tensor-parallel group's
+  ranks hold the same unsplit values, which count once. Parameter gradients (averaged over
+  the data-parallel ranks) and histograms are the writing rank's own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import TYPE_CHECKING
+import math
+from collections.abc import Callable, Iterable
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
-from ..stats.kinds import PARAM_GRAD
-from ..stats.packing import Entry, StepLayout
+from ..errors import HookLoggerError
+from ..stats.binning import Sample
+from ..stats.packing import Entry, Record, StepLayout
+from .parallel import holds_split
+from .sharding import Pending, Split
 
-if TYPE_CHECKING:
-    from typing import TypeGuard
-
-    from torch.distributed.tensor import DTensor
+Item = TypeVar("Item")
+Packed = tuple[Tensor, StepLayout]
+Pack = Callable[[list[Record], list[Sample]], Packed | None]
+Resolve = Callable[[list[Pending], list[Tensor]], tuple[list[Record], list[Sample]]]
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -44,112 +53,266 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def is_sharded(t: object) -> TypeGuard[DTensor]:
-    """Whether ``t`` is a ``DTensor`` (an FSDP2 parameter or gradient); never in a torch built
-    without distributed support."""
-    if not dist.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
+class Told(NamedTuple):
+    """What one rank told the others about its logged step (see :meth:`Ranks.agree`)."""
 
-    return isinstance(t, DTensor)
-
-
-def shard_groups(t: DTensor) -> tuple[dist.ProcessGroup, ...]:
-    """The process groups of the mesh dimensions ``t`` is sharded on (a ``Shard`` placement), in
-    mesh order: summing over them gives the whole tensor's sums; over the others (``Replicate``)
-    every rank holds the same values."""
-    from torch.distributed.tensor import Shard
-
-    mesh = t.device_mesh
-    return tuple(mesh.get_group(dim) for dim, placement in enumerate(t.placements) if isinstance(placement, Shard))
-
-
-def local_shard(t: Tensor) -> Tensor:
-    """This rank's shard of an FSDP2 parameter or gradient; other tensors as they are.
-    Norms of shards are combined over their shard dimensions (:func:`shard_groups`, ``Ranks.combine``)."""
-    return t.to_local() if is_sharded(t) else t
+    fingerprint: str
+    numels: list[int]  # per record that is gathered: the elements it describes
+    parts: list[int | None]  # per record that is gathered: its place among pieces split along the units
+    sampled: list[tuple[int, int]]  # per split histogram sample: its length, the elements it stands for
+    lead: bool  # first of its tensor-parallel group(s): its unsplit per-call values count with reduce_ranks
 
 
 class Ranks:
     """The collectives of a logged step, made identically on every rank."""
 
-    def __init__(self, *, reduce: bool, sharded: dict[str, tuple[dist.ProcessGroup, ...]]) -> None:
+    def __init__(self, *, reduce: bool, split: bool, lead: bool = True) -> None:
+        """``split``: the model holds tensors split over ranks (``DTensor`` parameters or
+        tensor-parallel modules); ``lead``: this rank is the first of its tensor-parallel groups."""
         self.rank, self.world = rank_and_world()
         self.reduce = reduce and self.world > 1
-        #: Sharded parameters and the groups their gradients' squares are summed over.
-        self.sharded = {key: groups for key, groups in sharded.items() if groups} if self.world > 1 else {}
+        self.split = split and self.world > 1
+        self.lead = lead
 
     @property
     def needed(self) -> bool:
         """Whether every rank must take part in logged steps, writing or not."""
-        return self.reduce or bool(self.sharded)
+        return self.reduce or self.split
+
+    def sharded_late(self, model: nn.Module | None) -> HookLoggerError | None:
+        """The error to stop logging with (on every rank alike) when ``model`` was sharded after
+        the logger was created: what it recorded would be this rank's pieces only."""
+        if self.world == 1 or self.split or model is None or not holds_split(model):
+            return None
+        return HookLoggerError(
+            "the model was sharded (fully_shard, parallelize_module) after the HookLogger was created, so its "
+            "statistics would be this rank's pieces only; create the HookLogger after sharding the model"
+        )
 
     def stop(self) -> None:
         """No collectives from now on (all ranks stop together, see :meth:`agree`)."""
-        self.reduce, self.sharded = False, {}
+        self.reduce = self.split = False
 
-    def agree(self, layout: StepLayout | None) -> list[list[int]]:
-        """Exchange what each rank recorded (``None``: this rank stopped logging); every
-        rank's per-call element counts if all recorded the same calls. Raises ``RuntimeError``
-        on every rank alike otherwise: the collectives that follow would not match."""
-        mine = None if layout is None else (self._fingerprint(layout), [e.numel for e in self._per_call(layout)])
-        told: list[tuple[str, list[int]] | None] = [None] * self.world
+    def finish(
+        self,
+        drained: tuple[list[Record], list[Sample], list[Pending]] | None,
+        packed: Packed | None,
+        pack: Pack,
+        resolve: Resolve,
+    ) -> Packed | None:
+        """The end of a logged step, on every rank together. ``drained``: what this rank recorded
+        (``None``: it stopped logging); ``packed``: that packed, unless gradients placed
+        ``Partial`` must first be reduced over ranks (``resolve`` makes their records) or split
+        samples joined by their other pieces, in which case ``pack`` packs them here. Returns the
+        step combined over ranks; raises ``RuntimeError`` on every rank alike when it cannot be."""
+        records, samples, waiting = ([], [], []) if drained is None else drained
+        told = self.agree(None if drained is None else records, samples, waiting)
+        if packed is not None or drained is None or not (waiting or any(h.split is not None for h in samples)):
+            return None if packed is None else self.combine(*packed, told)
+        if waiting:
+            reduced, failure = self._reduced(waiting), None
+            try:
+                more, rows = resolve(waiting, reduced)
+                records, samples = records + more, samples + rows
+            except Exception as error:
+                failure = error
+            try:  # (again, with the records of the reduced gradients)
+                told = self.agree(None if failure else records, samples, [])
+            except RuntimeError as error:
+                raise error if failure is None else RuntimeError(f"{type(failure).__name__}: {failure}") from failure
+        failure = None
+        try:
+            packed = pack(records, self.gather_samples(samples, told))
+        except Exception as error:  # e.g. histc under deterministic CUDA
+            failure = error
+        failed: list[str | None] = [None] * self.world
+        dist.all_gather_object(failed, None if failure is None else f"{type(failure).__name__}: {failure}")
+        if any(failed):
+            raise RuntimeError(f"packing failed: {[f for f in failed if f]}") from failure
+        return None if packed is None else self.combine(*packed, told)
+
+    def _reduced(self, waiting: list[Pending]) -> list[Tensor]:
+        """The terms of gradients placed ``Partial`` reduced as their placements say (one
+        ``all_reduce`` per mesh dim for all the gradients placed alike)."""
+        out: list[Tensor | None] = [None] * len(waiting)
+        for numbered in _alike(list(enumerate(waiting)), lambda item: item[1].alike):
+            first = numbered[0][1]
+            flat = torch.cat([p.terms.reshape(-1) for _, p in numbered])
+            for dim, placement in enumerate(first.placements):
+                if placement.is_partial():
+                    op = placement.reduce_op  # type: ignore[attr-defined]
+                    group = first.mesh.get_group(dim)
+                    dist.all_reduce(flat, op=_REDUCE_OPS[op], group=group)
+                    if op == "avg":  # (gloo has no AVG)
+                        flat /= dist.get_world_size(group)
+            for (i, p), part in zip(numbered, flat.split([p.terms.numel() for _, p in numbered])):
+                out[i] = part.view_as(p.terms)
+        return out  # type: ignore[return-value]
+
+    def agree(self, records: list[Record] | None, samples: list[Sample], waiting: list[Pending]) -> list[Told]:
+        """Exchange what each rank recorded (``records`` ``None``: this rank stopped logging).
+        Raises ``RuntimeError`` on every rank alike if a rank stopped or the ranks recorded
+        different calls: the collectives that follow would not match."""
+        mine = None if records is None else self._told(records, samples, waiting)
+        told: list[Told | None] = [None] * self.world
         dist.all_gather_object(told, mine)
         stopped = [rank for rank, theirs in enumerate(told) if theirs is None]
         if stopped:
             raise RuntimeError(f"rank(s) {stopped} stopped logging (the warning on that rank says why)")
-        if len({theirs[0] for theirs in told if theirs is not None}) > 1:
-            counts = [len(theirs[1]) for theirs in told if theirs is not None]
+        if len({theirs.fingerprint for theirs in told if theirs is not None}) > 1:
+            counts = [len(theirs.numels) for theirs in told if theirs is not None]
             raise RuntimeError(
-                f"the ranks recorded different calls of the watched modules (per-call records by rank: {counts}); "
-                "with reduce_ranks=True every rank must call the same watched modules in a logged step"
+                "the ranks recorded different calls of the watched modules or different pieces of split tensors "
+                f"(records to combine, by rank: {counts}); every rank must call the same watched modules in a "
+                "logged step"
             )
-        return [theirs[1] for theirs in told if theirs is not None]
+        return told  # type: ignore[return-value]  # (none is None)
 
-    def combine(self, packed: Tensor, layout: StepLayout, numels: list[list[int]]) -> tuple[Tensor, StepLayout]:
-        """Sum sharded parameter norms; if reducing, append every other rank's per-call values
-        (``numels``: their element counts, from :meth:`agree`) as further calls."""
-        alike: dict[tuple[dist.ProcessGroup, ...], list[int]] = {}  # in layout order: the same on every rank
-        for e in self._sharded(layout):
-            alike.setdefault(self.sharded[e.name], []).append(e.spans[0][0])
-        for groups, offsets in alike.items():
-            index = _index(np.array(offsets), packed.device)
+    def gather_samples(self, samples: list[Sample], told: list[Told]) -> list[Sample]:
+        """``samples`` and, for each split one, the other pieces' samples (one ``all_gather`` per
+        group of mesh dims): rows of one histogram, binned over one range (``binning.bin_rows``)."""
+        split = [h for h in samples if h.split is not None]
+        if not split:
+            return samples
+        width = [max(theirs.sampled[i][0] for theirs in told) for i in range(len(split))]
+        extra: list[Sample] = []
+        for numbered in _alike(list(enumerate(split)), lambda item: item[1].split):
+            rows = []
+            for i, h in numbered:
+                nan = h.sample.new_full((), math.nan)
+                ends = [nan if t is None else t.to(h.sample.dtype).reshape(()) for t in (h.lo, h.hi)]
+                rows += [torch.stack(ends), h.sample.reshape(-1), nan.expand(width[i] - h.sample.numel())]
+            along: Split = numbered[0][1].split  # type: ignore[assignment]
+            gathered = _gather(torch.cat(rows).double(), along)
+            for part, rank in enumerate(along.peers()):
+                if rank == self.rank:
+                    continue
+                offset = 0
+                for i, h in numbered:
+                    length, numel = told[rank].sampled[i]
+                    row = gathered[part, offset : offset + 2 + width[i]]
+                    offset += 2 + width[i]
+                    extra.append(Sample(h.kind, h.name, row[2 : 2 + length].to(h.sample.dtype), numel, row[0], row[1]))
+        return samples + extra
+
+    def combine(self, packed: Tensor, layout: StepLayout, told: list[Told]) -> tuple[Tensor, StepLayout]:
+        """Sum the squares of split norms over their pieces; add the other pieces' per-call
+        values (and with ``reduce_ranks`` every rank's) as further records."""
+        for entries in _alike([e for e in layout.entries if e.kind.norms and e.split is not None], lambda e: e.split):
+            index = _index(_positions(entries), packed.device)
             squares = packed[index].square()
-            for group in groups:
+            for group in entries[0].split.groups:  # type: ignore[union-attr]
                 dist.all_reduce(squares, group=group)
             packed = packed.index_copy(0, index, squares.sqrt())
-        per_call = self._per_call(layout)
-        if not (self.reduce and per_call):
+        if self.reduce:
+            return self._everyone(packed, layout, told)
+        return self._pieces(packed, layout, told)
+
+    def _pieces(self, packed: Tensor, layout: StepLayout, told: list[Told]) -> tuple[Tensor, StepLayout]:
+        """The other pieces' per-call records of split tensors, gathered over their groups."""
+        pieces = [e for e in layout.entries if e.kind.per_call and e.split is not None]
+        if not pieces:
             return packed, layout
+        numbered = {id(e): i for i, e in enumerate(pieces)}
+        entries = [_own_part(e) for e in layout.entries]
+        stacked, offset = [packed], layout.size
+        for alike in _alike(pieces, lambda e: e.split):
+            split: Split = alike[0].split  # type: ignore[assignment]
+            mine = packed.index_select(0, _index(_positions(alike), packed.device))
+            gathered = _gather(mine, split)
+            for part, rank in enumerate(split.peers()):
+                if rank == self.rank:
+                    continue
+                stacked.append(gathered[part])
+                starts = iter(offset + np.cumsum([0, *[n for e in alike for _, n in e.spans][:-1]]))
+                for e in alike:
+                    spans = tuple((int(next(starts)), n) for _, n in e.spans)
+                    numel, part_of = told[rank].numels[numbered[id(e)]], told[rank].parts[numbered[id(e)]]
+                    entries.append(dataclasses.replace(e, numel=numel, spans=spans, part=part_of))
+                offset += mine.numel()
+        return torch.cat(stacked), dataclasses.replace(layout, entries=entries, size=offset)
+
+    def _everyone(self, packed: Tensor, layout: StepLayout, told: list[Told]) -> tuple[Tensor, StepLayout]:
+        """Every rank's per-call records, gathered over all ranks; of the ranks of a
+        tensor-parallel group, which hold the same unsplit values, the first's count."""
+        per_call = [e for e in layout.entries if e.kind.per_call]
+        if not per_call:
+            return packed, layout
+        counted = [e for e in layout.entries if not e.kind.per_call or e.split is not None or self.lead]
+        entries = [_own_part(e) for e in counted]
         lengths = [n for e in per_call for _, n in e.spans]
-        positions = np.concatenate([np.arange(a, a + n) for e in per_call for a, n in e.spans])
-        mine = packed.index_select(0, _index(positions, packed.device))
+        mine = packed.index_select(0, _index(_positions(per_call), packed.device))
         gathered = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(gathered, mine)
-        entries, offset = list(layout.entries), layout.size
-        for rank in range(self.world):
+        offset = layout.size
+        for rank, theirs in enumerate(told):
             if rank == self.rank:
                 continue
             starts = iter((offset + np.cumsum([0, *lengths[:-1]])).tolist())
-            for entry, numel in zip(per_call, numels[rank]):
+            for entry, numel, part in zip(per_call, theirs.numels, theirs.parts):
                 spans = tuple((next(starts), n) for _, n in entry.spans)
-                entries.append(dataclasses.replace(entry, numel=numel, spans=spans))
-            offset += positions.size
+                if entry.split is not None or theirs.lead:
+                    entries.append(dataclasses.replace(entry, numel=numel, spans=spans, part=part))
+            offset += mine.numel()
         others = [t for rank, t in enumerate(gathered) if rank != self.rank]
         return torch.cat([packed, *others]), dataclasses.replace(layout, entries=entries, size=offset)
 
-    def _fingerprint(self, layout: StepLayout) -> str:
-        """What must match across ranks for the collectives: the per-call records (kind,
-        module, lengths) and the sharded parameters recorded, hashed; element counts may differ."""
-        shape = [(e.kind.name, e.name, tuple(n for _, n in e.spans)) for e in self._per_call(layout)]
-        described = repr((shape, [e.name for e in self._sharded(layout)])).encode()
-        return hashlib.blake2b(described, digest_size=16).hexdigest()
+    def _told(self, records: list[Record], samples: list[Sample], waiting: list[Pending]) -> Told:
+        """This rank's description: what must match across ranks (the gathered and combined
+        records' kinds, modules, lengths and splits, hashed), and its element counts."""
+        gathered = [r for r in records if r.kind.per_call and (self.reduce or r.split is not None)]
+        combined = [r for r in records if r.kind.norms and r.split is not None]
+        split_samples = [h for h in samples if h.split is not None]
+        described = repr(
+            (
+                [(r.kind.name, r.name, tuple(t.numel() for t in r.values), _key(r.split)) for r in gathered],
+                [(r.kind.name, r.name, _key(r.split)) for r in combined],
+                [(h.kind, h.name, _key(h.split)) for h in split_samples],
+                [(p.key, tuple(p.terms.shape), p.alike) for p in waiting],
+            )
+        ).encode()
+        fingerprint = hashlib.blake2b(described, digest_size=16).hexdigest()
+        sampled = [(h.sample.numel(), h.numel) for h in split_samples]
+        parts = [_part(r.split) for r in gathered]
+        return Told(fingerprint, [r.numel for r in gathered], parts, sampled, self.lead)
 
-    def _per_call(self, layout: StepLayout) -> list[Entry]:
-        return [e for e in layout.entries if e.kind.per_call] if self.reduce else []
 
-    def _sharded(self, layout: StepLayout) -> list[Entry]:
-        return [e for e in layout.of(PARAM_GRAD) if e.name in self.sharded]
+def _key(split: Split | None) -> tuple[object, ...] | None:
+    return None if split is None else split.key
+
+
+def _alike(items: Iterable[Item], how: Callable[[Item], Split | tuple[object, ...] | None]) -> list[list[Item]]:
+    """``items`` grouped by how they are split or placed (in first-seen order, the same on every rank)."""
+    groups: dict[object, list[Item]] = {}
+    for item in items:
+        placed = how(item)
+        groups.setdefault(_key(placed) if isinstance(placed, Split) else placed, []).append(item)
+    return list(groups.values())
+
+
+def _gather(mine: Tensor, split: Split) -> Tensor:
+    """``mine`` from every rank holding a piece, stacked in ``split.peers()`` order."""
+    stacked = mine.unsqueeze(0)
+    for group in split.groups:
+        parts = [torch.empty_like(stacked) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, stacked.contiguous(), group=group)
+        stacked = torch.cat(parts)
+    return stacked
+
+
+def _positions(entries: list[Entry]) -> np.ndarray:
+    return np.concatenate([np.arange(a, a + n) for e in entries for a, n in e.spans])
+
+
+def _part(split: Split | None) -> int | None:
+    """This rank's place among the pieces of a tensor split along its units, else ``None``."""
+    return None if split is None or split.axis is None else split.part()
+
+
+def _own_part(entry: Entry) -> Entry:
+    """This rank's entry, numbered among its pieces where those lie side by side along its units."""
+    part = _part(entry.split)
+    return entry if part is None else dataclasses.replace(entry, part=part)
 
 
 def _index(positions: np.ndarray, device: torch.device) -> Tensor:

@@ -1,0 +1,261 @@
+"""Every step's gradient norms, read where the optimizer steps and brought to the host without a sync.
+
+An optimizer step pre-hook (``register_optimizer_step_pre_hook``: every ``torch.optim``
+optimizer, after gradient accumulation, DDP averaging and ``GradScaler.unscale_``; the post-hook
+for an optimizer given a closure, which computes the gradients inside its step) takes the
+norms of the watched parameters' gradients that optimizer steps in one multi-tensor op, and
+adds their squares up per watched module on the device (a fixed handful of ops, whatever the
+number of parameters). At ``step()`` the per-module squares, their total and the loss go to a
+host ring of the last ``steps`` steps with one non-blocking copy; a row is read once its copy is
+complete: on the CPU at once, on CUDA when its event says so (at a later ``step()``).
+
+FSDP2 (and tensor-parallel) gradients are ``DTensor`` pieces: their squares are summed over the
+mesh dims each is sharded on (``transport.sharding.Split``), one ``all_reduce`` of ``modules``
+floats per group of such dims per step, on every rank, in ``step()`` (never in a hook: a rank whose
+hook failed still takes part). Gradients placed ``Partial`` (a sequence-parallel norm's) are left
+out of the per-step norms, said once: only a collective of the whole gradient could add them up.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ..errors import HookLoggerError
+from ..stats.reductions import loggable, norms
+from ..transport import amp
+from ..transport.distributed import rank_and_world
+from ..transport.sharding import is_dtensor, is_partial, local
+from .watched import Watched
+
+Groups = tuple[dist.ProcessGroup, ...]
+
+
+class StepNorms:
+    """The optimizer step pre-hook and the host ring of per-step norms and losses."""
+
+    def __init__(self, watched: Watched, modules: Sequence[str], steps: int) -> None:
+        self.watched, self.modules, self.steps = watched, tuple(modules), steps
+        # id(parameter) -> (slot: group-set index * modules + module index, parameter); None: look up again.
+        self._owners: dict[int, tuple[int, Tensor]] | None = None
+        # Shard groups of sharded parameters by their Split's key (alike on every rank), in the order
+        # found; a parameter's slot is in block 1 + that position (block 0: not sharded).
+        self._group_sets: dict[tuple[object, ...], Groups] = {}
+        self._indices: dict[tuple[int, ...], Tensor] = {}  # device index tensors by their slots
+        self._stepped: dict[int, Tensor] = {}  # id(optimizer) -> its per-module squares this step
+        self._device = torch.device("cpu")  # of the squares
+        self._after: set[int] = set()  # optimizers stepping with a closure: read after their step
+        self._host: Tensor | None = None  # [steps, modules + 1] float32, pinned on CUDA
+        self._pending: deque[tuple[int, int, torch.cuda.Event | None]] = deque()  # (step, row, copy done)
+        self._done: list[tuple[int, np.ndarray]] = []
+        self._next_row = 0
+        self.failed = False
+        self._partial_warned = False
+
+    def refresh(self) -> None:
+        """Look the watched parameters up again at the next optimizer step (replaced, unfrozen ones)."""
+        self._owners = None
+
+    def pre(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        """Optimizer step pre-hook: this optimizer's watched gradients, squared and summed per module;
+        with a closure (LBFGS, Lightning), which computes them inside ``step()``, after it instead."""
+        if kwargs.get("closure", args[1] if len(args) > 1 else None) is None:  # (args[0] is the optimizer)
+            self._read(optimizer)
+        else:
+            self._after.add(id(optimizer))
+
+    def post(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        """Optimizer step post-hook: read the gradients a closure computed."""
+        if id(optimizer) in self._after:
+            self._after.discard(id(optimizer))
+            self._read(optimizer)
+
+    def _read(self, optimizer: Optimizer) -> None:
+        if self.failed:
+            return
+        try:
+            owners = self._owners if self._owners is not None else self._look_up()
+            grads, slots, partial = [], [], []
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    entry = owners.get(id(p))
+                    if entry is None or not loggable(g := p.grad):
+                        continue
+                    if is_partial(g):
+                        partial.append(p)
+                        continue
+                    grads.append(local(g)[0])
+                    slots.append(entry[0])
+            if partial:
+                self._say_partial(partial)
+            if grads:
+                self._stepped[id(optimizer)] = self._squares(grads, tuple(slots), amp.grad_scale(optimizer))
+        except Exception as error:  # the logger must never stop training
+            self._fail(error)
+
+    def end_step(self, step: int, loss: Tensor | float | None) -> None:
+        """The step's squares (summed over ranks) and ``loss`` into the ring (one non-blocking
+        copy); nothing read."""
+        sums = self._combined()
+        if self.failed or (sums is None and loss is None):
+            return
+        try:
+            self._copy(step, sums, loss)
+        except Exception as error:
+            self._fail(error)
+
+    def drop(self) -> None:
+        """The step's squares summed over ranks, and forgotten (a rank that does not write)."""
+        self._combined()
+
+    def _combined(self) -> Tensor | None:
+        """The step's per-module squares, over every optimizer that stepped and, for sharded
+        parameters, over the ranks holding their other pieces: the collectives every rank makes
+        at each step once the watched parameters are known to be sharded, whatever it read."""
+        stepped, self._stepped = list(self._stepped.values()), {}
+        if not self._group_sets:
+            return None if not stepped else stepped[0] if len(stepped) == 1 else torch.stack(stepped).sum(0)
+        blocks = 1 + len(self._group_sets)
+        try:
+            if stepped:
+                rows = torch.stack(stepped).sum(0).view(blocks, len(self.modules))
+            else:  # (this rank stepped nothing it watches, or stopped watching: it joins with zeros)
+                rows = torch.zeros(blocks, len(self.modules), device=self._device)
+            for block, groups in enumerate(self._group_sets.values(), 1):
+                for group in groups:
+                    dist.all_reduce(rows[block], group=group)
+        except Exception as error:
+            self._fail(error)
+            self._group_sets.clear()  # a broken process group: no collective from now on
+            return None
+        return None if self.failed or not stepped else rows.sum(0)
+
+    def take(self, *, wait: bool) -> list[tuple[int, np.ndarray]]:
+        """Rows whose copy is complete, in step order (with ``wait``: all), as ``(step, row)``:
+        ``[squared norm per module..., loss]``, NaN where not measured."""
+        while self._pending and (wait or self._pending[0][2] is None or self._pending[0][2].query()):
+            self._read_oldest()
+        done, self._done = self._done, []
+        return done
+
+    # -- internals ---------------------------------------------------------------------------
+    def _look_up(self) -> dict[int, tuple[int, Tensor]]:
+        """Map each watched parameter to its module's slot (the module owning it by name)."""
+        index = {m: i for i, m in enumerate(self.modules)}
+        world = rank_and_world()[1]
+        owners: dict[int, tuple[int, Tensor]] = {}
+        for key, p in self.watched.params():
+            name = key
+            while name and name not in index:
+                name = name.rpartition(".")[0]
+            if not name:
+                continue
+            block, split = 0, local(p)[1] if world > 1 else None
+            if split is not None:
+                self._group_sets.setdefault(split.key, split.groups)
+                block = 1 + list(self._group_sets).index(split.key)
+            owners[id(p)] = (block * len(self.modules) + index[name], p)
+        self._owners = owners
+        self._indices.clear()
+        return owners
+
+    def _squares(self, grads: list[Tensor], slots: tuple[int, ...], scale: Tensor | None) -> Tensor:
+        """Per-module sums of the squared gradient norms (over the shard groups too), on the device."""
+        with torch.no_grad():
+            squares = torch.stack(norms(grads)).float().square()
+            device = squares.device
+            index = self._indices.get(slots)
+            if index is None:
+                index = self._indices[slots] = torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)
+            self._device = device
+            sums = squares.new_zeros((1 + len(self._group_sets)) * len(self.modules)).index_add_(0, index, squares)
+            if scale is not None:  # a fused optimizer's gradients, still scaled
+                sums = sums / scale.to(device).reshape(()).float().square()
+            return sums
+
+    def _copy(self, step: int, sums: Tensor | None, loss: Tensor | float | None) -> None:
+        width = len(self.modules) + 1
+        if self._host is None:
+            device = sums.device if sums is not None else loss.device if isinstance(loss, Tensor) else None
+            cuda = device is not None and device.type == "cuda"
+            self._host = torch.empty((self.steps, width), dtype=torch.float32, pin_memory=cuda)
+        if len(self._pending) == self.steps:
+            self._read_oldest()  # a row still in flight after `steps` steps: wait for it
+        row, self._next_row = self._next_row, (self._next_row + 1) % self.steps
+        host = self._host[row]
+        with torch.no_grad():
+            if sums is not None and isinstance(loss, Tensor) and loss.device == sums.device:
+                host.copy_(torch.cat([sums, loss.reshape(1)]), non_blocking=True)  # one copy for both
+            elif sums is not None:
+                host[:-1].copy_(sums, non_blocking=True)
+            else:
+                host[:-1] = float("nan")
+            if isinstance(loss, Tensor) and (sums is None or loss.device != sums.device):
+                host[-1:].copy_(loss.reshape(1), non_blocking=True)
+            elif not isinstance(loss, Tensor):
+                host[-1] = float("nan") if loss is None else float(loss)
+        event = _event(sums if sums is not None else loss)
+        self._pending.append((step, row, event))
+
+    def _read_oldest(self) -> None:
+        step, row, event = self._pending.popleft()
+        if event is not None:
+            event.synchronize()
+        self._done.append((step, self._host[row].numpy().copy()))  # type: ignore[index]
+
+    def _say_partial(self, partial: list[Tensor]) -> None:
+        if self._partial_warned:
+            return
+        self._partial_warned = True
+        names = {id(p): key for key, p in self.watched.params()}
+        warnings.warn(
+            f"tblog_hooks: the per-step gradient norms (spikes=) leave out {len(partial)} parameter(s) whose gradients "
+            f"are placed Partial ({', '.join(repr(names.get(id(p), '?')) for p in partial[:3])}, a sequence-parallel "
+            "norm's): only a collective of the whole gradient could add their terms up (the logged steps' "
+            "param_grad/* include them)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    def _fail(self, error: BaseException) -> None:
+        self.failed = True
+        self._stepped.clear()
+        warnings.warn(
+            f"tblog_hooks: reading the per-step gradient norms failed, so spikes are no longer watched "
+            f"(training continues): {type(error).__name__}: {error}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def any_split(watched: Watched) -> bool:
+    """Whether a watched parameter is a ``DTensor`` of several ranks (its norm needs a collective)."""
+    return rank_and_world()[1] > 1 and any(is_dtensor(p) for _, p in watched.params())
+
+
+def _event(t: Tensor | float | None) -> torch.cuda.Event | None:
+    """An event after the copy just queued from ``t`` (``None`` on the CPU: that copy is done)."""
+    if not isinstance(t, Tensor) or t.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))
+    return event
+
+
+def check_loss(loss: object) -> None:
+    """``step(loss=...)`` takes a one-element tensor, a Python or NumPy number, or ``None``."""
+    if loss is None or (isinstance(loss, (int, float, np.floating)) and not isinstance(loss, bool)):
+        return
+    if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        what = repr(loss) if not isinstance(loss, Tensor) else f"a tensor of shape {tuple(loss.shape)}, {loss.dtype}"
+        raise HookLoggerError(
+            f"step(loss=...) takes the step's loss as a one-element floating-point tensor (or a number), got {what}"
+        )

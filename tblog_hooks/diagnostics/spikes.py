@@ -1,0 +1,358 @@
+"""Spikes between logged steps: every step's gradient norm and loss, judged on the host.
+
+:class:`~tblog_hooks.capture.spikes.StepNorms` brings each step's per-module squared gradient
+norms, their total and the loss to the host (a ring of the last ``Spikes.steps`` steps); here a
+robust detector per series (the median and MAD of the log values over a trailing window, after a
+warm-up) starts ``gradient_spike`` and ``loss_spike`` findings at the step of the spike. A gradient
+spike is attributed to the watched module whose own norm rose most against its own recent
+history. Every step's values become ``step/grad_norm`` and ``step/loss``; around a spike the
+per-module norms become ``spike/grad_norm/{module}``. ``tblog-hooks report`` replays the written
+series through the same :class:`Detector` and :func:`attribute`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+import numpy as np
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from ..capture.spikes import StepNorms, any_split, check_loss
+from ..errors import HookLoggerError
+from ..stats.tags import Root, Stat, by_name, tag
+from .health import Finding, FindingKind, Health
+
+if TYPE_CHECKING:
+    from ..capture.hooks import Handles
+    from ..capture.watched import Watched
+    from ..options import Options
+    from ..output.destination import Destination
+    from ..transport.distributed import Ranks
+
+GRAD_NORM_TAG, LOSS_TAG = tag(Root.STEP, Stat.GRAD_NORM), tag(Root.STEP, Stat.LOSS)
+#: Runners-up named in a ``gradient_spike`` message.
+RUNNERS_UP = 3
+#: The median absolute deviation of a normal distribution is this fraction of its standard deviation.
+_MAD_TO_STD = 1.4826
+#: Smallest spread of the log values the detector assumes (1%): a flat series (a clipped norm) is
+#: not judged on rounding noise.
+_MIN_SPREAD = 0.01
+
+
+@dataclass(frozen=True)
+class Spikes:
+    """How ``HookLogger(spikes=...)`` watches every step's gradient norm and loss.
+
+    The defaults were tuned on short healthy runs (see ``docs/spikes.md``). Each field is a
+    keyword with a default.
+
+    Raises:
+        HookLoggerError: a field out of its range; the message names the field, the value and
+            what is valid.
+    """
+
+    #: Steps whose per-module norms are kept (host ring), compared with for attribution and
+    #: written as ``spike/grad_norm/{module}`` before a spike. Memory: this many floats per module.
+    steps: int = 64
+    #: Trailing values of a series its median and MAD are taken over.
+    window: int = 128
+    #: Values of a series seen before it is judged (the first steps of a run are noisy).
+    warmup: int = 20
+    #: A spike is this many robust standard deviations (1.4826 MAD) above the median of the log values ...
+    threshold: float = 6.0
+    #: ... and at least this many times the median gradient norm ...
+    grad_ratio: float = 3.0
+    #: ... or, for the loss, this many times its median (a non-positive loss is not judged).
+    loss_ratio: float = 1.3
+    #: Steps after a spike logged in full (activations, output gradients, every histogram).
+    after: int = 3
+
+    def __post_init__(self) -> None:
+        limits = {"steps": 2, "window": 3, "warmup": 3, "after": 0}  # whole numbers, at least this
+        for f in fields(self):
+            value = getattr(self, f.name)
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            if f.name in limits:
+                ok, valid = (
+                    ok and float(value).is_integer() and value >= limits[f.name],
+                    f"a whole number >= {limits[f.name]}",
+                )
+            elif f.name == "threshold":
+                ok, valid = ok and value > 0, "a finite number above 0"
+            else:
+                ok, valid = ok and value >= 1, "a finite number >= 1"
+            if not ok:
+                raise HookLoggerError(f"Spikes({f.name}={value!r}) is invalid: it must be {valid}")
+            object.__setattr__(self, f.name, int(value) if f.name in limits else float(value))
+        if self.warmup > self.window:
+            raise HookLoggerError(
+                f"Spikes(warmup={self.warmup}) is larger than window={self.window}: the detector judges a series "
+                "on its last `window` values, so warmup must be at most window"
+            )
+
+
+def spikes_option(value: object) -> Spikes | None:
+    """``HookLogger(spikes=...)`` as a :class:`Spikes` (``None``: off)."""
+    if isinstance(value, Spikes):
+        return value
+    if value is True:
+        return Spikes()
+    if value is False or value is None:
+        return None
+    raise HookLoggerError(f"spikes must be True, False or a tblog_hooks.Spikes, got {value!r}")
+
+
+class Detector:
+    """One series' spikes: a value whose log is more than ``threshold`` robust standard deviations
+    and ``log(ratio)`` above the median of the trailing ``window`` log values, once ``warmup`` values
+    were seen. A spike that lasts several steps is reported at its first step."""
+
+    def __init__(self, config: Spikes, ratio: float) -> None:
+        self._config, self._log_ratio = config, math.log(ratio)
+        self._values: deque[float] = deque(maxlen=config.window)
+        self._in_spike = False
+
+    def judge(self, value: float) -> tuple[float, float] | None:
+        """Feed the next value; ``(value / median, median)`` if a spike starts with it.
+        Non-finite and non-positive values are skipped."""
+        if not (value > 0 and math.isfinite(value)):
+            return None
+        x = math.log(value)
+        found = None
+        if len(self._values) >= self._config.warmup:
+            history = np.fromiter(self._values, dtype=np.float64, count=len(self._values))
+            median = float(np.median(history))
+            spread = max(_MAD_TO_STD * float(np.median(np.abs(history - median))), _MIN_SPREAD)
+            rise = x - median
+            spiking = rise > self._log_ratio and rise > self._config.threshold * spread
+            if spiking and not self._in_spike:
+                found = (math.exp(rise), math.exp(median))
+            self._in_spike = spiking
+        self._values.append(x)
+        return found
+
+
+def attribute(now: Mapping[str, float], history: Mapping[str, Sequence[float]]) -> list[tuple[str, float]]:
+    """Watched modules by how far their gradient norm ``now`` rose against the median of their own
+    ``history`` (positive values only), the most first: ``[(module, now / median)]``. A module
+    without history, or whose history is zero, rose infinitely if it is non-zero now."""
+    rises = []
+    for module, norm in now.items():
+        if not math.isfinite(norm):
+            continue
+        past = [v for v in history.get(module, ()) if v > 0 and math.isfinite(v)]
+        median = float(np.median(past)) if past else 0.0
+        rises.append((module, norm / median if median > 0 else math.inf if norm > 0 else 0.0))
+    return sorted(rises, key=lambda item: -item[1])
+
+
+def gradient_finding(step: int, norm: float, ratio: float, median: float, rises: list[tuple[str, float]]) -> Finding:
+    """The ``gradient_spike`` of ``step``, naming the module that rose most and the runners-up."""
+    module, rise = rises[0] if rises else ("", math.nan)
+    message = f"gradient norm {norm:.3g} is {ratio:.3g} times its median of recent steps ({median:.3g})"
+    if rises:
+        others = ", ".join(f"{m} ({r:.3g}x)" for m, r in rises[1 : 1 + RUNNERS_UP])
+        message += f"; it rose most in {module} ({rise:.3g}x its own median)" + (f", then {others}" if others else "")
+    return Finding(FindingKind.GRADIENT_SPIKE.value, module, step, ratio, message)
+
+
+def loss_finding(step: int, loss: float, ratio: float, median: float) -> Finding:
+    message = f"loss {loss:.4g} is {ratio:.3g} times its median of recent steps ({median:.4g})"
+    return Finding(FindingKind.LOSS_SPIKE.value, "", step, ratio, message)
+
+
+class SpikeWatch:
+    """The host side: each step's row (per-module squared norms, the loss) judged in step order;
+    the findings and the series to write."""
+
+    def __init__(self, config: Spikes, modules: Sequence[str]) -> None:
+        self.config, self.modules = config, tuple(modules)
+        self._grad = Detector(config, config.grad_ratio)
+        self._loss = Detector(config, config.loss_ratio)
+        self._rows: deque[tuple[int, np.ndarray]] = deque(maxlen=config.steps)  # (step, per-module norms)
+        self.pending: dict[int, dict[str, float]] = {}  # {step: {tag: value}} not written yet
+        self._window_until = -1  # the last step written as spike/grad_norm/*
+        self._after_until = -1  # spike/grad_norm/* is written up to this step (the steps after a spike)
+
+    def feed(self, step: int, row: np.ndarray) -> list[Finding]:
+        """One step's row, ``[squared norm per module..., loss]`` (NaN: not measured); returns the
+        findings that start at ``step``. Values are judged as written (float32)."""
+        squares = row[: len(self.modules)].astype(np.float64)
+        norms = np.sqrt(squares).astype(np.float32).astype(np.float64)
+        total = float(np.float32(math.sqrt(squares.sum()))) if len(squares) and squares.sum() >= 0 else math.nan
+        loss = float(np.float32(row[-1]))
+        values = self.pending.setdefault(step, {})
+        if math.isfinite(total):
+            values[GRAD_NORM_TAG] = total
+        if math.isfinite(loss):
+            values[LOSS_TAG] = loss
+        found = []
+        grad = self._grad.judge(total)
+        if grad is not None:
+            kept = [r for s, r in self._rows if s > step - self.config.steps]  # the steps the window writes
+            history = {m: [float(r[i]) for r in kept] for i, m in enumerate(self.modules)}
+            now = {m: float(norms[i]) for i, m in enumerate(self.modules)}
+            found.append(gradient_finding(step, total, *grad, attribute(now, history)))
+        loss_spike = self._loss.judge(loss)
+        if loss_spike is not None:
+            found.append(loss_finding(step, loss, *loss_spike))
+        self._rows.append((step, norms))
+        if found:
+            self._window(step)
+        elif step <= self._after_until:
+            self._add_norms(step, norms)
+        return found
+
+    def _window(self, step: int) -> None:
+        """``spike/grad_norm/*`` for the kept steps up to ``step`` (those not written yet), and the next ones."""
+        for s, norms in self._rows:
+            if s > self._window_until:
+                self._add_norms(s, norms)
+        self._after_until = step + self.config.after
+
+    def _add_norms(self, step: int, norms: np.ndarray) -> None:
+        values = self.pending.setdefault(step, {})
+        for m, v in zip(self.modules, norms.tolist()):
+            if math.isfinite(v):
+                values[tag(Root.SPIKE, Stat.GRAD_NORM, m)] = v
+        self._window_until = max(self._window_until, step)
+
+    def take(self) -> dict[int, dict[str, float]]:
+        """The values not written yet, by step; forgets them."""
+        pending, self.pending = {s: v for s, v in self.pending.items() if v}, {}
+        return pending
+
+
+def replay(series: Mapping[int, Mapping[str, float]], config: Spikes | None = None) -> list[Finding]:
+    """The spike findings of written series (``{step: {tag: value}}``: ``step/grad_norm``,
+    ``step/loss``, ``spike/grad_norm/{module}``), judged as the logger judged them."""
+    config = config or Spikes()
+    grad, loss = Detector(config, config.grad_ratio), Detector(config, config.loss_ratio)
+    found = []
+    for step in sorted(series):
+        values = series[step]
+        norm = values.get(GRAD_NORM_TAG, math.nan)
+        if (judged := grad.judge(norm)) is not None:
+            history: dict[str, list[float]] = {}
+            for s in range(step - config.steps + 1, step):
+                for m, v in by_name(series.get(s, {}), Root.SPIKE, Stat.GRAD_NORM).items():
+                    history.setdefault(m, []).append(v)
+            now = by_name(values, Root.SPIKE, Stat.GRAD_NORM)
+            found.append(gradient_finding(step, norm, *judged, attribute(now, history)))
+        value = values.get(LOSS_TAG, math.nan)
+        if (judged := loss.judge(value)) is not None:
+            found.append(loss_finding(step, value, *judged))
+    return found
+
+
+class SpikeLog:
+    """What ``spikes=`` adds to each ``step()``: the step's norms and loss into the ring, the rows
+    that arrived judged, their series written in batches (every ``every`` steps and at close),
+    and whether the next step is logged in full (the steps after a spike)."""
+
+    def __init__(
+        self, norms: StepNorms, watch: SpikeWatch | None, health: Health | None, destination: Destination | None,
+        *, every: int, force: bool,
+    ) -> None:  # fmt: skip
+        self.norms, self.watch, self.health, self.destination = norms, watch, health, destination
+        self._every, self._force = every, force
+        self._log_until = -1  # steps up to this one are logged in full
+        self._failed = False
+
+    @classmethod
+    def of(
+        cls, config: Options, watched: Watched, modules: Sequence[str],
+        handles: Handles, health: Health | None, destination: Destination | None, ranks: Ranks,
+    ) -> SpikeLog | NoSpikes:  # fmt: skip
+        """The spike watch ``config`` asks for, its hooks kept in ``handles``."""
+        spikes: Spikes | None = config.spikes  # type: ignore[assignment]  # (normalised by Options)
+        if spikes is None or (destination is None and not any_split(watched)):
+            return NoSpikes(off=spikes is None)
+        norms = StepNorms(watched, modules, spikes.steps)
+        handles.add(register_optimizer_step_pre_hook(norms.pre))
+        handles.add(register_optimizer_step_post_hook(norms.post))
+        watch = None if destination is None else SpikeWatch(spikes, modules)
+        # Under collectives in logged steps every rank must log the same steps: no extra ones then.
+        return cls(norms, watch, health, destination, every=config.every, force=not ranks.needed)
+
+    def step(self, step: int, loss: object) -> bool:
+        """The end of step ``step`` (``loss``: its loss, checked here); whether step ``step + 1``
+        is logged in full."""
+        check_loss(loss)
+        if self.watch is None:  # a rank that only joins the collectives of sharded norms
+            self.norms.drop()
+            if (step + 1) % self._every == 0:
+                self.norms.refresh()
+            return False
+        self.norms.end_step(step, loss)  # type: ignore[arg-type]  # (checked)
+        if self._failed:
+            return False
+        self._judge(step, wait=False)
+        if (step + 1) % self._every == 0 or len(self.watch.pending) >= _MAX_PENDING:
+            self.norms.refresh()  # as a logged step looks the parameters up again
+            self._flush()
+        return self._force and step + 1 <= self._log_until
+
+    def close(self) -> None:
+        """Judge and write every row still on its way."""
+        if self.watch is not None and not self._failed:
+            self._judge(-1, wait=True)
+            self._flush()
+
+    def _judge(self, step: int, *, wait: bool) -> None:
+        assert self.watch is not None
+        for at, row in self.norms.take(wait=wait):
+            found = self.watch.feed(at, row)
+            if found:
+                self._log_until = max(self._log_until, step + self.watch.config.after)
+                if self.health is not None:
+                    self.health.spiked(found)
+
+    def _flush(self) -> None:
+        assert self.watch is not None and self.destination is not None
+        pending = self.watch.take()
+        if not pending:
+            return
+        try:
+            self.destination.write_series(pending)
+            self.destination.flush()
+        except Exception as error:  # a broken writer: the logger's own writes report it too
+            self._failed = True
+            warnings.warn(
+                f"tblog_hooks: writing the per-step series failed, so spikes are no longer watched "
+                f"(training continues): {type(error).__name__}: {error}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+
+#: Steps of series held before they are written even between logged steps (a large ``every``).
+_MAX_PENDING = 1000
+
+
+class NoSpikes:
+    """``spikes=`` off, or a rank that neither writes nor joins a collective of sharded norms: a
+    loss given to ``step()`` is checked, and warned about (once) when ``spikes=`` is off."""
+
+    def __init__(self, *, off: bool) -> None:
+        self._off = off
+
+    def step(self, step: int, loss: object) -> bool:
+        check_loss(loss)
+        if self._off and loss is not None:
+            warnings.warn(
+                "tblog_hooks: step(loss=...) is only used with spikes= (HookLogger(..., spikes=True)); "
+                "this logger ignores it",
+                UserWarning,
+                stacklevel=3,
+            )
+        return False
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,140 @@
+"""Tensors split over ranks: the ``DTensor`` parameters of FSDP2 and tensor parallelism, and module
+outputs that are one rank's piece of a tensor-parallel output.
+
+A :class:`Split` says which ranks hold the other pieces of a tensor: the dims of a device mesh it
+is sharded on (its ``Shard`` placements). Over the mesh's other dims (``Replicate``) every rank
+holds the same values, so those are never summed over. The hooks record statistics of the local
+piece with its ``Split``; at the end of a logged step ``Ranks`` combines the pieces
+(``distributed.py``), so what is written describes the whole tensor, as one process would see it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import torch.distributed as dist
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from typing import TypeGuard
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Placement
+
+
+@dataclass(frozen=True, eq=False)
+class Split:
+    """A tensor split over the mesh dims ``dims`` of ``mesh``, along its own dim ``axis``
+    (``None`` where pieces split several dims, or where it is not known)."""
+
+    mesh: DeviceMesh
+    dims: tuple[int, ...]
+    axis: int | None
+
+    @property
+    def groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """The process groups of :attr:`dims`, in mesh order."""
+        return tuple(self.mesh.get_group(d) for d in self.dims)
+
+    @property
+    def pieces(self) -> int:
+        """How many ranks hold a piece (this one included)."""
+        return math.prod(self.mesh.size(d) for d in self.dims)
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        """What splits alike share on every rank (not the groups' names, which differ between
+        the tensor-parallel groups of a 2-D mesh)."""
+        return (tuple(self.mesh.shape), self.mesh.mesh_dim_names, self.dims)
+
+    def peers(self) -> list[int]:
+        """The global ranks holding the pieces, in the order gathering over :attr:`groups` one
+        after the other stacks them (the last group outermost; each group in rank order)."""
+        ranks = self.mesh.mesh.numpy()
+
+        def line(member: int, dim: int) -> list[int]:
+            coordinate: list[int | slice] = [int(c) for c in np.argwhere(ranks == member)[0]]
+            coordinate[dim] = slice(None)
+            return sorted(int(r) for r in ranks[tuple(coordinate)])
+
+        def gathered(member: int, upto: int) -> list[int]:
+            if upto == 0:
+                return [member]
+            return [q for other in line(member, self.dims[upto - 1]) for q in gathered(other, upto - 1)]
+
+        return gathered(dist.get_rank(), len(self.dims))
+
+    def part(self) -> int:
+        """This rank's position among its :meth:`peers`."""
+        return self.peers().index(dist.get_rank())
+
+
+def is_dtensor(t: object) -> TypeGuard[DTensor]:
+    """Whether ``t`` is a ``DTensor``; never in a torch built without distributed support."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def placed(mesh: DeviceMesh, placements: tuple[Placement, ...], ndim: int) -> Split | None:
+    """The :class:`Split` of a tensor of ``ndim`` dims placed so on ``mesh`` (``None``: every rank
+    holds all of it). Raises ``ValueError`` for a ``Partial`` placement: its values are terms of
+    a sum over ranks, of which no piece's statistics tell the whole."""
+    if any(p.is_partial() for p in placements):
+        raise ValueError(f"a tensor placed {placements} holds partial values; only a collective could make them whole")
+    # Every placement but these two shards (Shard, and the _StridedShard of FSDP2 over tensor parallelism).
+    dims = tuple(d for d, p in enumerate(placements) if not p.is_replicate())
+    if not dims:
+        return None
+    axes = {placements[d].dim % max(ndim, 1) for d in dims}  # type: ignore[attr-defined]
+    return Split(mesh, dims, axes.pop() if len(axes) == 1 else None)
+
+
+class Pending(NamedTuple):
+    """A gradient placed ``Partial`` on some mesh dims: its local terms, copied, summed (or
+    reduced as the placement says) over those dims' ranks at the end of the step, when every
+    rank takes part (``Ranks.finish``); no hook enters a collective."""
+
+    key: str
+    terms: Tensor
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+
+    @property
+    def alike(self) -> tuple[object, ...]:
+        """What pending gradients reduced in one collective share on every rank."""
+        ops = tuple(getattr(p, "reduce_op", None) for p in self.placements)
+        return (tuple(self.mesh.shape), self.mesh.mesh_dim_names, ops, self.terms.dtype)
+
+    def whole(self, reduced: Tensor) -> tuple[Tensor, Split | None]:
+        """The reduced terms, a piece split as the placements' other dims say."""
+        from torch.distributed.tensor import Replicate
+
+        placements = tuple(Replicate() if p.is_partial() else p for p in self.placements)
+        return reduced, placed(self.mesh, placements, reduced.dim())
+
+
+def is_partial(t: object) -> TypeGuard[DTensor]:
+    """Whether ``t`` is a ``DTensor`` placed ``Partial`` on some mesh dim (a sequence-parallel norm's gradient)."""
+    return is_dtensor(t) and any(p.is_partial() for p in t.placements)
+
+
+def pending(key: str, t: Tensor) -> Pending | None:
+    """A ``Pending`` copy of ``t`` if it is placed ``Partial`` (:func:`is_partial`), else ``None``."""
+    if not is_partial(t):
+        return None
+    return Pending(key, t.to_local().detach().clone(), t.device_mesh, tuple(t.placements))
+
+
+def local(t: Tensor) -> tuple[Tensor, Split | None]:
+    """This rank's piece of ``t`` and how it is split: the local tensor of a ``DTensor``; any other
+    tensor as it is, whole."""
+    if not is_dtensor(t):
+        return t, None
+    return t.to_local(), placed(t.device_mesh, tuple(t.placements), t.dim())

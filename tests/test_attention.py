@@ -1,0 +1,469 @@
+"""``attention=``: per-module and per-head max logit and entropy of every attention call, checked
+against an explicit float64 softmax of the very query and key each call received (captured below
+autograd with a ``TorchDispatchMode``, independently of the logger's own capture)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+
+import models
+import pytest
+import torch
+from conftest import OpCounter, assert_same_weights, read_images, read_run, read_tags
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tblog_hooks import HookLogger, HookLoggerError, Thresholds
+from tblog_hooks.diagnostics.health import Health
+from tblog_hooks.stats.attention import attention_statistics
+
+REL = 1e-4
+
+
+# -- the reference ---------------------------------------------------------------------------------
+def reference(q, k, mask=None, causal=False, scale=None):
+    """Per head (dim -3): the largest unmasked logit, the summed entropy of the queries that see a
+    key, and their count; in float64 with an explicit softmax."""
+    q, k = q.double(), k.double()
+    if q.dim() == 3:
+        q, k = q.unsqueeze(1), k.unsqueeze(1)
+    if k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    logits = q @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    allowed = torch.ones(logits.shape, dtype=torch.bool)
+    added = torch.zeros(logits.shape, dtype=torch.float64)
+    if causal:
+        allowed &= torch.ones(logits.shape[-2:], dtype=torch.bool).tril()
+    if mask is not None and mask.dtype == torch.bool:
+        allowed &= mask
+    elif mask is not None:
+        added = added + mask.double()
+        allowed &= mask != -math.inf
+    heads = logits.shape[-3]
+    by_head = lambda t: t.movedim(-3, 0).reshape(heads, -1)  # noqa: E731
+    peak = by_head(logits.masked_fill(~allowed, -math.inf)).amax(1)
+    probs = torch.softmax((logits + added).masked_fill(~allowed, -math.inf), dim=-1)
+    terms = torch.where(probs > 0, -probs * probs.log(), torch.zeros(()))
+    seen = allowed.any(-1, keepdim=True)
+    entropy = by_head(torch.where(seen, terms, 0.0).sum(-1, keepdim=True)).sum(1)
+    return peak, entropy, by_head(seen.double()).sum(1)
+
+
+class _Capture:
+    """The innermost of the modules matching ``pattern`` that is running (tracked with forward hooks)."""
+
+    def __init__(self, model: nn.Module, pattern: str) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple]] = []
+        self._running: list[str] = []
+        self._handles = []
+        for name, module in model.named_modules():
+            if re.fullmatch(pattern, name):
+                self._handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self._running.append(n)))
+                self._handles.append(module.register_forward_hook(lambda m, a, o: (self._running.pop(), None)[1]))
+        assert self._handles, pattern
+
+    def _add(self, named: dict) -> None:
+        if self._running:
+            found = [named["query"], named["key"], named.get("attn_mask")]
+            found = [None if t is None else t.detach().clone() for t in found]
+            self.calls.append((self._running[-1], (*found, named.get("is_causal", False), named.get("scale"))))
+
+    def expected(self) -> dict[str, tuple[float, float]]:
+        """``{module: (max logit, mean entropy)}`` pooled over its calls."""
+        pooled: dict[str, list] = {}
+        for name, (q, k, mask, causal, scale) in self.calls:
+            peak, entropy, count = reference(q, k, mask, causal, scale)
+            p = pooled.setdefault(name, [-math.inf, 0.0, 0.0])
+            p[0] = max(p[0], float(peak.max()))
+            p[1] += float(entropy.sum())
+            p[2] += float(count.sum())
+        return {name: (peak, entropy / count) for name, (peak, entropy, count) in pooled.items()}
+
+
+class Calls(_Capture, TorchFunctionMode):
+    """Every ``F.scaled_dot_product_attention`` call's query, key, mask, causal flag and scale."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is nn.functional.scaled_dot_product_attention:
+            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+            self._add(dict(zip(names, args)) | kwargs)
+        return func(*args, **kwargs)
+
+
+class KernelCalls(_Capture, TorchDispatchMode):
+    """The same, of every SDPA kernel call below autograd (inside ``F.multi_head_attention_forward`` too)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "scaled_dot_product" in str(func):
+            self._add(dict(zip([a.name for a in func._schema.arguments], args)) | kwargs)
+        return func(*args, **kwargs)
+
+
+def check_model(
+    tmp_path, model: nn.Module, pattern: str, forward: Callable[[], torch.Tensor], steps: int = 1, capture=Calls
+) -> None:
+    """Train ``steps`` logged steps with ``attention=True``; every module's tags equal the reference
+    computed from the calls ``capture`` saw."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with HookLogger(model, log_dir=tmp_path, every=1, attention=True, histograms=False) as hooks:
+        expected = []
+        for _ in range(steps):
+            calls = capture(model, pattern)
+            with calls:
+                loss = forward()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step()
+            expected.append(calls.expected())
+    run = read_run(tmp_path)
+    for step, by_module in enumerate(expected):
+        assert by_module, "the reference saw no attention call"
+        for name, (peak, entropy) in by_module.items():
+            assert run.scalar(f"attention/max_logit/{name}", step) == pytest.approx(peak, rel=REL), name
+            assert run.scalar(f"attention/entropy/{name}", step) == pytest.approx(entropy, rel=REL), name
+        written = {t.split("/", 2)[2] for t in run.scalars if t.startswith("attention/max_logit/")}
+        assert written == set(by_module)
+
+
+# -- models ----------------------------------------------------------------------------------------
+def test_gpt2_causal_and_padded(tmp_path) -> None:
+    model = models.gpt2(32, 50)
+    tokens = torch.randint(0, 50, (3, 16))
+    padding = torch.ones(3, 16, dtype=torch.long)
+    padding[1, 10:] = 0
+    padding[2, 4:] = 0
+
+    def forward():
+        return model(tokens, attention_mask=padding, labels=tokens).loss
+
+    check_model(tmp_path, model, r"transformer\.h\.\d+\.attn", forward, steps=2)
+
+
+def test_micro_batches_and_checkpointing_count_each_call_once(tmp_path) -> None:
+    """Two forward passes per step pool; a checkpoint's recompute in backward is not counted again."""
+    model = models.gpt2(32, 50)
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    a, b = torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (3, 16))
+
+    def forward():
+        return model(a, labels=a).loss + model(b, labels=b).loss
+
+    check_model(tmp_path, model, r"transformer\.h\.\d+\.attn", forward)
+
+
+def test_a_forward_that_raises_leaves_no_mode_behind(tmp_path) -> None:
+    class Failing(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            nn.functional.scaled_dot_product_attention(x, x, x)
+            raise ValueError("bad batch")
+
+    model = nn.Sequential(nn.Linear(4, 4), Failing())
+    with HookLogger(model, log_dir=tmp_path, every=1, attention=True) as hooks:
+        with pytest.raises(ValueError, match="bad batch"):
+            model(torch.randn(2, 3, 4))
+        assert torch.overrides._get_current_function_mode_stack() == []
+        hooks.step()
+    assert "attention/max_logit/1" in read_run(tmp_path).scalars
+
+
+def test_llama_grouped_query_attention(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    tokens = torch.randint(0, 50, (2, 12))
+    check_model(tmp_path, model, r"model\.layers\.\d+\.self_attn", lambda: model(tokens, labels=tokens).loss)
+
+
+def test_bert_padding_mask(tmp_path) -> None:
+    model = models.bert(32, 50)
+    tokens = torch.randint(0, 50, (3, 16))
+    padding = torch.ones(3, 16, dtype=torch.long)
+    padding[0, 5:] = 0
+    padding[2, 12:] = 0
+    check_model(
+        tmp_path,
+        model,
+        r"bert\.encoder\.layer\.\d+\.attention\.self",
+        lambda: model(tokens, attention_mask=padding, labels=tokens).loss,
+    )
+
+
+def test_timm_vit(tmp_path) -> None:
+    model = models.timm_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
+    images = torch.randn(2, 3, 32, 32)
+    check_model(tmp_path, model, r"blocks\.\d+\.attn", lambda: model(images).square().mean())
+
+
+def test_torchvision_vit(tmp_path) -> None:
+    from torchvision.models import VisionTransformer
+
+    model = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64)
+    images = torch.randn(2, 3, 32, 32)
+    check_model(
+        tmp_path,
+        model,
+        r"encoder\.layers\.encoder_layer_\d+\.self_attention",
+        lambda: model(images).square().mean(),
+        capture=KernelCalls,
+    )
+
+
+def test_transformer_encoder_with_masks(tmp_path) -> None:
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    x = torch.randn(2, 10, 32)
+    padding = torch.zeros(2, 10, dtype=torch.bool)
+    padding[1, 6:] = True  # nn.MultiheadAttention: True is masked out
+    causal = torch.ones(10, 10, dtype=torch.bool).triu(1)  # True: masked out
+
+    def forward():
+        return model(x, mask=causal, src_key_padding_mask=padding).square().mean()
+
+    check_model(tmp_path, model, r"layers\.\d+\.self_attn", forward, capture=KernelCalls)
+
+
+def test_multihead_attention_with_weights(tmp_path) -> None:
+    """``need_weights=True`` computes the softmax without SDPA: the values are the same."""
+    model = nn.MultiheadAttention(16, 2, batch_first=True, bias=True)
+    x = torch.randn(2, 7, 16)
+    padding = torch.zeros(2, 7, dtype=torch.bool)
+    padding[0, 4:] = True
+    with HookLogger(model, log_dir=tmp_path, every=1, attention=True, histograms=False) as hooks:
+        out, _ = model(x, x, x, key_padding_mask=padding)
+        out.square().mean().backward()
+        hooks.step()
+    w_q, w_k, _ = model.in_proj_weight.detach().chunk(3)
+    b_q, b_k, _ = model.in_proj_bias.detach().chunk(3)
+    q = (x @ w_q.T + b_q).reshape(2, 7, 2, 8).transpose(1, 2)
+    k = (x @ w_k.T + b_k).reshape(2, 7, 2, 8).transpose(1, 2)
+    peak, entropy, count = reference(q, k, (~padding)[:, None, None, :])
+    run = read_run(tmp_path)
+    assert run.scalar("attention/max_logit/root", 0) == pytest.approx(float(peak.max()), rel=REL)
+    assert run.scalar("attention/entropy/root", 0) == pytest.approx(float(entropy.sum() / count.sum()), rel=REL)
+
+
+# -- the statistics themselves ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "case", ["plain", "causal", "bool_mask", "float_mask", "gqa", "scale", "three_dims", "masked_row"]
+)
+def test_statistics_per_head(case) -> None:
+    q, k = torch.randn(2, 4, 9, 8) * 3, torch.randn(2, 4, 11, 8) * 3
+    mask, causal, scale = None, False, None
+    if case == "causal":
+        k, causal = torch.randn(2, 4, 9, 8), True
+    elif case in ("bool_mask", "masked_row"):
+        mask = torch.rand(2, 1, 9, 11) > 0.3
+        if case == "masked_row":
+            mask[0, 0, 3] = False  # a query that sees no key
+    elif case == "float_mask":
+        mask = torch.randn(1, 4, 9, 11)
+        mask[..., 5] = -math.inf
+    elif case == "gqa":
+        k = torch.randn(2, 2, 11, 8)
+    elif case == "scale":
+        scale = 0.7
+    elif case == "three_dims":
+        q, k = q[0], k[0]
+    got = attention_statistics(q, k, mask, causal, scale)
+    want = reference(q, k, mask, causal, scale)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=REL, atol=0)
+
+
+class Sizes(TorchDispatchMode):
+    """The largest output of any op, in bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):
+            return out  # a view (expand, slice) allocates nothing
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+def test_chunks_bound_the_memory() -> None:
+    """A small budget splits the queries: no temporary exceeds it, the values stay the same."""
+    q, k = torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
+    mask = torch.rand(1, 1, 300, 300) > 0.5
+    budget = 1 << 16  # a chunk of 2 x 300 keys x 4 bytes x 5 temporaries: 5 queries
+    sizes = Sizes()
+    with sizes:
+        got = attention_statistics(q, k, mask, True, budget=budget)
+    assert sizes.largest <= budget  # the whole logits would take 2 * 300 * 300 * 4 = 720 kB
+    for g, w in zip(got, attention_statistics(q, k, mask, True)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=0)
+
+
+# -- cost and training ---------------------------------------------------------------------------
+
+
+def _gpt2_step(model: nn.Module, tokens: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+    model(tokens, labels=tokens).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_unlogged_steps_add_no_op_and_training_is_unchanged(tmp_path) -> None:
+    torch.manual_seed(1)
+    plain = models.gpt2(32, 50)
+    torch.manual_seed(1)
+    logged = models.gpt2(32, 50)
+    tokens = torch.randint(0, 50, (2, 16))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, logged)]
+    with HookLogger(logged, log_dir=tmp_path, every=3, attention=True, histograms=False) as hooks:
+        counts = []
+        for step in range(4):  # steps 0 and 3 are logged
+            for model, opt in zip((plain, logged), opts):
+                ops = OpCounter()
+                torch.manual_seed(step)  # the same dropout in both
+                with ops:
+                    _gpt2_step(model, tokens, opt)
+                counts.append(ops.ops)
+            hooks.step()
+    assert_same_weights(plain, logged)
+    plain_ops, logged_ops = counts[0::2], counts[1::2]
+    assert logged_ops[1] == plain_ops[1] and logged_ops[2] == plain_ops[2]  # steps 1 and 2: not logged
+    assert sum(logged_ops[0].values()) > sum(plain_ops[0].values())  # the logged step's statistics
+    assert sorted(read_run(tmp_path).scalars["attention/max_logit/transformer.h.0.attn"]) == [0, 3]
+
+
+def test_a_model_without_attention_gets_no_attention_tag(tmp_path) -> None:
+    model = models.mlp(4, 8, 2)
+    with HookLogger(model, log_dir=tmp_path, every=1, attention=True) as hooks:
+        models.train(hooks, (model(torch.randn(3, 4)).sum() for _ in range(2)))
+    assert not [t for t in read_tags(tmp_path)["scalars"] if t.startswith("attention/")]
+    assert read_run(tmp_path).scalars["activation/mean/0"]
+
+
+def test_selectors_cover_a_module_and_what_runs_inside_it(tmp_path) -> None:
+    model = models.gpt2(32, 50)
+    tokens = torch.randint(0, 50, (2, 8))
+    with HookLogger(model, log_dir=tmp_path, every=1, attention=["transformer.h.1"], histograms=False) as hooks:
+        models.train(hooks, [model(tokens, labels=tokens).loss])
+    tags = [t for t in read_tags(tmp_path)["scalars"] if t.startswith("attention/")]
+    assert sorted(tags) == ["attention/entropy/transformer.h.1.attn", "attention/max_logit/transformer.h.1.attn"]
+
+
+def test_bad_attention_option() -> None:
+    model = models.mlp(4, 2)
+    with pytest.raises(HookLoggerError, match=r"attention= (?s:.*)'nope'"):
+        HookLogger(model, attention=["nope"])
+    with pytest.raises(HookLoggerError, match="attention must be True, False"):
+        HookLogger(model, attention=[])
+
+
+# -- findings and pictures -------------------------------------------------------------------------
+ATTENTION_FINDINGS = {"attention_logit_growth", "attention_entropy_collapse"}
+
+
+def _scale_query_key(model: nn.Module, block: int, factor: float) -> None:
+    """Multiply the query and key projections of one GPT-2 block by ``factor`` (logits by its square)."""
+    c_attn = model.transformer.h[block].attn.c_attn
+    width = c_attn.weight.shape[0]
+    with torch.no_grad():
+        c_attn.weight[:, : 2 * width] *= factor
+        c_attn.bias[: 2 * width] *= factor
+
+
+def test_scaled_query_and_key_weights_are_found_in_their_block_only(tmp_path) -> None:
+    model = models.gpt2(32, 50)
+    _scale_query_key(model, 1, 30.0)
+    tokens = torch.randint(0, 50, (4, 16))
+    with HookLogger(model, log_dir=tmp_path, every=1, attention=True, histograms=False) as hooks:
+        models.train(hooks, [model(tokens, labels=tokens).loss])
+    found = [f for f in hooks.findings if f.kind in ATTENTION_FINDINGS]
+    assert {f.kind for f in found} == ATTENTION_FINDINGS
+    assert {f.module for f in found} == {"transformer.h.1.attn"}
+    assert all("(head " in f.message for f in found)
+    run = read_run(tmp_path)
+    assert run.scalar("health/attention_logit_growth", 0) == 1
+    assert run.scalar("health/attention_entropy_collapse", 0) == 1
+    pictures = read_images(tmp_path, "health/attention_entropy")
+    assert list(pictures) == [0] and pictures[0].shape[0] == 2 * 8 + 14 * 2  # one row per block
+
+
+def _healthy(name: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    transformers = pytest.importorskip("transformers")
+    tokens = torch.randint(0, 50, (2, 16))
+    padding = torch.ones(2, 16, dtype=torch.long)
+    padding[1, 9:] = 0
+    if name == "gpt2":
+        model = models.gpt2(32, 50)
+        return model, lambda: model(tokens, labels=tokens).loss
+    if name == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, attn_implementation="sdpa",
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+        return model, lambda: model(tokens, labels=tokens).loss
+    if name == "bert":
+        model = models.bert(32, 50)
+        return model, lambda: model(tokens, attention_mask=padding, labels=tokens).loss
+    images = torch.randn(2, 3, 32, 32)
+    if name == "vit":
+        model = models.timm_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
+        labels = torch.randint(0, 10, (2,))
+        return model, lambda: nn.functional.cross_entropy(model(images), labels)
+    if name == "torchvision_vit":
+        from torchvision.models import VisionTransformer
+
+        model = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64)
+        labels = torch.randint(0, 1000, (2,))
+        return model, lambda: nn.functional.cross_entropy(model(images), labels)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+    model = nn.Sequential(nn.Embedding(50, 32), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+    return model, lambda: model(tokens).square().mean()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "vit", "torchvision_vit", "encoder"])
+def test_healthy_models_have_no_attention_finding(tmp_path, name) -> None:
+    """At init and after 40 AdamW steps."""
+    model, forward = _healthy(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with HookLogger(model, log_dir=tmp_path, every=40, attention=True, histograms=False) as hooks:
+        models.train(hooks, (forward() for _ in range(41)), opt)
+    run = read_run(tmp_path)
+    assert sorted(run.scalars[next(t for t in run.scalars if t.startswith("attention/max_logit/"))]) == [0, 40]
+    assert not [f for f in hooks.findings if f.kind in ATTENTION_FINDINGS]
+
+
+def test_growth_over_the_run_own_history() -> None:
+    health = Health(Thresholds(attention_logit=math.inf))
+    history = [0.2, 0.3, 0.25, 0.3]
+    for step, peak in enumerate(history):
+        assert not health.update(step, {"attention/max_logit/a": peak, "attention/entropy/a": 2.0}, [])
+    assert not health.update(4, {"attention/max_logit/a": 9.0, "attention/entropy/a": 2.0}, [])  # below 10
+    (found,) = health.update(5, {"attention/max_logit/a": 40.0, "attention/entropy/a": 2.0}, [])
+    assert (found.kind, found.module, found.value) == ("attention_logit_growth", "a", 40.0)
+    assert "times the median of its recent logged steps" in found.message
+
+
+# -- torch.compile ---------------------------------------------------------------------------------
+def test_compiled_model_warns_once_and_logs_no_attention(tmp_path) -> None:
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+    with HookLogger(model, log_dir=tmp_path, every=1, attention=True, histograms=False) as hooks:
+        compiled = torch.compile(model, backend="eager")
+        with pytest.warns(RuntimeWarning, match="attention= records nothing inside torch.compile") as caught:
+            models.train(hooks, (compiled(torch.randn(2, 5, 16)).square().mean() for _ in range(3)))
+    assert sum("torch.compile" in str(w.message) for w in caught) == 1
+    tags = read_tags(tmp_path)["scalars"]
+    assert "activation/mean/layers.0.linear1" in tags
+    assert not [t for t in tags if t.startswith("attention/")]

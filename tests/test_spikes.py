@@ -1,0 +1,415 @@
+"""``spikes=``: every step's gradient norm and loss, spikes between logged steps found at their step,
+attributed to a module, the steps after them logged in full, at a fixed handful of ops per step."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import OpCounter, read_run, spawn_ranks
+from models import conv_net, gpt2, mlp, timm_model
+from torch import nn
+
+from tblog_hooks import HookLogger, HookLoggerError, Spikes
+from tblog_hooks.cli import main, report
+
+SPIKE_KINDS = ("gradient_spike", "loss_spike")
+
+
+def _teacher(dim: int = 16, classes: int = 4, batch: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of a fixed linear teacher's task (the same teacher every call: seeded)."""
+    w = torch.Generator().manual_seed(1)
+    teacher = torch.randn(dim, classes, generator=w)
+    x = torch.randn(batch, dim)
+    return x, (x @ teacher).argmax(1)
+
+
+def _module_norms(model: nn.Module, modules: list[str]) -> dict[str, float]:
+    """Each module's own parameter-gradient norm, in float64 (the reference)."""
+    out = {}
+    for m in modules:
+        grads = [p.grad.double().flatten() for p in model.get_submodule(m).parameters(recurse=False)]
+        out[m] = torch.linalg.vector_norm(torch.cat(grads)).item()
+    return out
+
+
+def _spike_run(log_dir: Path, *, at: int, scale: float, param: str, steps: int = 120, every: int = 50) -> tuple:
+    """An MLP trained with AdamW, ``param``'s gradient scaled by ``scale`` at step ``at``; the true
+    global and per-module norms of every step, and the losses."""
+    model = mlp(16, 32, 32, 32, 4, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    truth: dict[int, float] = {}
+    modules: dict[int, dict[str, float]] = {}
+    losses: dict[int, float] = {}
+    with HookLogger(model, log_dir=log_dir, every=every, optimizer=opt, spikes=True) as hooks:
+        for step in range(steps):
+            loss = nn.functional.cross_entropy(model(_teacher()[0]), _teacher()[1])
+            loss.backward()
+            if step == at:
+                model.get_parameter(param).grad.mul_(scale)
+            grads = torch.cat([p.grad.double().flatten() for p in model.parameters()])
+            truth[step] = torch.linalg.vector_norm(grads).item()
+            modules[step] = _module_norms(model, list(hooks.module_names))
+            losses[step] = loss.item()
+            opt.step()
+            opt.zero_grad()
+            hooks.step(loss=loss)
+        findings = hooks.findings
+    return findings, truth, modules, losses
+
+
+def test_injected_gradient_spike_is_found_at_its_step_in_its_module_and_logged_around(tmp_path) -> None:
+    findings, truth, modules, losses = _spike_run(tmp_path, at=77, scale=100.0, param="4.weight")
+    spikes = [f for f in findings if f.kind in SPIKE_KINDS]
+    assert [(f.kind, f.step, f.module) for f in spikes] == [("gradient_spike", 77, "4")]
+    assert "then" in spikes[0].message and "0 (" in spikes[0].message  # the runners-up are named
+    assert spikes[0].value == pytest.approx(truth[77] / sorted(truth[s] for s in range(0, 77))[38], rel=0.5)
+
+    run = read_run(tmp_path)
+    # Every step's global norm and loss at its own step, equal to the true ones.
+    grad_norm, loss = run.scalars["step/grad_norm"], run.scalars["step/loss"]
+    assert sorted(grad_norm) == sorted(loss) == list(range(120))
+    for step, norm in truth.items():
+        assert grad_norm[step] == pytest.approx(norm, rel=1e-4), step
+        assert loss[step] == pytest.approx(losses[step], rel=1e-6)
+    # The three steps after the spike are logged in full (every histogram), besides 0, 50, 100.
+    assert sorted(run.scalars["param_grad/global_norm"]) == [0, 50, 78, 79, 80, 100]
+    assert 78 in run.histograms["activation/0"] and 78 in run.histograms["param/0.weight"]
+    assert run.scalars["health/gradient_spike"] == {0: 0.0, 50: 0.0, 78: 1.0, 79: 0.0, 80: 0.0, 100: 0.0}
+    # The per-module norms of the 64 steps up to the spike and of the three after it.
+    for m in ("0", "2", "4", "6"):
+        series = run.scalars[f"spike/grad_norm/{m}"]
+        assert sorted(series) == list(range(77 - 63, 81))
+        for step, value in series.items():
+            assert value == pytest.approx(modules[step][m], rel=1e-4)
+
+
+def test_report_lists_the_spikes_and_fails_on_them(tmp_path, capsys) -> None:
+    spiked, healthy = tmp_path / "spiked", tmp_path / "healthy"
+    findings, *_ = _spike_run(spiked, at=60, scale=30.0, param="2.weight", steps=80)
+    _spike_run(healthy, at=-1, scale=1.0, param="2.weight", steps=80)
+    # The report replays the written series through the same detector: the same findings.
+    (run,) = report.load_all(spiked, "spiked")
+    spikes = [f for f in findings if f.kind in SPIKE_KINDS]
+    assert [(f.kind, f.step, f.module) for f in spikes] == [("gradient_spike", 60, "2")]
+    assert [f for f in report.findings(run) if f.kind in SPIKE_KINDS] == spikes
+    assert main(["report", str(spiked), "--fail-on", "gradient_spike"]) == 1
+    assert "step 60: gradient_spike [2] gradient norm" in capsys.readouterr().out
+    assert main(["report", str(healthy), "--fail-on", "gradient_spike,loss_spike"]) == 0
+    assert "spike" not in capsys.readouterr().out
+
+
+def test_loss_spike_without_optimizer_given(tmp_path) -> None:
+    """The pre-hook fires for every torch.optim optimizer: norms are read without optimizer= too."""
+    model = mlp(16, 32, 4, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = {}
+    with HookLogger(model, log_dir=tmp_path, every=1000, spikes=True) as hooks:
+        for step in range(70):
+            loss = nn.functional.cross_entropy(model(_teacher()[0]), _teacher()[1])
+            if step == 55:
+                loss = loss * 5  # (the loss, and so every gradient, five times larger)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step(loss=loss)
+            losses[step] = loss.item()
+        spikes = [(f.kind, f.step) for f in hooks.findings if f.kind in SPIKE_KINDS]
+    assert spikes == [("gradient_spike", 55), ("loss_spike", 55)]
+    assert read_run(tmp_path).scalars["step/loss"] == pytest.approx(losses, rel=1e-6)
+
+
+def test_loss_alone_without_any_torch_optim_optimizer(tmp_path) -> None:
+    model = mlp(16, 32, 4, seed=0)
+    with HookLogger(model, log_dir=tmp_path, every=1000, spikes=True) as hooks:
+        for step in range(60):
+            loss = nn.functional.cross_entropy(model(_teacher()[0]), _teacher()[1]) * (4 if step == 40 else 1)
+            loss.backward()
+            with torch.no_grad():  # a hand-written update: no optimizer step pre-hook
+                for p in model.parameters():
+                    p -= 0.05 * p.grad
+                    p.grad = None
+            hooks.step(loss=loss.item())  # a number is a loss too
+        spikes = [(f.kind, f.step, f.module) for f in hooks.findings if f.kind in SPIKE_KINDS]
+    assert spikes == [("loss_spike", 40, "")]
+    run = read_run(tmp_path)
+    assert "step/grad_norm" not in run.scalars and sorted(run.scalars["step/loss"]) == list(range(60))
+
+
+# -- quiet on healthy runs ------------------------------------------------------------------------
+def _warm_up(opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / steps))
+
+
+def _images(size: int, classes: int, batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    prototypes = torch.randn(classes, 3, size, size, generator=torch.Generator().manual_seed(2))
+    y = torch.randint(0, classes, (batch,))
+    return prototypes[y] + torch.randn(batch, 3, size, size), y
+
+
+def _tokens(vocab: int = 64) -> torch.Tensor:
+    start = torch.randint(0, vocab, (8, 1))
+    return (start + torch.arange(16) * torch.randint(1, 3, (8, 1))) % vocab
+
+
+HEALTHY = {
+    "cnn-sgd-momentum-warm-up": lambda: (conv_net(8, batch_norm=True), "sgd", 30, None, lambda m: _classify(m, 8, 3)),
+    "gpt2-adamw-clipped": lambda: (gpt2(32, 64), "adamw", 20, 1.0, _language_loss),
+    "vit-adamw-warm-up": lambda: (
+        timm_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2),
+        "adamw", 20, None, lambda m: _classify(m, 32, 10),
+    ),
+    "mlp-relu-adamw-no-warm-up": lambda: (mlp(16, 64, 64, 64, 4, act=nn.ReLU), "adamw", 0, None, _teacher_loss),
+}  # fmt: skip
+
+
+def _classify(model: nn.Module, size: int, classes: int) -> torch.Tensor:
+    x, y = _images(size, classes)
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _language_loss(model: nn.Module) -> torch.Tensor:
+    tokens = _tokens()
+    return model(input_ids=tokens, labels=tokens).loss  # type: ignore[no-any-return]
+
+
+def _teacher_loss(model: nn.Module) -> torch.Tensor:
+    x, y = _teacher()
+    return nn.functional.cross_entropy(model(x), y)
+
+
+@pytest.mark.parametrize("case", HEALTHY)
+def test_quiet_on_healthy_runs_from_their_first_steps(tmp_path, case: str) -> None:
+    model, kind, warm, clip, loss_of = HEALTHY[case]()
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if kind == "sgd"
+        else torch.optim.AdamW(model.parameters(), lr=1e-3)
+    )
+    schedule = _warm_up(opt, warm) if warm else None
+    steps = 200 if case.startswith(("gpt2", "vit")) else 300
+    with HookLogger(model, log_dir=tmp_path, every=1000, optimizer=opt, spikes=True) as hooks:
+        for _ in range(steps):
+            loss = loss_of(model)
+            loss.backward()
+            if clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+            if schedule is not None:
+                schedule.step()
+            hooks.step(loss=loss)
+        spikes = [f for f in hooks.findings if f.kind in SPIKE_KINDS]
+    assert spikes == []
+    assert len(read_run(tmp_path).scalars["step/grad_norm"]) == steps
+
+
+# -- cost -------------------------------------------------------------------------------------------
+
+
+def _ops_of_a_step(tmp_path: Path, depth: int, spikes: bool) -> Counter[str]:
+    """The aten ops of one non-logged training step (forward, backward, optimizer step, step())."""
+    model = mlp(16, *[32] * depth, 4, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with HookLogger(model, log_dir=tmp_path / f"{depth}-{spikes}", every=1000, optimizer=opt, spikes=spikes) as hooks:
+
+        def train_step() -> None:
+            loss = nn.functional.cross_entropy(model(_teacher()[0]), _teacher()[1])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step(loss=loss if spikes else None)
+
+        for _ in range(3):  # step 0 is logged; the ring and index tensors are made once
+            train_step()
+        x_y = _teacher()  # (its ops are the same either way: made outside the count)
+        with OpCounter() as counted:
+            loss = nn.functional.cross_entropy(model(x_y[0]), x_y[1])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step(loss=loss if spikes else None)
+    return counted.ops
+
+
+def test_a_non_logged_step_adds_a_handful_of_ops_whatever_the_model_size(tmp_path) -> None:
+    added = {}
+    for depth in (2, 12):
+        plain, watched = _ops_of_a_step(tmp_path, depth, False), _ops_of_a_step(tmp_path, depth, True)
+        assert "_local_scalar_dense" not in watched  # nothing read on the host
+        added[depth] = watched - plain
+        assert plain - watched == Counter()
+    assert added[2] == added[12]
+    assert sum(added[2].values()) <= 12, added[2]
+
+
+# -- options and bad input ---------------------------------------------------------------------------
+def test_bad_spikes_options_and_losses_are_clear_errors(tmp_path) -> None:
+    model = mlp(4, 4, seed=0)
+    with pytest.raises(HookLoggerError, match=r"spikes must be True, False or a tblog_hooks\.Spikes, got 'yes'"):
+        HookLogger(model, log_dir=tmp_path, spikes="yes")
+    with pytest.raises(HookLoggerError, match=r"Spikes\(window=2\) is invalid: it must be a whole number >= 3"):
+        Spikes(window=2)
+    with pytest.raises(HookLoggerError, match=r"Spikes\(grad_ratio=0.5\) is invalid"):
+        Spikes(grad_ratio=0.5)
+    with pytest.raises(HookLoggerError, match=r"warmup=50\) is larger than window=40"):
+        Spikes(window=40, warmup=50)
+    one_element = r"one-element floating-point tensor .* got a tensor of shape \(3,\)"
+    with (
+        HookLogger(model, log_dir=tmp_path, spikes=Spikes(steps=8)) as hooks,
+        pytest.raises(HookLoggerError, match=one_element),
+    ):
+        hooks.step(loss=torch.ones(3))
+    off = HookLogger(model, log_dir=tmp_path / "off")
+    with off, pytest.warns(UserWarning, match="only used with spikes="):
+        off.step(loss=torch.tensor(1.0))
+
+
+# -- several processes -------------------------------------------------------------------------------
+def _ranks_worker(rank: int, root: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    for kind in ("ddp", "fsdp2"):
+        model = mlp(8, 16, 16, 4, seed=0)
+        if kind == "ddp":
+            wrapped: nn.Module = nn.parallel.DistributedDataParallel(model)
+        else:
+            for layer in (model[0], model[2], model[4]):
+                fully_shard(layer)
+            wrapped = fully_shard(model)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        log_dir = Path(root) / kind
+        truths = []
+        with HookLogger(wrapped, log_dir=log_dir, every=3, optimizer=opt, spikes=Spikes(warmup=3, window=8)) as hooks:
+            for step in range(5):
+                torch.manual_seed(100 * step + rank)  # each rank its own batch
+                x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+                nn.functional.cross_entropy(wrapped(x), y).backward()
+                grads = [getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for p in wrapped.parameters()]
+                truths.append(torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in grads])).item())
+                opt.step()
+                opt.zero_grad()
+                hooks.step()
+        if rank == 0:
+            written = read_run(log_dir).scalars["step/grad_norm"]
+            assert sorted(written) == list(range(5)), kind
+            for step, truth in enumerate(truths):
+                assert written[step] == pytest.approx(truth, rel=1e-4), (kind, step)
+        dist.barrier()
+
+
+def test_ddp_and_fsdp2_norms_are_the_whole_ones(tmp_path) -> None:
+    spawn_ranks(_ranks_worker, tmp_path, 2)
+
+
+def test_spikes_off_by_default_writes_no_series(tmp_path) -> None:
+    model = mlp(4, 4, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with HookLogger(model, log_dir=tmp_path, every=2, optimizer=opt) as hooks:
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step()
+    assert not any(t.startswith(("step/", "spike/")) for t in read_run(tmp_path).scalars)
+    assert math.isfinite(read_run(tmp_path).scalar("param_grad/global_norm", 2))
+
+
+# -- framework callbacks -----------------------------------------------------------------------------
+def test_lightning_callback_passes_each_steps_loss(tmp_path) -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from models import lightning_trainer
+
+    from tblog_hooks.integrations.lightning import HookLoggerCallback
+
+    losses: list[float] = []
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp(4, 8, 1, act=nn.ReLU, seed=0)
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+            loss = (self.net(batch[0]) - batch[1]).pow(2).mean()
+            losses.append(loss.item())
+            return {"loss": loss}
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    data = torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 1))
+    trainer = lightning_trainer(tmp_path, [HookLoggerCallback(spikes=True, every=4)])
+    trainer.fit(Net(), torch.utils.data.DataLoader(data, batch_size=2))
+    run = read_run(trainer.logger.log_dir)
+    assert run.scalars["step/loss"] == pytest.approx(dict(enumerate(losses)), rel=1e-6)
+    assert sorted(run.scalars["step/grad_norm"]) == list(range(12))
+
+
+def test_transformers_callback_passes_each_steps_loss(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from tblog_hooks.integrations.transformers import HookLoggerCallback
+
+    losses: list[float] = []
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp(4, 8, 1, act=nn.ReLU, seed=0)
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            loss = (self.net(x) - labels).pow(2).mean()
+            if self.training:
+                losses.append(loss.item())
+            return {"loss": loss}
+
+    class Samples(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.x, self.y = torch.randn(24, 4), torch.randn(24, 1)
+
+        def __len__(self) -> int:
+            return 24
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"x": self.x[i], "labels": self.y[i]}
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, num_train_epochs=1, learning_rate=0.05,
+        save_strategy="no", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, report_to=["tensorboard"],
+        logging_steps=4,
+    )  # fmt: skip
+    callback = HookLoggerCallback(spikes=True)
+    transformers.Trainer(model=Net(), args=args, train_dataset=Samples(), callbacks=[callback]).train()
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    run = read_run(run_dir)
+    # The Trainer shows its optimizer steps at 1..12, as the callback does.
+    assert run.scalars["step/loss"] == pytest.approx({i + 1: v for i, v in enumerate(losses)}, rel=1e-6)
+    assert callback.hooks is None  # closed, its loss hook removed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_norms_reach_the_host_without_a_sync(tmp_path) -> None:
+    device = torch.device("cuda")
+    model = mlp(16, 32, 32, 4, seed=0).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    teacher = torch.randn(16, 4, device=device)
+    truths, losses = [], []
+    with HookLogger(model, log_dir=tmp_path, every=1000, optimizer=opt, spikes=True) as hooks:
+        for step in range(40):
+            if step == 2:  # step 0 is logged; step 1 makes the ring and the index tensors
+                torch.cuda.set_sync_debug_mode("error")
+            x = torch.randn(32, 16, device=device)
+            loss = nn.functional.cross_entropy(model(x), (x @ teacher).argmax(1))
+            loss.backward()
+            truths.append(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
+            losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+            hooks.step(loss=loss)
+        torch.cuda.set_sync_debug_mode("default")
+    run = read_run(tmp_path)
+    assert run.scalars["step/grad_norm"] == pytest.approx(dict(enumerate(torch.stack(truths).tolist())), rel=1e-4)
+    assert run.scalars["step/loss"] == pytest.approx(dict(enumerate(torch.stack(losses).tolist())), rel=1e-6)

@@ -1,0 +1,299 @@
+"""Tensor parallelism (``parallelize_module``), alone on two CPU processes and under FSDP2 on a 2-D
+mesh of four, with gloo: every logged scalar and histogram is the one a single process gives on
+the same data (activations and output gradients of the writing rank's batch, or of every batch
+with ``reduce_ranks=True``; parameter gradients averaged over the data-parallel ranks)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import Run, read_images, read_run, spawn_ranks
+from models import mlp
+from torch import nn
+
+from tblog_hooks import Histograms, HookLogger
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+STEPS = 2
+WATCHED = ["0", "1", "2", "3", "4"]  # the ReLUs too: their inputs and outputs are pieces after layer 0
+OPTIONS: dict[str, object] = {
+    "every": 1,
+    "modules": WATCHED,
+    "inputs": True,
+    "histograms": Histograms(every_logged=1, weights_every_logged=1),
+    "spikes": True,  # every step's gradient norm (step/grad_norm), summed over the pieces at each step
+}
+
+
+def _model() -> nn.Sequential:
+    return mlp(16, 32, 32, 8, act=nn.ReLU, seed=0)
+
+
+def _batch(replica: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + replica))
+
+
+def _plan() -> dict[str, object]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"0": ColwiseParallel(), "2": RowwiseParallel()}
+
+
+def _train(model: nn.Module, log_dir: str, batches: Callable[[int], list[torch.Tensor]], **options: object) -> None:
+    """``STEPS`` SGD steps, each the mean of the losses of ``batches(step)``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with HookLogger(model, log_dir=log_dir, optimizer=opt, **OPTIONS, **options) as hooks:  # type: ignore[arg-type]
+        for step in range(STEPS):
+            xs = batches(step)
+            (sum(model(x).square().mean() for x in xs) / len(xs)).backward()  # type: ignore[union-attr]
+            opt.step()
+            opt.zero_grad()
+            hooks.step()
+
+
+def _tensor_parallel(rank: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = parallelize_module(_model(), init_device_mesh("cpu", (2,)), _plan())
+    _train(model, f"{root}/tp", lambda step: [_batch(0, step)])
+
+
+def _fsdp_and_tensor_parallel(rank: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    replica = mesh.get_local_rank("dp")
+    for reduce in (False, True):
+        model = parallelize_module(_model(), mesh["tp"], _plan())
+        for layer in (model[0], model[2], model[4], model):
+            fully_shard(layer, mesh=mesh["dp"])
+        _train(model, f"{root}/2d_{reduce}", lambda step: [_batch(replica, step)], reduce_ranks=reduce)
+
+
+def _assert_same(
+    run: Run, reference: Run, steps: range, roots: tuple[str, ...], *, histograms: bool = True, gradients: float = 1.0
+) -> None:
+    """Every scalar (and histogram) under ``roots`` at ``steps``: the same tags, the same values
+    (output-gradient norms ``gradients`` times the reference's)."""
+    compared = [("scalar", run.scalars, reference.scalars)]
+    if histograms:
+        compared.append(("histogram", run.histograms, reference.histograms))  # type: ignore[arg-type]
+    for kind, ours, theirs in compared:
+        tags = sorted(t for t in theirs if t.startswith(roots))
+        assert tags and sorted(t for t in ours if t.startswith(roots)) == tags, kind
+        for tag in tags:
+            for step in steps:
+                assert (step in ours[tag]) == (step in theirs[tag]), (tag, step)
+                if step not in theirs[tag]:
+                    continue  # (an update ratio of all-zero weights)
+                got, want = ours[tag][step], theirs[tag][step]
+                if kind == "scalar":
+                    scale = gradients if tag.startswith("gradient/norm/") else 1.0
+                    assert got == pytest.approx(want * scale, rel=1e-4, abs=1e-7), (tag, step)
+                else:
+                    # Extremes as exact as float32 sums in another order allow. The smallest gradient
+                    # magnitude (gradient_log10's min) is a near-cancellation of larger terms, whose
+                    # rounding error is of the order of those terms: not compared.
+                    assert got.num == want.num, (tag, step)  # type: ignore[attr-defined]
+                    assert got.max == pytest.approx(want.max, rel=1e-5, abs=1e-7), (tag, step)  # type: ignore[attr-defined]
+                    if not tag.startswith("gradient_log10/"):
+                        assert got.min == pytest.approx(want.min, rel=1e-5, abs=1e-7), (tag, step)  # type: ignore[attr-defined]
+
+
+ACTIVATIONS = ("activation/", "input/", "gradient/", "gradient_log10/")
+PARAMETERS = ("param_grad/", "param/", "step/grad_norm")
+
+
+def test_tensor_parallel_logs_what_one_process_logs(tmp_path: Path) -> None:
+    spawn_ranks(_tensor_parallel, tmp_path, 2)
+    _train(_model(), str(tmp_path / "one"), lambda step: [_batch(0, step)])
+    run = read_run(tmp_path / "tp")
+    assert "step/grad_norm" in run.scalars and "activation/dead_frac/1" in run.scalars
+    _assert_same(run, read_run(tmp_path / "one"), range(STEPS), ACTIVATIONS + PARAMETERS)
+
+
+def test_fsdp2_with_tensor_parallel_on_a_2d_mesh(tmp_path: Path) -> None:
+    spawn_ranks(_fsdp_and_tensor_parallel, tmp_path, 4)
+    both = read_run(_one_process(tmp_path / "both", lambda step: [_batch(0, step), _batch(1, step)]))
+    first = read_run(_one_process(tmp_path / "first", lambda step: [_batch(0, step)]))
+    own, pooled = read_run(tmp_path / "2d_False"), read_run(tmp_path / "2d_True")
+    # Parameters: the gradient averaged over both data-parallel replicas, as one process on both batches.
+    for run in (own, pooled):
+        _assert_same(run, both, range(STEPS), PARAMETERS)
+    # Activations: the writing rank's batch; with reduce_ranks=True the scalars pool both (histograms
+    # stay the writing rank's). Each replica's output gradients are those of its own loss, twice
+    # those of the averaged loss.
+    _assert_same(own, first, range(1), ACTIVATIONS)
+    _assert_same(pooled, both, range(STEPS), ACTIVATIONS, histograms=False, gradients=2.0)
+
+
+def _one_process(log_dir: Path, batches: Callable[[int], list[torch.Tensor]]) -> Path:
+    _train(_model(), str(log_dir), batches)
+    return log_dir
+
+
+def _norm_model() -> nn.Sequential:
+    """In float64: the backward of a LayerNorm cancels, so float32 rounding would show through
+    the reordered sums of tensor parallelism (2e-4 of the largest gradient here)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.LayerNorm(16)).double()
+
+
+def _sequence(step: int) -> torch.Tensor:
+    return torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+
+
+def _train_sequence(model: nn.Module, log_dir: str, piece: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """``STEPS`` SGD steps on ``piece`` of each step's sequence batch, summed squares as the loss."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    options = {**OPTIONS, "modules": ["0", "1", "2", "3"]}
+    with HookLogger(model, log_dir=log_dir, optimizer=opt, **options) as hooks:  # type: ignore[arg-type]
+        for step in range(STEPS):
+            out = model(piece(_sequence(step)))
+            (out.to_local() if hasattr(out, "to_local") else out).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step()
+
+
+def _sequence_parallel(rank: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    plan = {
+        "0": ColwiseParallel(input_layouts=Shard(1)),
+        "2": RowwiseParallel(output_layouts=Shard(1)),
+        "3": SequenceParallel(),  # its gradients are placed Partial: summed over the ranks once the step ends
+    }
+    model = parallelize_module(_norm_model(), init_device_mesh("cpu", (2,)), plan)
+    _train_sequence(model, f"{root}/sp", lambda x: x[:, 3 * rank : 3 * rank + 3])
+
+
+def test_sequence_parallel_logs_what_one_process_logs(tmp_path: Path) -> None:
+    """Each rank holds half of the sequence around the tensor-parallel layers."""
+    spawn_ranks(_sequence_parallel, tmp_path, 2)
+    _train_sequence(_norm_model(), str(tmp_path / "one"), lambda x: x)
+    # (step/grad_norm leaves the norm's gradients out, placed Partial: said once, see docs/spikes.md)
+    roots = (*ACTIVATIONS, "param_grad/", "param/")
+    _assert_same(read_run(tmp_path / "sp"), read_run(tmp_path / "one"), range(STEPS), roots)
+
+
+def _context_parallel(rank: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    model = nn.parallel.DistributedDataParallel(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with HookLogger(model, log_dir=f"{root}/cp", every=1, optimizer=opt) as hooks:
+            for step in range(STEPS):
+                x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(step))
+                with context_parallel(init_device_mesh("cpu", (2,)), buffers=[x], buffer_seq_dims=[1]):
+                    model(x).square().mean().backward()  # x: this rank's half of the sequence
+                opt.step()
+                opt.zero_grad()
+                hooks.step()
+    if rank == 0:
+        (warning,) = [w for w in caught if "tblog_hooks" in str(w.message)]
+        assert "context parallelism is active" in str(warning.message)
+
+
+def test_context_parallel_is_said_and_module_statistics_left_out(tmp_path: Path) -> None:
+    """Under ``context_parallel`` every rank holds a shard of the sequence as a plain tensor."""
+    spawn_ranks(_context_parallel, tmp_path, 2)
+    tags = read_run(tmp_path / "cp").scalars
+    assert not [t for t in tags if t.startswith(("activation/", "gradient/", "input/"))]
+    assert "param_grad/global_norm" in tags
+
+
+def _sharded_after_attaching(rank: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    for shard in ("fsdp", "tp"):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hooks = HookLogger(model, log_dir=f"{root}/{shard}", every=1, optimizer=opt)
+            if shard == "fsdp":
+                fully_shard(model)
+            else:
+                parallelize_module(model, init_device_mesh("cpu", (2,)), _plan())
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)  # (over the sharded parameters)
+            for step in range(STEPS):
+                model(_batch(rank, step)).square().mean().backward()
+                opt.step()
+                hooks.step()
+            hooks.close()
+        said = [str(w.message) for w in caught if "tblog_hooks" in str(w.message)]
+        if rank == 0:  # (the writing rank; the other records nothing)
+            assert any("create the HookLogger after sharding the model" in warning for warning in said), said
+
+
+def test_a_model_sharded_after_attaching_is_not_logged(tmp_path: Path) -> None:
+    """Attach after ``fully_shard`` / ``parallelize_module``: attached before, the writing rank says
+    so at the end of the first logged step, and writes nothing rather than its own pieces."""
+    spawn_ranks(_sharded_after_attaching, tmp_path, 2)
+    for shard in ("fsdp", "tp"):
+        assert not [t for t in read_run(tmp_path / shard).scalars if t.startswith("param_grad/")], shard
+
+
+class _Attention(nn.Module):
+    """Causal self-attention over 4 heads of 4; under tensor parallelism each rank has 2 of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (f(x).unflatten(-1, (-1, 4)).transpose(1, 2) for f in (self.q, self.k, self.v))  # this rank's heads
+        return self.o(nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
+
+
+def _train_attention(model: nn.Module, log_dir: str) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with HookLogger(model, log_dir=log_dir, every=1, optimizer=opt, attention=True) as hooks:
+        for step in range(STEPS):
+            model(_sequence(step).float()).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step()
+
+
+def _parallel_attention(rank: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel()}
+    _train_attention(parallelize_module(_Attention(), init_device_mesh("cpu", (2,)), plan), f"{root}/attention")
+
+
+def test_attention_heads_split_over_ranks_are_those_of_one_process(tmp_path: Path) -> None:
+    spawn_ranks(_parallel_attention, tmp_path, 2)
+    _train_attention(_Attention(), str(tmp_path / "one"))
+    run, one = read_run(tmp_path / "attention"), read_run(tmp_path / "one")
+    _assert_same(run, one, range(STEPS), ("attention/",), histograms=False)
+    for picture in ("health/attention_max_logit", "health/attention_entropy"):  # every head, in order
+        ours, theirs = read_images(tmp_path / "attention", picture), read_images(tmp_path / "one", picture)
+        for step in range(STEPS):
+            assert np.abs(ours[step].astype(int) - theirs[step].astype(int)).max() <= 1, (picture, step)
