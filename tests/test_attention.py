@@ -395,7 +395,7 @@ def test_scaled_query_and_key_weights_are_found_in_their_block_only(tmp_path) ->
     assert run.scalar("health/attention_logit_growth", 0) == 1
     assert run.scalar("health/attention_entropy_collapse", 0) == 1
     pictures = read_images(tmp_path, "health/attention_entropy")
-    assert list(pictures) == [0] and pictures[0].shape[0] == 2 * 8 + 14 * 2  # one row per block
+    assert list(pictures) == [0]  # (their layout: tests/test_charts.py)
 
 
 def _healthy(name: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:

@@ -16,7 +16,7 @@ from torchvision.io import ImageReadMode, decode_png
 
 from tblog_hooks import HookLogger
 from tblog_hooks.diagnostics.per_step import gradient_flow_image
-from tblog_hooks.diagnostics.pictures import BACKGROUND, MAX_COLUMNS, gradient_flow
+from tblog_hooks.diagnostics.pictures import BACKGROUND, MAX_COLUMNS, gradient_flow, heads_grid
 from tblog_hooks.diagnostics.pictures import NONFINITE_COLOUR as NONFINITE
 from tblog_hooks.diagnostics.pictures import ZERO_COLOUR as ZERO
 from tblog_hooks.output.events import png
@@ -54,6 +54,23 @@ def test_heatmap_rows_are_modules_columns_steps_colour_log10() -> None:
     unlogged = gradient_flow(["a", "b"], [0, 5], norms, np.array([[True, True], [False, True]]))
     assert not _where(unlogged.transpose(1, 2, 0), NONFINITE)[0].size
     assert tuple(unlogged.transpose(1, 2, 0)[int(bad_y.mean()), int(bad_x.mean())]) == BACKGROUND
+
+
+@pytest.mark.parametrize("log", [True, False])
+def test_heads_picture_rows_are_layers_columns_heads(log: bool) -> None:
+    """The attention pictures: a row per layer, a column per head, a head without a value (NaN)
+    red, larger values brighter along the scale; the colour bar is labelled."""
+    values = np.array([[0.5, 100.0], [math.nan, 3.0]])  # rows: layers a, b; columns: heads 0, 1
+    image = heads_grid(["a", "b"], values, "title", log=log).transpose(1, 2, 0)
+    bad_y, bad_x = _where(image, NONFINITE)  # b, head 0: one cell, which locates the others
+    height, width = bad_y.max() - bad_y.min() + 1, bad_x.max() - bad_x.min() + 1
+    y, x = int(bad_y.mean()), int(bad_x.mean())
+    cell = {(0, 0): image[y - height, x], (0, 1): image[y - height, x + width], (1, 1): image[y, x + width]}
+    brightness = {k: int(v.astype(int).sum()) for k, v in cell.items()}  # (viridis brightens as it rises)
+    assert brightness[(0, 0)] < brightness[(1, 1)] < brightness[(0, 1)]
+    assert tuple(cell[(0, 1)]) == YELLOW  # 100: the top of the scale
+    right = x + 3 * width // 2  # the grid's right edge; then the bar and its labels
+    assert (image[:, right + 30 :] != BACKGROUND).any(axis=-1).any()
 
 
 def test_heatmap_names_keep_their_case_and_the_picture_fits_a_tensorboard_card() -> None:

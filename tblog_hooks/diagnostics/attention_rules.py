@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -93,7 +93,7 @@ def _head(per_head: Heads | None, which: int, pick: object) -> str:
 
 def heads_pictures(heads: Mapping[str, Heads]) -> dict[str, np.ndarray]:
     """The ``layers x heads`` pictures of a step: one row per attention module (in call order),
-    one column per head; the max logit on a log scale, the entropy on a linear one."""
+    one column per head; the max logit on a log scale, the entropy (nats) on a linear one."""
     if not heads:
         return {}
     names = list(heads)
@@ -102,26 +102,10 @@ def heads_pictures(heads: Mapping[str, Heads]) -> dict[str, np.ndarray]:
     for row, (peaks, entropies) in enumerate(heads.values()):
         table[0, row, : peaks.size], table[1, row, : entropies.size] = peaks, entropies
     return {
-        PICTURES[Stat.MAX_LOGIT]: _grid(names, np.log10(np.maximum(table[0], 1e-3))),
-        PICTURES[Stat.ENTROPY]: _grid(names, table[1]),
+        PICTURES[Stat.MAX_LOGIT]: pictures.heads_grid(
+            names, table[0], "max attention logit per layer and head", log=True
+        ),
+        PICTURES[Stat.ENTROPY]: pictures.heads_grid(
+            names, table[1], "attention entropy (nats) per layer and head", log=False
+        ),
     }
-
-
-def _grid(rows: Sequence[str], values: np.ndarray) -> np.ndarray:
-    """Rows labelled with the module names, a cell per head, viridis from the step's smallest to
-    its largest value; NaN cells red."""
-    finite = np.isfinite(values)
-    lo = float(values[finite].min()) if finite.any() else 0.0
-    hi = float(values[finite].max()) if finite.any() else 1.0
-    cells = pictures._colour((values - lo) / (hi - lo if hi > lo else 1.0))
-    cells[~finite] = pictures.NONFINITE_COLOUR
-    cell = 14
-    labels = pictures._labels(tuple(rows))
-    grid = np.repeat(np.repeat(cells, pictures.ROW_HEIGHT, 0), cell, 1)
-    canvas = np.full(
-        (grid.shape[0] + 2 * pictures.PAD, labels.shape[1] + grid.shape[1] + 3 * pictures.PAD, 3), 255, np.uint8
-    )
-    top, left = pictures.PAD, 2 * pictures.PAD + labels.shape[1]
-    canvas[top : top + labels.shape[0], pictures.PAD : pictures.PAD + labels.shape[1]] = labels
-    canvas[top : top + grid.shape[0], left : left + grid.shape[1]] = grid
-    return np.ascontiguousarray(canvas.transpose(2, 0, 1))

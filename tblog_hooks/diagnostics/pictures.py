@@ -1,4 +1,5 @@
-"""The gradient-flow heatmap, drawn on the host from logged norms with Pillow."""
+"""The pictures of a logged step, drawn on the host with Pillow: the gradient-flow heatmap and the
+per-head attention pictures, in one layout."""
 
 from __future__ import annotations
 
@@ -35,29 +36,64 @@ def gradient_flow(modules: Sequence[str], steps: Sequence[int], norms: np.ndarra
     steps = list(steps)[-MAX_COLUMNS:]
     finite = np.isfinite(norms)
     positive = finite & (norms > 0)
-    logs = np.log10(np.where(positive, norms, 1.0))
-    lo = math.floor(logs[positive].min()) if positive.any() else -1
-    hi = max(math.ceil(logs[positive].max()) if positive.any() else 0, lo + 1)
-
-    font = _font()
-    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
-    labels = _labels(tuple(modules))
-    label_w = labels.shape[1]
-    line = FONT_SIZE + 4
-    title = "output-gradient norm per module (input at the top) and logged step"
-    cell_w = max(1, GRID_WIDTH // max(1, len(steps)))
-    left, top = PAD + label_w + 6, PAD + line + 6
-    grid_w, grid_h = cell_w * len(steps), ROW_HEIGHT * len(modules)
-    bar_x, bar_h = left + grid_w + 14, max(grid_h, MIN_BAR_HEIGHT)
-    ticks = [f"1e{value}" for value in range(lo, hi + 1)]
-    width = max(bar_x + BAR_WIDTH + 6 + max(round(measure.textlength(t, font=font)) for t in ticks) + PAD,
-                PAD + round(measure.textlength(title, font=font)) + PAD)  # fmt: skip
-    height = top + max(grid_h, bar_h) + 2 * line + 8 + PAD
-
-    cells = _colour((logs - lo) / (hi - lo))
+    cells, bar = _decades(np.where(positive, norms, math.nan))
     cells[finite & ~positive] = ZERO_COLOUR
     cells[~finite & ~missing] = NONFINITE_COLOUR
     cells[missing] = BACKGROUND
+    title = "output-gradient norm per module (input at the top) and logged step"
+    return _heatmap(modules, cells, [str(s) for s in steps], "logged step", title, bar)
+
+
+def heads_grid(modules: Sequence[str], values: np.ndarray, title: str, *, log: bool) -> np.ndarray:
+    """Heatmap of ``values[module, head]`` as a uint8 ``3 x H x W`` array: a row per attention
+    module, a column per head (numbered below), colour on a log scale by decades (``log``) or a
+    linear one from 0, with a labelled colour bar; NaN (a head none of whose queries had a key,
+    or a module with fewer heads) red."""
+    values = np.asarray(values, dtype=np.float64)
+    if log:
+        cells, bar = _decades(np.where(values > 0, values, math.nan))
+    else:
+        finite = np.isfinite(values)
+        top = max(math.ceil(float(values[finite].max())), 1) if finite.any() else 1
+        cells = _colour(np.where(finite, values, 0.0) / top)
+        bar = [(1 - i / 4, f"{top * i / 4:g}") for i in range(4, -1, -1)]
+    cells[~np.isfinite(values)] = NONFINITE_COLOUR
+    return _heatmap(modules, cells, [str(h) for h in range(values.shape[1])], "head", title, bar)
+
+
+def _decades(values: np.ndarray) -> tuple[np.ndarray, list[tuple[float, str]]]:
+    """Positive ``values`` (NaN elsewhere; a row per picture row) coloured on a log scale spanning
+    whole decades, and the colour bar's ticks: ``(position from the top in [0, 1], label)``, as
+    many as its height holds."""
+    shown = np.isfinite(values)
+    logs = np.log10(np.where(shown, values, 1.0))
+    lo = math.floor(logs[shown].min()) if shown.any() else -1
+    hi = max(math.ceil(logs[shown].max()) if shown.any() else 0, lo + 1)
+    bar_h = max(ROW_HEIGHT * values.shape[0], MIN_BAR_HEIGHT)
+    stride = max(1, math.ceil((hi - lo) / max(1, bar_h // (2 * (FONT_SIZE + 4)))))
+    ticks = [((hi - value) / (hi - lo), f"1e{value}") for value in range(hi, lo - 1, -stride)]
+    return _colour((logs - lo) / (hi - lo)), ticks
+
+
+def _heatmap(
+    rows: Sequence[str], cells: np.ndarray, columns: list[str], axis: str, title: str, bar: list[tuple[float, str]]
+) -> np.ndarray:
+    """``cells`` (RGB, a row per name in ``rows``, a column per label in ``columns``) drawn with
+    the names at the left, ``title`` above, the column labels (some of them) and ``axis`` below,
+    and a colour bar at the right with its ``bar`` ticks: the layout every picture shares."""
+    font = _font()
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    labels = _labels(tuple(rows))
+    label_w = labels.shape[1]
+    line = FONT_SIZE + 4
+    cell_w = max(1, GRID_WIDTH // max(1, len(columns)))
+    left, top = PAD + label_w + 6, PAD + line + 6
+    grid_w, grid_h = cell_w * len(columns), ROW_HEIGHT * len(rows)
+    bar_x, bar_h = left + grid_w + 14, max(grid_h, MIN_BAR_HEIGHT)
+    width = max(bar_x + BAR_WIDTH + 6 + max(round(measure.textlength(t, font=font)) for _, t in bar) + PAD,
+                PAD + round(measure.textlength(title, font=font)) + PAD)  # fmt: skip
+    height = top + max(grid_h, bar_h) + 2 * line + 8 + PAD
+
     canvas = np.empty((height, width, 3), dtype=np.uint8)
     canvas[:] = BACKGROUND
     if grid_h and grid_w:
@@ -70,16 +106,15 @@ def gradient_flow(modules: Sequence[str], steps: Sequence[int], norms: np.ndarra
 
     _text(draw, (PAD, PAD), title, font, ("left", "top"))
     axis_y = top + grid_h + 2
-    for column in _step_ticks(len(steps), cell_w):
+    for column in _step_ticks(len(columns), cell_w):
         x = left + column * cell_w + cell_w // 2
         draw.line([(x, axis_y), (x, axis_y + 3)], fill=INK)
-        _text(draw, (x, axis_y + 4), str(steps[column]), font, ("centre", "top"))
-    _text(draw, (left + grid_w / 2, axis_y + 4 + line), "logged step", font, ("centre", "top"))
-    stride = max(1, math.ceil((hi - lo) / max(1, bar_h // (2 * line))))
-    for value in range(hi, lo - 1, -stride):  # from the top, so the largest decade is labelled
-        y = top + round((hi - value) / (hi - lo) * (bar_h - 1))
+        _text(draw, (x, axis_y + 4), columns[column], font, ("centre", "top"))
+    _text(draw, (left + grid_w / 2, axis_y + 4 + line), axis, font, ("centre", "top"))
+    for position, text in bar:
+        y = top + round(position * (bar_h - 1))
         draw.line([(bar_x + BAR_WIDTH, y), (bar_x + BAR_WIDTH + 3, y)], fill=INK)
-        _text(draw, (bar_x + BAR_WIDTH + 5, y), f"1e{value}", font, ("left", "middle"))
+        _text(draw, (bar_x + BAR_WIDTH + 5, y), text, font, ("left", "middle"))
     return np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1))
 
 
