@@ -29,7 +29,7 @@ from .output.destination import Destination
 from .output.outbox import Outbox, WriteError
 from .transport import amp
 from .transport.distributed import Ranks, rank_and_world
-from .transport.parallel import first_of_groups, holds_split
+from .transport.parallel import TensorParallel
 
 
 class _State(enum.Enum):
@@ -92,12 +92,16 @@ class HookLogger:
         self._recorded_steps = 0
         self._module_names = tuple(selected)
         self._watched = Watched(model, selected, parameters=config.parameters)
-        split = holds_split(model)
+        parallel = TensorParallel(model)
+        parallel.begin()
+        split = parallel.holds_split()
         _check_optimizer(config, averaged=averaged and bool(self._watched.params()), split=split)
-        self._recording = Recording(self._watched, config, feature_maps=frozenset(mapped), model=model)
+        self._recording = Recording(
+            self._watched, config, feature_maps=frozenset(mapped), model=model, parallel=parallel
+        )
         scaler = config.scaler
         self._amp = amp.ScaleWatch(scaler) if scaler is not None and scaler.is_enabled() else None
-        self._ranks = Ranks(reduce=config.reduce_ranks, split=split, lead=first_of_groups(model))
+        self._ranks = Ranks(reduce=config.reduce_ranks, split=split, lead=parallel.first_of_groups())
         self._diagnostics = Diagnostics(self._module_names, self._recording.forward_order, config.health)
         # Rank 0 writes, into writer= or a writer of its own; another rank only into a writer it was given.
         self._writer, owns_writer = _open_writer(config, self._ranks.rank)
@@ -221,7 +225,7 @@ class HookLogger:
             self._amp.begin()
 
     def _end_logged_step(self) -> None:
-        late = self._ranks.sharded_late(self._watched.model)
+        late = self._ranks.sharded_late(self._recording.parallel)
         if late is not None:
             self._switch_off(f"logged step {self._step}", late)
         drained = packed = None
@@ -230,10 +234,8 @@ class HookLogger:
             if self._amp is not None and not self._recording.empty:
                 self._amp.finish(self._recording.buffer)
             drained = self._recording.drain()
-            records, samples, waiting = drained
-            # Gradients placed Partial, and split samples, are packed with the other ranks (Ranks.finish).
-            if not (self._ranks.needed and (waiting or any(h.split is not None for h in samples))):
-                packed = self._recording.pack(records, samples)
+            if not self._ranks.packs_together(drained):
+                packed = self._recording.pack(*drained[:2])
         except Exception as error:  # e.g. histc under deterministic CUDA
             self._switch_off(f"packing step {self._step}", error)
         self._recorded_steps += drained is not None and any(drained)

@@ -133,12 +133,19 @@ def check_model(
 
 
 # -- models ----------------------------------------------------------------------------------------
-def test_gpt2_causal_and_padded(tmp_path) -> None:
-    model = models.gpt2(32, 50)
+def _padded(ends: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three sequences of 16 random tokens (vocabulary 50) and their attention mask: row ``r``
+    padded from position ``ends[r]`` on."""
     tokens = torch.randint(0, 50, (3, 16))
     padding = torch.ones(3, 16, dtype=torch.long)
-    padding[1, 10:] = 0
-    padding[2, 4:] = 0
+    for row, end in ends.items():
+        padding[row, end:] = 0
+    return tokens, padding
+
+
+def test_gpt2_causal_and_padded(tmp_path) -> None:
+    model = models.gpt2(32, 50)
+    tokens, padding = _padded({1: 10, 2: 4})
 
     def forward():
         return model(tokens, attention_mask=padding, labels=tokens).loss
@@ -186,10 +193,7 @@ def test_llama_grouped_query_attention(tmp_path) -> None:
 
 def test_bert_padding_mask(tmp_path) -> None:
     model = models.bert(32, 50)
-    tokens = torch.randint(0, 50, (3, 16))
-    padding = torch.ones(3, 16, dtype=torch.long)
-    padding[0, 5:] = 0
-    padding[2, 12:] = 0
+    tokens, padding = _padded({0: 5, 2: 12})
     check_model(
         tmp_path,
         model,

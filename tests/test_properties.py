@@ -19,6 +19,7 @@ from tblog_hooks.output.summarize import summarize
 from tblog_hooks.stats import binning, reductions, sampling
 from tblog_hooks.stats.kinds import ACTIVATION, GRADIENT
 from tblog_hooks.stats.packing import pack_step
+from tblog_hooks.transport.parallel import TensorParallel
 
 SETTINGS = settings(max_examples=100, deadline=None, database=None)
 NONFINITE = st.sampled_from([math.nan, math.inf, -math.inf])
@@ -153,7 +154,13 @@ def test_pooled_calls_match_the_concatenation(parts: list[torch.Tensor]) -> None
     """Several calls of one module in a step (packed by pack_step, merged by summarize)."""
     buffer = StepBuffer(Histograms())
     recorder = ActivationRecorder(
-        buffer, None, activations=True, inputs=False, eval_passes=False, feature_maps=frozenset()
+        buffer,
+        None,
+        activations=True,
+        inputs=False,
+        eval_passes=False,
+        feature_maps=frozenset(),
+        parallel=TensorParallel(torch.nn.Identity()),
     )
     buffer.begin(0)  # the first logged step: it takes histograms
     for x in parts:

@@ -35,7 +35,7 @@ class ActivationRecorder:
         inputs: bool,
         eval_passes: bool,
         feature_maps: frozenset[str],
-        parallel: TensorParallel | None = None,
+        parallel: TensorParallel,
     ) -> None:
         self.buffer, self.gradients, self.parallel = buffer, gradients, parallel
         self.activations, self.inputs, self.feature_maps = activations, inputs, feature_maps
@@ -107,7 +107,7 @@ class ActivationRecorder:
             units = self.units.get(name, -1)
             leaves = loggable_leaves(inputs)
             whole: list[tuple[Tensor, Split | None]] = [(t, None) for t in leaves]
-            pieces = whole if mode.compiled or self.parallel is None else self.parallel.inputs(leaves)
+            pieces = whole if mode.compiled else self.parallel.inputs(leaves)
             with torch.no_grad():
                 for t, split in pieces:
                     if self.inputs:
@@ -129,13 +129,12 @@ class ActivationRecorder:
         self.passes.reset()
         self._mapped, self._last_output = set(), None
         self._trained = self._evaluated = False
-        if self.parallel is not None:
-            self.parallel.end()
+        self.parallel.end()
 
     def _sequence_split(self, mode: Mode) -> bool:
         """Under context parallelism no module's statistics are recorded (said once, see
         ``transport/parallel.py``)."""
-        if mode.compiled or self.parallel is None or not self.parallel.sequence_split():
+        if mode.compiled or not self.parallel.sequence_split():
             return False
         self.buffer.fail(MODULE_STATISTICS, RuntimeError(CONTEXT_PARALLEL))
         self.buffer.disabled.update(self.units)
@@ -145,7 +144,7 @@ class ActivationRecorder:
         self, module: nn.Module, args: object, tensors: list[Tensor], units: int, mode: Mode
     ) -> list[tuple[Tensor, Split | None]]:
         """The outputs as this rank's pieces, each with how it is split over ranks (``None``: whole)."""
-        if mode.compiled or self.parallel is None:
+        if mode.compiled:
             return [(t, None) for t in tensors]
         return [(t, along_units(split, units, t.dim())) for t, split in self.parallel.outputs(module, args, tensors)]
 

@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._compat import function_mode_on_top, in_backward
 from ..errors import HookLoggerError
-from ..stats.attention import BUDGET, attention_statistics, mha_arguments, sdpa_arguments
+from ..stats.attention import attention_statistics, mha_arguments, sdpa_arguments
 from ..stats.kinds import ATTENTION
 from ..stats.packing import Record
 from ..transport.parallel import TensorParallel
@@ -50,10 +50,9 @@ class AttentionRecorder:
         selectors: bool | Selector | Sequence[Selector],
         *,
         eval_passes: bool,
-        parallel: TensorParallel | None = None,
-        budget: int = BUDGET,
+        parallel: TensorParallel,
     ) -> None:
-        self.buffer, self.eval_passes, self.budget, self.parallel = buffer, eval_passes, budget, parallel
+        self.buffer, self.eval_passes, self.parallel = buffer, eval_passes, parallel
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         for name, module in model.named_modules():
             self._names.setdefault(module, name or ROOT_NAME)
@@ -132,8 +131,8 @@ class AttentionRecorder:
             with torch.no_grad():
                 found = sdpa_arguments(args, kwargs) if func is _SDPA else mha_arguments(func, args, kwargs)
                 found["query"], found["key"] = found["query"].detach(), found["key"].detach()
-                values = attention_statistics(**found, budget=self.budget)
-            split = None if self.parallel is None else self.parallel.heads(module)
+                values = attention_statistics(**found)
+            split = self.parallel.heads(module)
             mode.add(Record(ATTENTION, name, found["query"].shape[:-1].numel(), values, split=split))
         except Exception as error:  # the logger must never stop training
             self.buffer.fail(PART, error)

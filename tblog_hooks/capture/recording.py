@@ -30,16 +30,24 @@ if TYPE_CHECKING:
 class Recording:
     """Hooks on the watched modules (and optimizers) that record on logged steps only."""
 
-    def __init__(self, watched: Watched, config: Options, *, feature_maps: frozenset[str], model: nn.Module) -> None:
+    def __init__(
+        self,
+        watched: Watched,
+        config: Options,
+        *,
+        feature_maps: frozenset[str],
+        model: nn.Module,
+        parallel: TensorParallel,
+    ) -> None:
         """The recording the ``HookLogger`` options ``config`` ask for (``feature_maps``: the names
-        of the watched modules they select)."""
+        of the watched modules they select; ``parallel``: the model's tensor-parallel styles)."""
         histograms: Histograms | None = config.histograms  # type: ignore[assignment]  # (normalised by Options)
         self.watched = watched
         self.buffer = StepBuffer(histograms)
         self.gradients = (
             OutputGradientRecorder(self.buffer, histograms=histograms is not None) if config.gradients else None
         )
-        self.parallel = TensorParallel(model)
+        self.parallel = parallel
         self.activations = ActivationRecorder(
             self.buffer,
             self.gradients,

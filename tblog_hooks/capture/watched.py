@@ -25,11 +25,6 @@ class Watched:
         self._parameters = parameters
         self._left: set[str] = set()
 
-    @property
-    def model(self) -> nn.Module | None:
-        """The model, while it is alive."""
-        return self._model()
-
     def params(self) -> list[tuple[str, Tensor]]:
         """``[("module.param", parameter)]`` of the watched modules still in the model (frozen ones
         too; tied ones once); empty with ``parameters=False``."""

@@ -110,18 +110,28 @@ class Thresholds:
             "attention_growth": (1.0, math.inf, False, True, False, "a number above 1 (inf: off)"),
             "attention_entropy": (0.0, math.inf, True, False, False, "a number of nats >= 0 (0: off)"),
         }  # fmt: skip
-        for f in fields(self):
-            value = getattr(self, f.name)
-            low, high, low_ok, high_ok, integral, valid = limits[f.name]
-            ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-            if ok:
-                number = float(value)
-                ok = (low < number or (low_ok and number == low)) and (number < high or (high_ok and number == high))
-                ok = ok and (not integral or number == math.inf or number.is_integer())
-            if not ok:
-                raise HookLoggerError(f"Thresholds({f.name}={value!r}) is invalid: it must be {valid}")
-            # numpy scalars become plain numbers, whole step counts ints
-            object.__setattr__(self, f.name, int(number) if integral and number != math.inf else number)
+        check_fields(self, limits)
+
+
+#: A numeric field's valid range: (low, high, low allowed, high allowed, whole numbers only, what is valid).
+Limit = tuple[float, float, bool, bool, bool, str]
+
+
+def check_fields(config: object, limits: Mapping[str, Limit]) -> None:
+    """Check each field of the frozen dataclass ``config`` against its :data:`Limit`, raising
+    ``HookLoggerError`` naming the class, the field, the value and what is valid; NumPy scalars
+    become plain numbers, whole numbers ints (but ``inf``)."""
+    for f in fields(config):  # type: ignore[arg-type]
+        value = getattr(config, f.name)
+        low, high, low_ok, high_ok, integral, valid = limits[f.name]
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if ok:
+            number = float(value)
+            ok = (low < number or (low_ok and number == low)) and (number < high or (high_ok and number == high))
+            ok = ok and (not integral or number == math.inf or number.is_integer())
+        if not ok:
+            raise HookLoggerError(f"{type(config).__name__}({f.name}={value!r}) is invalid: it must be {valid}")
+        object.__setattr__(config, f.name, int(number) if integral and number != math.inf else number)
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,10 @@ series through the same :class:`Detector` and :func:`attribute`.
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,7 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from ..capture.spikes import StepNorms, any_split, check_loss
 from ..errors import HookLoggerError
 from ..stats.tags import Root, Stat, by_name, tag
-from .health import Finding, FindingKind, Health
+from .health import Finding, FindingKind, Health, check_fields
 
 if TYPE_CHECKING:
     from ..capture.hooks import Handles
@@ -74,22 +73,19 @@ class Spikes:
     after: int = 3
 
     def __post_init__(self) -> None:
-        limits = {"steps": 2, "window": 3, "warmup": 3, "after": 0}  # whole numbers, at least this
-        for f in fields(self):
-            value = getattr(self, f.name)
-            ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-            if f.name in limits:
-                ok, valid = (
-                    ok and float(value).is_integer() and value >= limits[f.name],
-                    f"a whole number >= {limits[f.name]}",
-                )
-            elif f.name == "threshold":
-                ok, valid = ok and value > 0, "a finite number above 0"
-            else:
-                ok, valid = ok and value >= 1, "a finite number >= 1"
-            if not ok:
-                raise HookLoggerError(f"Spikes({f.name}={value!r}) is invalid: it must be {valid}")
-            object.__setattr__(self, f.name, int(value) if f.name in limits else float(value))
+        inf = math.inf
+        check_fields(
+            self,
+            {  # name: (low, high, low allowed, high allowed, whole numbers only, what is valid)
+                "steps": (2, inf, True, False, True, "a whole number >= 2"),
+                "window": (3, inf, True, False, True, "a whole number >= 3"),
+                "warmup": (3, inf, True, False, True, "a whole number >= 3"),
+                "threshold": (0, inf, False, False, False, "a finite number above 0"),
+                "grad_ratio": (1, inf, True, False, False, "a finite number >= 1"),
+                "loss_ratio": (1, inf, True, False, False, "a finite number >= 1"),
+                "after": (0, inf, True, False, True, "a whole number >= 0"),
+            },
+        )
         if self.warmup > self.window:
             raise HookLoggerError(
                 f"Spikes(warmup={self.warmup}) is larger than window={self.window}: the detector judges a series "

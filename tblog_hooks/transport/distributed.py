@@ -31,12 +31,12 @@ from typing import NamedTuple, TypeVar
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..errors import HookLoggerError
 from ..stats.binning import Sample
 from ..stats.packing import Entry, Record, StepLayout
-from .parallel import holds_split
+from .parallel import TensorParallel
 from .sharding import Pending, Split
 
 Item = TypeVar("Item")
@@ -79,10 +79,13 @@ class Ranks:
         """Whether every rank must take part in logged steps, writing or not."""
         return self.reduce or self.split
 
-    def sharded_late(self, model: nn.Module | None) -> HookLoggerError | None:
-        """The error to stop logging with (on every rank alike) when ``model`` was sharded after
+    def sharded_late(self, parallel: TensorParallel) -> HookLoggerError | None:
+        """The error to stop logging with (on every rank alike) when the model was sharded after
         the logger was created: what it recorded would be this rank's pieces only."""
-        if self.world == 1 or self.split or model is None or not holds_split(model):
+        if self.world == 1 or self.split:
+            return None
+        parallel.begin()  # (styles given since the logged step began count too)
+        if not parallel.holds_split():
             return None
         return HookLoggerError(
             "the model was sharded (fully_shard, parallelize_module) after the HookLogger was created, so its "
@@ -92,6 +95,13 @@ class Ranks:
     def stop(self) -> None:
         """No collectives from now on (all ranks stop together, see :meth:`agree`)."""
         self.reduce = self.split = False
+
+    def packs_together(self, drained: tuple[list[Record], list[Sample], list[Pending]]) -> bool:
+        """Whether a step's records are packed in :meth:`finish`, with the other ranks: when
+        gradients placed ``Partial`` must first be reduced, or split samples joined by their
+        other pieces (binned over one range)."""
+        _, samples, waiting = drained
+        return self.needed and (bool(waiting) or any(h.split is not None for h in samples))
 
     def finish(
         self,
@@ -107,7 +117,7 @@ class Ranks:
         step combined over ranks; raises ``RuntimeError`` on every rank alike when it cannot be."""
         records, samples, waiting = ([], [], []) if drained is None else drained
         told = self.agree(None if drained is None else records, samples, waiting)
-        if packed is not None or drained is None or not (waiting or any(h.split is not None for h in samples)):
+        if packed is not None or drained is None or not self.packs_together(drained):
             return None if packed is None else self.combine(*packed, told)
         if waiting:
             reduced, failure = self._reduced(waiting), None
@@ -224,11 +234,9 @@ class Ranks:
                 if rank == self.rank:
                     continue
                 stacked.append(gathered[part])
-                starts = iter(offset + np.cumsum([0, *[n for e in alike for _, n in e.spans][:-1]]))
-                for e in alike:
-                    spans = tuple((int(next(starts)), n) for _, n in e.spans)
-                    numel, part_of = told[rank].numels[numbered[id(e)]], told[rank].parts[numbered[id(e)]]
-                    entries.append(dataclasses.replace(e, numel=numel, spans=spans, part=part_of))
+                at = [numbered[id(e)] for e in alike]
+                theirs = told[rank]
+                entries += _laid_out(alike, offset, [theirs.numels[i] for i in at], [theirs.parts[i] for i in at])
                 offset += mine.numel()
         return torch.cat(stacked), dataclasses.replace(layout, entries=entries, size=offset)
 
@@ -240,7 +248,6 @@ class Ranks:
             return packed, layout
         counted = [e for e in layout.entries if not e.kind.per_call or e.split is not None or self.lead]
         entries = [_own_part(e) for e in counted]
-        lengths = [n for e in per_call for _, n in e.spans]
         mine = packed.index_select(0, _index(_positions(per_call), packed.device))
         gathered = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(gathered, mine)
@@ -248,11 +255,8 @@ class Ranks:
         for rank, theirs in enumerate(told):
             if rank == self.rank:
                 continue
-            starts = iter((offset + np.cumsum([0, *lengths[:-1]])).tolist())
-            for entry, numel, part in zip(per_call, theirs.numels, theirs.parts):
-                spans = tuple((next(starts), n) for _, n in entry.spans)
-                if entry.split is not None or theirs.lead:
-                    entries.append(dataclasses.replace(entry, numel=numel, spans=spans, part=part))
+            copies = _laid_out(per_call, offset, theirs.numels, theirs.parts)
+            entries += [e for e in copies if e.split is not None or theirs.lead]
             offset += mine.numel()
         others = [t for rank, t in enumerate(gathered) if rank != self.rank]
         return torch.cat([packed, *others]), dataclasses.replace(layout, entries=entries, size=offset)
@@ -302,6 +306,19 @@ def _gather(mine: Tensor, split: Split) -> Tensor:
 
 def _positions(entries: list[Entry]) -> np.ndarray:
     return np.concatenate([np.arange(a, a + n) for e in entries for a, n in e.spans])
+
+
+def _laid_out(entries: list[Entry], offset: int, numels: list[int], parts: list[int | None]) -> list[Entry]:
+    """Another rank's records like ``entries``, with its element counts and parts, their values
+    one after the other in the packed array from ``offset`` (as it gathered them)."""
+    out = []
+    for entry, numel, part in zip(entries, numels, parts):
+        spans = []
+        for _, length in entry.spans:
+            spans.append((offset, length))
+            offset += length
+        out.append(dataclasses.replace(entry, numel=numel, spans=tuple(spans), part=part))
+    return out
 
 
 def _part(split: Split | None) -> int | None:

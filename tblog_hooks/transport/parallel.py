@@ -47,22 +47,27 @@ class TensorParallel:
         self._styles: dict[int, tuple[DeviceMesh, tuple[Placement, ...] | None]] = {}  # id(module) -> its style
         self._pieces: dict[int, tuple[weakref.ref[Tensor], Split]] = {}
 
-    def begin(self) -> list[nn.Module]:
-        """A logged step begins: look the styles up (modules parallelized after attaching count);
-        returns the modules that have one."""
+    def begin(self) -> None:
+        """A logged step begins: look the styles up (modules parallelized after attaching count)."""
         model = self._model()
-        styled = [] if model is None else [(m, s) for m in model.modules() if (s := parallel_output(m)) is not None]
-        self._styles = {id(m): style for m, style in styled}
-        return [m for m, _ in styled]
+        modules = [] if model is None else model.modules()
+        self._styles = {id(m): style for m in modules if (style := parallel_output(m)) is not None}
 
     def end(self) -> None:
         """A logged step ended: forget its pieces."""
         self._pieces.clear()
 
-    @property
-    def meshes(self) -> list[DeviceMesh]:
-        """The device meshes of the styles found at the latest :meth:`begin`."""
-        return [mesh for mesh, _ in self._styles.values()]
+    def holds_split(self) -> bool:
+        """Whether the model holds tensors split over ranks: ``DTensor`` parameters (FSDP2, tensor
+        parallelism) or modules with a tensor-parallel style (as of the latest :meth:`begin`)."""
+        model = self._model()
+        return bool(self._styles) or (model is not None and any(is_dtensor(p) for p in model.parameters()))
+
+    def first_of_groups(self) -> bool:
+        """Whether this rank is the first of each tensor-parallel group of the styles found at the
+        latest :meth:`begin`: of the ranks of one group, which hold the same unsplit values, its
+        values count once."""
+        return all(mesh.get_local_rank(d) == 0 for mesh, _ in self._styles.values() for d in range(mesh.ndim))
 
     @staticmethod
     def sequence_split() -> bool:
@@ -121,20 +126,6 @@ class TensorParallel:
             if isinstance(t, Tensor) and (split := self._split_of(t)) is not None:
                 return t, split
         return None
-
-
-def holds_split(model: nn.Module) -> bool:
-    """Whether ``model`` holds tensors split over ranks: ``DTensor`` parameters (FSDP2, tensor
-    parallelism) or modules with a tensor-parallel style."""
-    return any(is_dtensor(p) for p in model.parameters()) or bool(TensorParallel(model).begin())
-
-
-def first_of_groups(model: nn.Module) -> bool:
-    """Whether this rank is the first of each tensor-parallel group of ``model``'s styles: of the
-    ranks of one group, which hold the same unsplit values, its values count once."""
-    parallel = TensorParallel(model)
-    parallel.begin()
-    return all(mesh.get_local_rank(d) == 0 for mesh in parallel.meshes for d in range(mesh.ndim))
 
 
 def along_units(split: Split | None, units: int, ndim: int) -> Split | None:

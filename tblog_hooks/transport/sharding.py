@@ -10,7 +10,6 @@ piece with its ``Split``; at the end of a logged step ``Ranks`` combines the pie
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -39,11 +38,6 @@ class Split:
     def groups(self) -> tuple[dist.ProcessGroup, ...]:
         """The process groups of :attr:`dims`, in mesh order."""
         return tuple(self.mesh.get_group(d) for d in self.dims)
-
-    @property
-    def pieces(self) -> int:
-        """How many ranks hold a piece (this one included)."""
-        return math.prod(self.mesh.size(d) for d in self.dims)
 
     @property
     def key(self) -> tuple[object, ...]:
