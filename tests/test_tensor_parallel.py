@@ -153,10 +153,12 @@ def _sequence(step: int) -> torch.Tensor:
     return torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
 
 
-def _train_sequence(model: nn.Module, log_dir: str, piece: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def _train_sequence(
+    model: nn.Module, log_dir: str, piece: Callable[[torch.Tensor], torch.Tensor], modules: list[str] = WATCHED[:4]
+) -> None:
     """``STEPS`` SGD steps on ``piece`` of each step's sequence batch, summed squares as the loss."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    options = {**OPTIONS, "modules": ["0", "1", "2", "3"]}
+    options = {**OPTIONS, "modules": modules}
     with HookLogger(model, log_dir=log_dir, optimizer=opt, **options) as hooks:  # type: ignore[arg-type]
         for step in range(STEPS):
             out = model(piece(_sequence(step)))
@@ -181,17 +183,20 @@ def _sequence_parallel(rank: int, root: str) -> None:
         "2": RowwiseParallel(output_layouts=Shard(1)),
         "3": SequenceParallel(),  # its gradients are placed Partial: summed over the ranks once the step ends
     }
-    model = parallelize_module(_norm_model(), init_device_mesh("cpu", (2,)), plan)
-    _train_sequence(model, f"{root}/sp", lambda x: x[:, 3 * rank : 3 * rank + 3])
+    for watched in (WATCHED[:4], ["3"]):  # ["3"]: only gradients placed Partial
+        model = parallelize_module(_norm_model(), init_device_mesh("cpu", (2,)), plan)
+        _train_sequence(model, f"{root}/sp{len(watched)}", lambda x: x[:, 3 * rank : 3 * rank + 3], watched)
 
 
 def test_sequence_parallel_logs_what_one_process_logs(tmp_path: Path) -> None:
     """Each rank holds half of the sequence around the tensor-parallel layers."""
     spawn_ranks(_sequence_parallel, tmp_path, 2)
-    _train_sequence(_norm_model(), str(tmp_path / "one"), lambda x: x)
     # (step/grad_norm leaves the norm's gradients out, placed Partial: said once, see docs/spikes.md)
     roots = (*ACTIVATIONS, "param_grad/", "param/")
-    _assert_same(read_run(tmp_path / "sp"), read_run(tmp_path / "one"), range(STEPS), roots)
+    for watched in (WATCHED[:4], ["3"]):
+        _train_sequence(_norm_model(), str(tmp_path / f"one{len(watched)}"), lambda x: x, watched)
+        run, one = read_run(tmp_path / f"sp{len(watched)}"), read_run(tmp_path / f"one{len(watched)}")
+        _assert_same(run, one, range(STEPS), roots)
 
 
 def _context_parallel(rank: int, root: str) -> None:

@@ -88,7 +88,7 @@ class ParameterRecorder:
         """Histograms of the weights whose gradients this step recorded, as they are at the end
         of the step (after the update). ``params`` looks the watched parameters up: called only
         on a step that takes weight histograms."""
-        if not self._graded or not self.buffer.eager.takes_histogram(Root.PARAM):
+        if not self.graded or not self.buffer.eager.takes_histogram(Root.PARAM):
             return
         named = [(key, local(p)) for key, p in params() if key in self._graded or key in self._pending]
         if not named:
