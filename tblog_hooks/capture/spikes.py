@@ -44,8 +44,9 @@ class StepNorms:
 
     def __init__(self, watched: Watched, modules: Sequence[str], steps: int) -> None:
         self.watched, self.modules, self.steps = watched, tuple(modules), steps
-        # id(parameter) -> (slot: group-set index * modules + module index, parameter); None: look up again.
-        self._owners: dict[int, tuple[int, Tensor]] | None = None
+        # id(parameter) -> (slot: group-set index * modules + module index, parameter, whether it is a
+        # DTensor, whose gradient is one too); None: look up again.
+        self._owners: dict[int, tuple[int, Tensor, bool]] | None = None
         # Shard groups of sharded parameters by their Split's key (alike on every rank), in the order
         # found; a parameter's slot is in block 1 + that position (block 0: not sharded).
         self._group_sets: dict[tuple[object, ...], Groups] = {}
@@ -89,10 +90,12 @@ class StepNorms:
                     entry = owners.get(id(p))
                     if entry is None or not loggable(g := p.grad):
                         continue
-                    if is_partial(g):
-                        partial.append(p)
-                        continue
-                    grads.append(local(g)[0])
+                    if entry[2]:  # (no DTensor check per plain parameter and step)
+                        if is_partial(g):
+                            partial.append(p)
+                            continue
+                        g = g.to_local()
+                    grads.append(g)
                     slots.append(entry[0])
             if partial:
                 self._say_partial(partial)
@@ -147,11 +150,11 @@ class StepNorms:
         return done
 
     # -- internals ---------------------------------------------------------------------------
-    def _look_up(self) -> dict[int, tuple[int, Tensor]]:
+    def _look_up(self) -> dict[int, tuple[int, Tensor, bool]]:
         """Map each watched parameter to its module's slot (the module owning it by name)."""
         index = {m: i for i, m in enumerate(self.modules)}
         world = rank_and_world()[1]
-        owners: dict[int, tuple[int, Tensor]] = {}
+        owners: dict[int, tuple[int, Tensor, bool]] = {}
         for key, p in self.watched.params():
             name = key
             while name and name not in index:
@@ -162,7 +165,7 @@ class StepNorms:
             if split is not None:
                 self._group_sets.setdefault(split.key, split.groups)
                 block = 1 + list(self._group_sets).index(split.key)
-            owners[id(p)] = (block * len(self.modules) + index[name], p)
+            owners[id(p)] = (block * len(self.modules) + index[name], p, is_dtensor(p))
         self._owners = owners
         self._indices.clear()
         return owners
