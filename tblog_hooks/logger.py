@@ -183,9 +183,7 @@ class HookLogger:
         self._step += 1
         self._write(wait=False)
         if self._step % self._every == 0 or full:
-            self._begin_logged_step()
-            if full:  # every histogram too
-                self._recording.buffer.begin(0)
+            self._begin_logged_step(full=full)
 
     def close(self) -> None:
         """Write everything pending, remove every hook, close the writer if the logger made it.
@@ -214,13 +212,14 @@ class HookLogger:
         )
 
     # -- the step state machine ---------------------------------------------------------------
-    def _begin_logged_step(self) -> None:
+    def _begin_logged_step(self, *, full: bool = False) -> None:
+        """``full``: a step after a spike, which takes every histogram (as the first logged step does)."""
         if self._state is _State.OFF:
             if self._ranks.needed:  # a rank that stopped logging still joins while the others expect it
                 self._state = _State.JOINING
             return
         self._state = _State.RECORDING
-        self._recording.begin(self._recorded_steps)
+        self._recording.begin(0 if full else self._recorded_steps)
         if self._amp is not None:
             self._amp.begin()
 
