@@ -17,8 +17,6 @@ from torch.autograd.variable import Variable
 from torch.utils import _pytree
 from torch.utils.tensorboard import SummaryWriter
 
-from .output.event_files import frame
-
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.placement_types import Placement
@@ -140,9 +138,10 @@ def event_file_writer(writer: SummaryWriter) -> Any:
     return writer._get_file_writer()
 
 
-def fast_checksum(writer: SummaryWriter) -> Callable[[], None]:
-    """Give the record writer of ``writer``'s event file a C CRC-32C in place of TensorBoard's
-    pure-Python one, which holds the GIL ~0.3 ms per kB; the bytes written are the same. Only this
+def fast_checksum(writer: SummaryWriter, frame: Callable[[bytes], bytes]) -> Callable[[], None]:
+    """Give the record writer of ``writer``'s event file ``frame`` (``output.event_files.frame``:
+    a C CRC-32C) in place of TensorBoard's pure-Python framing, which holds the GIL ~0.3 ms per
+    kB; the bytes written are the same. Only this
     writer changes (its ``RecordWriter`` object gets its own ``write``, reached through
     ``FileWriter.event_writer._async_writer._writer``); returns what puts it back. A writer laid
     out otherwise keeps its own checksum. Nothing changes where ``google-crc32c`` has no C implementation."""

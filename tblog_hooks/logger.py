@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import sys
 import tempfile
@@ -20,16 +21,17 @@ from .capture.hooks import ours
 from .capture.recording import Recording
 from .capture.selection import select_modules
 from .capture.watched import Watched
-from .diagnostics.health import Finding
+from .diagnostics.findings import Finding
 from .diagnostics.per_step import Diagnostics
-from .diagnostics.spikes import SpikeLog
 from .errors import HookLoggerError
 from .options import Options, check_names
 from .output.destination import Destination
+from .output.event_files import frame
 from .output.outbox import Outbox, WriteError
+from .spike_log import SpikeLog
+from .topology.parallel import TensorParallel
 from .transport import amp
 from .transport.distributed import Ranks, rank_and_world
-from .transport.parallel import TensorParallel
 
 
 class _State(enum.Enum):
@@ -106,13 +108,14 @@ class HookLogger:
         # Rank 0 writes, into writer= or a writer of its own; another rank only into a writer it was given.
         self._writer, owns_writer = _open_writer(config, self._ranks.rank)
         self._destination = None if self._writer is None else Destination(self._writer, config.prefix)
-        restore = None if self._writer is None else fast_checksum(self._writer)
+        restore = None if self._writer is None else fast_checksum(self._writer, frame)
         # Hooks, tensor hooks and an owned writer go when the logger is closed or collected.
         self._detach = weakref.finalize(self, _detach, self._recording, self._destination, owns_writer, restore)
         self._outbox = None
         if self._destination is not None:
-            scaled = self._recording.optimizer_hooks is None  # (see amp.unscale)
-            self._outbox = Outbox(self._destination, self._diagnostics, param_grads_scaled=scaled)
+            scaled = self._recording.optimizer_hooks is None  # (see scaling.unscale)
+            write = functools.partial(self._diagnostics.write, self._destination)
+            self._outbox = Outbox(write, param_grads_scaled=scaled)
         _warn_if_shared(model, self._destination)
         spiking = (self._recording.handles, self._diagnostics.health, self._destination, self._ranks)
         self._spikes = SpikeLog.of(config, Watched(model, selected, parameters=True), self._module_names, *spiking)

@@ -4,6 +4,7 @@ are the option list (the framework callbacks read it from there too)."""
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -13,7 +14,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from ._compat import writer_closed
 from .capture.selection import Selector
-from .diagnostics.health import Thresholds
+from .diagnostics.findings import Thresholds
 from .diagnostics.spikes import Spikes, spikes_option
 from .errors import HookLoggerError
 from .stats.schedule import Histograms, schedule
@@ -43,8 +44,8 @@ class Options:
     #: Log ``param_grad/*`` (and with ``optimizer=`` ``param/update_ratio/*``).
     parameters: bool = True
     #: Which histograms logged steps write: ``True`` (``Histograms()``), ``False`` (none), an int
-    #: ``n`` (on every ``n``-th logged step) or a :class:`~tblog_hooks.Histograms`; held as a
-    #: ``Histograms`` or ``None``.
+    #: ``n`` (on every ``n``-th logged step) or a :class:`~tblog_hooks.Histograms`
+    #: (as one: :attr:`histogram_schedule`).
     histograms: bool | int | Histograms | None = True
     #: The loop's optimizer, or a list or tuple of them: gradients are then read when an
     #: optimizer steps them. Required for DDP, FSDP2 and tensor-parallel models unless ``parameters=False``.
@@ -70,7 +71,7 @@ class Options:
     #: Put every tag under ``{prefix}/`` (several models in one directory).
     prefix: str | None = None
     #: Watch every step's gradient norm and loss for spikes (``docs/spikes.md``): ``True``
-    #: (``Spikes()``), ``False`` or a :class:`~tblog_hooks.Spikes`; held as a ``Spikes`` or ``None``.
+    #: (``Spikes()``), ``False`` or a :class:`~tblog_hooks.Spikes` (as one: :attr:`spike_config`).
     spikes: bool | Spikes | None = False
 
     def __post_init__(self) -> None:
@@ -108,14 +109,23 @@ class Options:
             raise HookLoggerError(
                 f"health must be a tblog_hooks.Thresholds (or None to switch findings off), got {self.health!r}"
             )
-        object.__setattr__(self, "histograms", schedule(self.histograms))
-        object.__setattr__(self, "spikes", spikes_option(self.spikes))
+        _ = self.spike_config  # (checked)
         self._check_histogram_kinds()
+
+    @functools.cached_property
+    def histogram_schedule(self) -> Histograms | None:
+        """``histograms=`` as a :class:`~tblog_hooks.Histograms`; ``None``: no histograms."""
+        return schedule(self.histograms)
+
+    @functools.cached_property
+    def spike_config(self) -> Spikes | None:
+        """``spikes=`` as a :class:`~tblog_hooks.Spikes`; ``None``: off."""
+        return spikes_option(self.spikes)
 
     def _check_histogram_kinds(self) -> None:
         """Histogram kinds asked for by name must be ones the other options produce."""
-        histograms = self.histograms
-        if not isinstance(histograms, Histograms) or not histograms.explicit:
+        histograms = self.histogram_schedule
+        if histograms is None or not histograms.explicit:
             return
         missing = {kind: option for kind in histograms.kinds if not getattr(self, option := _PRODUCED_BY[kind])}
         if missing:

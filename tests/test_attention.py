@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tblog_hooks import HookLogger, HookLoggerError, Thresholds
-from tblog_hooks.diagnostics.health import Health
+from tblog_hooks.diagnostics.health import default_health
 from tblog_hooks.stats.attention import attention_statistics
 
 REL = 1e-4
@@ -449,7 +449,7 @@ def test_healthy_models_have_no_attention_finding(tmp_path, name) -> None:
 
 
 def test_growth_over_the_run_own_history() -> None:
-    health = Health(Thresholds(attention_logit=math.inf))
+    health = default_health(Thresholds(attention_logit=math.inf))
     history = [0.2, 0.3, 0.25, 0.3]
     for step, peak in enumerate(history):
         assert not health.update(step, {"attention/max_logit/a": peak, "attention/entropy/a": 2.0}, [])

@@ -6,7 +6,7 @@ import pytest
 from conftest import read_run
 
 from tblog_hooks.cli import main
-from tblog_hooks.diagnostics.health import FINDING_KINDS as KINDS
+from tblog_hooks.diagnostics.findings import FINDING_KINDS as KINDS
 
 
 def test_demo_writes_a_readable_run_without_findings(tmp_path, capsys) -> None:

@@ -15,8 +15,8 @@ from torch import nn
 
 from tblog_hooks import Histograms, HookLogger, Spikes
 from tblog_hooks.diagnostics.attention_rules import PICTURES
-from tblog_hooks.diagnostics.health import FINDING_KINDS
-from tblog_hooks.diagnostics.per_step import FINDINGS_TAG, FLOW_TAG, ORDER_TAG
+from tblog_hooks.diagnostics.findings import FINDING_KINDS
+from tblog_hooks.diagnostics.per_step import FINDINGS_TAG, FLOW_TAG
 from tblog_hooks.stats.kinds import (
     ACTIVATION,
     ATTENTION,
@@ -26,7 +26,7 @@ from tblog_hooks.stats.kinds import (
     NONFINITE_COUNT,
     PARAM_GRAD,
 )
-from tblog_hooks.stats.tags import Root, Stat, escape
+from tblog_hooks.stats.tags import ORDER_TAG, Root, Stat, escape
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -18,8 +18,9 @@ from torch import nn
 from tblog_hooks import HookLogger, HookLoggerError, Thresholds
 from tblog_hooks.cli import main
 from tblog_hooks.cli.demo import run_demo
-from tblog_hooks.cli.report import findings, load
-from tblog_hooks.diagnostics.health import GROWTH_WINDOW, Health
+from tblog_hooks.cli.report import load
+from tblog_hooks.diagnostics.health import default_health
+from tblog_hooks.diagnostics.replay import findings
 
 
 def test_vanishing_gradient_names_the_modules_the_gradient_has_left(tmp_path, caplog) -> None:
@@ -70,7 +71,7 @@ def test_a_small_residual_branch_behind_a_large_trunk_is_not_vanishing() -> None
     # stem and the downsampling layer before them carry the full gradient.
     order = ["stem", "b0.dw", "b0.pw", "down", "b1.dw", "b1.pw", "head"]
     scalars = _norms(stem=3.0, **{"b0.dw": 1e-7, "b0.pw": 2e-7}, down=1.0, **{"b1.dw": 3e-8, "b1.pw": 1e-7}, head=0.5)
-    health = Health(Thresholds())
+    health = default_health(Thresholds())
     assert health.update(0, scalars, order) == []
     # The same norms with a stem that lost its gradient too: everything up to b1.pw has.
     scalars.update(_norms(stem=1e-6, down=1e-6))
@@ -80,7 +81,7 @@ def test_a_small_residual_branch_behind_a_large_trunk_is_not_vanishing() -> None
 def test_exactly_zero_evidence_waits_for_zero_steps() -> None:
     # A zero-initialised head: nothing before it gets a gradient until it has been updated once.
     order = ["body", "head"]
-    health = Health(Thresholds(zero_steps=3))
+    health = default_health(Thresholds(zero_steps=3))
     assert health.update(0, _norms(body=0.0, head=0.5), order) == []
     assert health.update(1, _norms(body=1e-3, head=0.5), order) == []  # grown out of zero: never reported
     assert health.active == {}
@@ -90,7 +91,7 @@ def test_exactly_zero_evidence_waits_for_zero_steps() -> None:
         started = health.update(10 + step, _norms(body=body, head=0.5), order)
     assert [(f.kind, f.module, f.step) for f in started] == [("vanishing_gradient", "body", 12)]
     # A tiny but non-zero gradient from the start is reported at once.
-    assert len(Health(Thresholds()).update(0, _norms(body=1e-9, head=0.5), order)) == 1
+    assert len(default_health(Thresholds()).update(0, _norms(body=1e-9, head=0.5), order)) == 1
 
 
 def _activations(m: str, *, dead: float, low: float, high: float) -> dict[str, float]:
@@ -110,12 +111,12 @@ def test_dead_units_tell_a_zero_initialised_output_from_dead_units() -> None:
         **_activations("relu_layer", dead=0.95, low=-3.0, high=0.5),  # pre-activations below zero
         **_activations("head", dead=1.0, low=-2.0, high=-1.0),  # the output layer: skipped
     }
-    health = Health(Thresholds())
+    health = default_health(Thresholds())
     assert [(f.module, f.value) for f in health.update(0, step0, order)] == [("relu_layer", 0.95)]
     step1 = {**step0, **_activations("bn", dead=0.1, low=-1e-3, high=1e-3)}  # updated once: alive
     assert health.update(1, step1, order) == []
     # An output that stays exactly zero is dead after all.
-    health = Health(Thresholds(zero_steps=2))
+    health = default_health(Thresholds(zero_steps=2))
     assert health.update(0, step0, order)[0].module == "relu_layer"
     assert [f.module for f in health.update(1, step0, order)] == ["bn"]
 
@@ -162,8 +163,8 @@ def test_thresholds_are_configurable_and_validated(tmp_path) -> None:
     off = Thresholds(vanishing_ratio=0, exploding_update=math.inf, exploding_growth=math.inf, dead_fraction=math.inf)
     assert Thresholds(skipped_steps=math.inf).skipped_steps == math.inf
     dead = _activations("a", dead=1.0, low=-1, high=-1) | _activations("b", dead=0.0, low=-1, high=1)
-    assert Health(off).update(0, {**_norms(a=1e-9, b=1.0), **dead}, ["a", "b"]) == []
-    assert len(Health(Thresholds()).update(0, {**_norms(a=1e-9, b=1.0), **dead}, ["a", "b"])) == 2
+    assert default_health(off).update(0, {**_norms(a=1e-9, b=1.0), **dead}, ["a", "b"]) == []
+    assert len(default_health(Thresholds()).update(0, {**_norms(a=1e-9, b=1.0), **dead}, ["a", "b"])) == 2
     bad = [
         ("vanishing_ratio", 2.0), ("vanishing_ratio", math.nan), ("dead_fraction", 0.0), ("dead_fraction", True),
         ("exploding_growth", True), ("exploding_growth", 1.0), ("exploding_norm", "1e3"), ("zero_steps", 1.5),
@@ -184,32 +185,33 @@ def test_exploding_gradient_by_update_size_growth_and_size() -> None:
         "param/update_ratio/a.bias": 12.0,
         "param/update_ratio/b.weight": 0.1,
     }
-    (found,) = Health(Thresholds()).update(0, {**_norms(a=1.0, b=1.0), **ratios}, order)
+    (found,) = default_health(Thresholds()).update(0, {**_norms(a=1.0, b=1.0), **ratios}, order)
     assert (found.kind, found.module, found.value) == ("exploding_gradient", "a.weight", 12.0)
     calm = {**ratios, "param/update_ratio/a.bias": 1e-3}  # median 0.1
-    assert Health(Thresholds()).update(0, {**_norms(a=1.0, b=1.0), **calm}, order) == []
+    assert default_health(Thresholds()).update(0, {**_norms(a=1.0, b=1.0), **calm}, order) == []
 
-    health = Health(Thresholds(exploding_growth=100.0))
+    health = default_health(Thresholds(exploding_growth=100.0))
     assert health.update(0, _norms(a=2.0, b=1.0), order) == []
     assert health.update(1, _norms(a=3.0, b=1.0), order) == []
     grown = health.update(2, _norms(a=1.0, b=251.0), order)  # 251 > 100 x median(2, 3)
     assert [(f.kind, f.module, f.value) for f in grown] == [("exploding_gradient", "b", 251.0)]
     assert health.update(3, _norms(a=1.0, b=300.0), order) == []  # still going: not reported again
     assert health.counts()["health/exploding_gradient"] == 1
-    assert Health(Thresholds()).update(0, _norms(a=5e6, b=1.0), order) == []  # no absolute limit by default
-    big = Health(Thresholds(exploding_norm=1e3)).update(0, _norms(a=5e3, b=1.0), order)
+    assert default_health(Thresholds()).update(0, _norms(a=5e6, b=1.0), order) == []  # no absolute limit by default
+    big = default_health(Thresholds(exploding_norm=1e3)).update(0, _norms(a=5e3, b=1.0), order)
     assert [(f.kind, f.module) for f in big] == [("exploding_gradient", "a")]
 
 
 def test_growth_is_judged_against_a_bounded_window_of_recent_steps() -> None:
-    health = Health(Thresholds(exploding_growth=100.0))
-    for step in range(GROWTH_WINDOW):
+    window = 8
+    health = default_health(Thresholds(exploding_growth=100.0, growth_window=window))
+    for step in range(window):
         health.update(step, _norms(a=1.0), ["a"])
-    for step in range(GROWTH_WINDOW, 2 * GROWTH_WINDOW):
+    for step in range(window, 2 * window):
         assert health.update(step, _norms(a=50.0), ["a"]) == []  # 50x: not a finding
     # 4000 is 80x the recent median (50), though 157x the median of the whole run (25.5).
-    assert health.update(2 * GROWTH_WINDOW, _norms(a=4000.0), ["a"]) == []
-    assert len(health.update(2 * GROWTH_WINDOW + 1, _norms(a=6000.0), ["a"])) == 1
+    assert health.update(2 * window, _norms(a=4000.0), ["a"]) == []
+    assert len(health.update(2 * window + 1, _norms(a=6000.0), ["a"])) == 1
 
 
 def test_one_log_line_and_one_table_per_kind_worst_first(caplog) -> None:
@@ -218,7 +220,7 @@ def test_one_log_line_and_one_table_per_kind_worst_first(caplog) -> None:
     scalars = _norms(a=1e-9, b=1e-8, c=1e-7, d=5e-8, e=1e-6, f=1.0, g=1.0, h=1.0)
     scalars.update(_activations("f", dead=0.92, low=-1, high=1) | _activations("g", dead=1.0, low=-2, high=-1))
     scalars.update(_activations("h", dead=0.0, low=-1, high=1))
-    health = Health(Thresholds())
+    health = default_health(Thresholds())
     assert len(health.update(7, scalars, order)) == 7
     (record,) = caplog.records
     assert record.getMessage() == (
@@ -235,7 +237,7 @@ def test_one_log_line_and_one_table_per_kind_worst_first(caplog) -> None:
 
 def test_nonfinite_origin_from_backward_when_activations_are_finite() -> None:
     scalars = {"gradient/nonfinite/a": 3.0, "gradient/nonfinite/b": 5.0, "gradient/nonfinite/c": 0.0}
-    (finding,) = Health(Thresholds()).update(0, scalars, ["a", "b", "c"])
+    (finding,) = default_health(Thresholds()).update(0, scalars, ["a", "b", "c"])
     assert (finding.kind, finding.module, finding.value) == ("nonfinite", "b", 5.0)  # b is reached first backward
 
 
@@ -270,7 +272,8 @@ def test_nonfinite_origin_is_the_first_module_whose_input_was_finite(tmp_path) -
     # Replaying the event files finds the same; step 1 alone is blamed on the data.
     replayed = findings(load(tmp_path, "run"))
     assert [(f.kind, f.module, f.step) for f in replayed] == [("nonfinite", "2", 0)]
-    (data_problem,) = Health(Thresholds()).update(1, {t: v[1] for t, v in run.scalars.items()}, ["0", "2", "3", "4"])
+    scalars = {t: v[1] for t, v in run.scalars.items()}
+    (data_problem,) = default_health(Thresholds()).update(1, scalars, ["0", "2", "3", "4"])
     assert data_problem.module == "0" and "check the data" in data_problem.message
 
 
@@ -331,7 +334,7 @@ def test_steps_the_scaler_skips_start_nothing_and_restart_nothing(tmp_path) -> N
 
 def test_a_scaler_that_keeps_skipping_is_a_finding(tmp_path) -> None:
     thresholds = Thresholds(skipped_steps=3)
-    health = Health(thresholds)
+    health = default_health(thresholds)
     skipped = {"amp/skipped_step": 1.0, "amp/loss_scale": 2.0**-5, "gradient/nonfinite/a": 4.0}
     fine = {"amp/skipped_step": 0.0, "amp/loss_scale": 1.0, **_norms(a=1.0)}
     assert health.update(0, skipped, ["a"]) == health.update(1, skipped, ["a"]) == []
@@ -342,7 +345,7 @@ def test_a_scaler_that_keeps_skipping_is_a_finding(tmp_path) -> None:
     assert "skipped the last 3 logged steps" in found.message and "0.0312" in found.message
     assert health.update(6, fine, ["a"]) == [] and health.active == {}
     # The default: 20 logged steps in a row, as the report replays with.
-    default = Health(Thresholds())
+    default = default_health(Thresholds())
     assert [len(default.update(step, skipped, ["a"])) for step in range(20)] == [0] * 19 + [1]
 
 

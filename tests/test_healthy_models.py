@@ -23,7 +23,8 @@ from models import bert, gpt2, timm_model, train
 from torch import Tensor, nn
 
 from tblog_hooks import HookLogger
-from tblog_hooks.diagnostics.health import Finding, Health
+from tblog_hooks.diagnostics.findings import Finding
+from tblog_hooks.diagnostics.health import Health
 from tblog_hooks.diagnostics.per_step import gradient_norms
 
 STEPS = 40

@@ -7,6 +7,8 @@ import ast
 import importlib
 import pkgutil
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,71 @@ def test_private_apis_only_in_compat(path: Path) -> None:
         return
     code = "\n".join(line.split("#", 1)[0] for line in path.read_text(encoding="utf-8").splitlines())
     assert not _PRIVATE.findall(code)
+
+
+def _imports(path: Path) -> set[str]:
+    """The package modules ``path`` imports when it is imported: its top-level imports, not those
+    under ``if TYPE_CHECKING:`` nor inside functions."""
+    module = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__")
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rpartition(".")[0]
+            target = f"{base}.{node.module}" if node.level and node.module else node.module or base
+            for alias in node.names:  # ``from . import pictures`` imports a module
+                found.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in _MODULES else target)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {name for name in found if name in _MODULES and name != module}
+
+
+_MODULES = {".".join(p.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__") for p in SOURCES}
+#: The data flow, downhill: a module imports from its own layer or those before it, never after.
+_LAYERS = [
+    {"errors", "_compat"},
+    {"stats", "topology"},
+    {"capture", "transport"},
+    {"output"},
+    {"diagnostics"},
+    {"options", "spike_log", "logger", "cli", "integrations"},
+]
+
+
+def _layer(module: str) -> int:
+    part = module.split(".")[1] if "." in module else ""
+    return next((i for i, names in enumerate(_LAYERS) if part in names), len(_LAYERS))
+
+
+def test_imports_run_downhill_without_circles() -> None:
+    graph = {
+        ".".join(p.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__"): _imports(p)
+        for p in SOURCES
+    }
+    uphill = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if _layer(b) > _layer(a))
+    assert uphill == [], "imports against the data flow"
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, f"import circle: {' -> '.join((*path[path.index(module) :], module))}"
+        if module in done:
+            return
+        for target in graph[module]:
+            visit(target, (*path, module))
+        done.add(module)
+
+    for module in graph:
+        visit(module, ())
+
+
+#: What reads runs back (``tblog-hooks report``, the TensorBoard plugin) imports these.
+_READ_SIDE = ["tblog_hooks", "tblog_hooks.stats.tags", "tblog_hooks.diagnostics.replay", "tblog_hooks.cli.report"]
+
+
+def test_the_read_side_imports_without_torch() -> None:
+    heavy = "sorted(m for m in ('torch', 'torchvision') if m in sys.modules)"
+    code = f"import sys; import {', '.join(_READ_SIDE)}; print({heavy})"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]", result.stderr

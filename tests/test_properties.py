@@ -19,7 +19,7 @@ from tblog_hooks.output.summarize import summarize
 from tblog_hooks.stats import binning, reductions, sampling
 from tblog_hooks.stats.kinds import ACTIVATION, GRADIENT
 from tblog_hooks.stats.packing import pack_step
-from tblog_hooks.transport.parallel import TensorParallel
+from tblog_hooks.topology.parallel import TensorParallel
 
 SETTINGS = settings(max_examples=100, deadline=None, database=None)
 NONFINITE = st.sampled_from([math.nan, math.inf, -math.inf])

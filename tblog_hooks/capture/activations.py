@@ -13,8 +13,8 @@ from ..stats.feature_maps import feature_grid
 from ..stats.kinds import ACTIVATION, IMAGE, INPUT, NONFINITE_COUNT
 from ..stats.packing import Record
 from ..stats.reductions import finite, loggable
-from ..transport.parallel import CONTEXT_PARALLEL, TensorParallel, along_units
-from ..transport.sharding import Split
+from ..topology.parallel import CONTEXT_PARALLEL, TensorParallel, along_units
+from ..topology.sharding import Split
 from .output_gradients import OutputGradientRecorder
 from .passes import PassFilter
 from .step import Mode, StepBuffer
@@ -56,7 +56,7 @@ class ActivationRecorder:
         training passes only, see ``passes.py``). Returns a replacement output when the gradient
         is watched through a probe (under ``torch.compile``), else ``None``. Of an output split
         over tensor-parallel ranks, this rank's piece, combined with the others' at the end of
-        the step (``capture/parallel.py``)."""
+        the step (``topology/parallel.py``)."""
         training = module.training
         if name in self.buffer.disabled:
             return None
@@ -133,7 +133,7 @@ class ActivationRecorder:
 
     def _sequence_split(self, mode: Mode) -> bool:
         """Under context parallelism no module's statistics are recorded (said once, see
-        ``transport/parallel.py``)."""
+        ``topology/parallel.py``)."""
         if mode.compiled or not self.parallel.sequence_split():
             return False
         self.buffer.fail(MODULE_STATISTICS, RuntimeError(CONTEXT_PARALLEL))

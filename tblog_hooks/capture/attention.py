@@ -29,7 +29,7 @@ from ..errors import HookLoggerError
 from ..stats.attention import attention_statistics, mha_arguments, sdpa_arguments
 from ..stats.kinds import ATTENTION
 from ..stats.packing import Record
-from ..transport.parallel import TensorParallel
+from ..topology.parallel import TensorParallel
 from .hooks import _Hook
 from .selection import ROOT_NAME, Selector, select_modules
 from .step import StepBuffer

@@ -19,7 +19,7 @@ from ..stats.kinds import ACTIVATION, GRADIENT
 from ..stats.packing import Record
 from ..stats.reductions import loggable
 from ..stats.tags import Root
-from ..transport.sharding import Split, is_dtensor, local
+from ..topology.sharding import Split, is_dtensor, local
 from . import probes
 from .step import Mode, StepBuffer
 

@@ -21,8 +21,8 @@ from ..stats.kinds import PARAM_GRAD, UPDATE
 from ..stats.packing import Record
 from ..stats.reductions import FLOAT_DTYPES, loggable, norms, sparse_values
 from ..stats.tags import Root
+from ..topology.sharding import Pending, Split, local, pending
 from ..transport import amp
-from ..transport.sharding import Pending, Split, local, pending
 from .step import StepBuffer
 from .watched import Watched
 
@@ -57,7 +57,7 @@ class ParameterRecorder:
         """Record gradient norms (and histograms) of parameters whose ``.grad`` is final; divided
         on the device by ``scale``, the loss scale still in ``.grad`` (see ``amp.grad_scale``).
         Of a ``DTensor`` gradient, this rank's piece, combined with the others' at the end of the
-        step (``transport/sharding.py``)."""
+        step (``topology/sharding.py``)."""
         buffer = self.buffer
         try:
             with torch.no_grad():  # (a gradient of create_graph=True backward requires grad)

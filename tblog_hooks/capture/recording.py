@@ -12,9 +12,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from ..stats.binning import Sample
 from ..stats.packing import Record, StepLayout, pack_step
 from ..stats.reductions import units_dim
-from ..stats.schedule import Histograms
-from ..transport.parallel import TensorParallel
-from ..transport.sharding import Pending
+from ..topology.parallel import TensorParallel
+from ..topology.sharding import Pending
 from .activations import ActivationRecorder
 from .attention import AttentionRecorder
 from .hooks import ForwardHook, ForwardPreHook, Handles, ParamGradHook
@@ -41,7 +40,7 @@ class Recording:
     ) -> None:
         """The recording the ``HookLogger`` options ``config`` ask for (``feature_maps``: the names
         of the watched modules they select; ``parallel``: the model's tensor-parallel styles)."""
-        histograms: Histograms | None = config.histograms  # type: ignore[assignment]  # (normalised by Options)
+        histograms = config.histogram_schedule
         self.watched = watched
         self.buffer = StepBuffer(histograms)
         self.gradients = (

@@ -10,7 +10,7 @@ host ring of the last ``steps`` steps with one non-blocking copy; a row is read 
 complete: on the CPU at once, on CUDA when its event says so (at a later ``step()``).
 
 FSDP2 (and tensor-parallel) gradients are ``DTensor`` pieces: their squares are summed over the
-mesh dims each is sharded on (``transport.sharding.Split``), one ``all_reduce`` of ``modules``
+mesh dims each is sharded on (``topology.sharding.Split``), one ``all_reduce`` of ``modules``
 floats per group of such dims per step, on every rank, in ``step()`` (never in a hook: a rank whose
 hook failed still takes part). Gradients placed ``Partial`` (a sequence-parallel norm's) are left
 out of the per-step norms, said once: only a collective of the whole gradient could add them up.
@@ -31,9 +31,9 @@ from torch.optim import Optimizer
 
 from ..errors import HookLoggerError
 from ..stats.reductions import loggable, norms
+from ..topology.sharding import is_dtensor, is_partial, local
 from ..transport import amp
 from ..transport.distributed import rank_and_world
-from ..transport.sharding import is_dtensor, is_partial, local
 from .watched import Watched
 
 Groups = tuple[dist.ProcessGroup, ...]

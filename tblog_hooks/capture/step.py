@@ -25,7 +25,7 @@ from ..stats.schedule import Histograms
 from ..stats.tags import Root
 
 if TYPE_CHECKING:
-    from ..transport.sharding import Split
+    from ..topology.sharding import Split
 
 Item = TypeVar("Item")
 Recorded = Union[Record, Sample]

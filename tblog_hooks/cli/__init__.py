@@ -9,10 +9,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..diagnostics.health import FINDING_KINDS
+from ..diagnostics.findings import FINDING_KINDS
+from ..diagnostics.replay import findings
 
 if TYPE_CHECKING:
-    from .report import Run
+    from ..diagnostics.replay import Run
 
 SCENARIOS = ("healthy", "vanishing", "exploding", "dead-relu", "nan")
 
@@ -85,7 +86,7 @@ def _report(path: str, *, as_json: bool, png_path: str | None, fail_on: set[str]
                 f"directory?); from step {after} on, the report shows the later run"
             )
         print(json.dumps(report.as_json(run)) if as_json else report.as_text(run))
-        failed |= any(f.kind in fail_on for f in report.findings(run))
+        failed |= any(f.kind in fail_on for f in findings(run))
         if png_path is not None:
             target = Path(png_path)
             if len(runs) > 1:

@@ -1,9 +1,7 @@
 """``tblog-hooks report``: per-layer table and health findings of runs on disk.
 
-Reads event files (no training, no model) and replays the logged scalars through the same
-:class:`~tblog_hooks.diagnostics.health.Health` the logger uses, with the default
-:class:`~tblog_hooks.Thresholds`, and the per-step series of ``spikes=`` through the same spike
-detector, with the default :class:`~tblog_hooks.Spikes`. Each tag prefix in a directory is a run of its own.
+Reads event files (no training, no model, no torch) and replays them through the same rules the
+logger uses (``diagnostics/replay.py``). Each tag prefix in a directory is a run of its own.
 """
 
 from __future__ import annotations
@@ -17,54 +15,18 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2
 
-from ..diagnostics.health import Finding, Health, Thresholds, log
-from ..diagnostics.per_step import ORDER_TAG, gradient_flow_image, gradient_norms, parse_order
-from ..diagnostics.spikes import replay
+from ..diagnostics.per_step import gradient_flow_image, gradient_norms
+from ..diagnostics.replay import Run, findings, forward_order, is_logged_step, is_series, module_rows
 from ..output.event_files import DamagedFile, read_records
 from ..output.events import png
-from ..stats.tags import Root, Stat, tag, unescape
+from ..stats.tags import ORDER_TAG, parse_order, split_prefix
 
 
 class ReportError(Exception):
     """A run that cannot be reported: missing or damaged."""
 
 
-@dataclass
-class Run:
-    """One logger's scalars (its own tags, without the prefix) at the steps it logged, and its
-    watched modules in forward order."""
-
-    label: str  # the run directory, as the user named it
-    prefix: str  # the logger's tag prefix ("" for none)
-    scalars: dict[int, dict[str, float]]
-    order: list[str]
-    #: ``(from, to)`` for each time the logged steps went back (a run restarted into the same
-    #: directory); from ``to`` on, the steps are those of the restart.
-    restarts: list[tuple[int, int]] = field(default_factory=list)
-    #: With ``spikes=``: ``{step: {tag: value}}`` of every step (``step/*``, ``spike/*``).
-    series: dict[int, dict[str, float]] = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        """The directory's label, then the prefix in brackets: ``runs/gan [G]``."""
-        return f"{self.label} [{self.prefix}]" if self.prefix else self.label
-
-
-#: A scalar tag of the logger, after an optional ``{prefix}/``: module and parameter names are
-#: escaped (no ``/``), so each kind has a fixed number of parts. The prefix is matched greedily;
-#: no stat is named like a kind, so an unprefixed tag never reads as a prefixed one.
-_PER_NAME = (Root.ACTIVATION, Root.INPUT, Root.GRADIENT, Root.PARAM_GRAD, Root.PARAM, Root.SPIKE)  # root/stat/name
-_WHOLE_MODEL = (Root.PARAM_GRAD, Root.AMP, Root.HEALTH, Root.STEP)  # root/stat
-_LOGGER_TAG = re.compile(
-    rf"(?:(?P<prefix>.+)/)?(?P<tag>(?:{'|'.join(_PER_NAME)})/[^/]+/[^/]+|(?:{'|'.join(_WHOLE_MODEL)})/[^/]+)"
-)
-#: Kinds that only a logged step holds: their presence marks a step as logged.
-_STATISTICS = tuple(tag(root, "") for root in (Root.ACTIVATION, Root.GRADIENT, Root.PARAM_GRAD))
-#: The per-step series of ``spikes=``, written in events of their own.
-_SERIES = tuple(tag(root, "") for root in (Root.STEP, Root.SPIKE))
 _ORDER_TEXT = re.compile(rf"(?:(?P<prefix>.+)/)?{re.escape(ORDER_TAG)}/text_summary")
-#: Tags whose last part names every watched module (the forward order may be missing).
-_NAMED = (tag(Root.GRADIENT, Stat.NORM, ""), tag(Root.ACTIVATION, Stat.MEAN, ""))
 _EVENT_FILES = "events.out.tfevents.*"
 
 
@@ -119,9 +81,7 @@ def load_all(run_dir: Path, label: str) -> list[Run]:
                 run.scalars = {s: v for s, v in run.scalars.items() if s < step}
             run.scalars[step] = scalars
     for prefix, run in runs.items():
-        named = {unescape(t.split("/", 2)[2]) for s in run.scalars.values() for t in s if t.startswith(_NAMED)}
-        order = orders.get(prefix, [])
-        run.order = order + sorted(named - set(order))
+        run.order = forward_order(orders.get(prefix, []), run.scalars)
     return [runs[prefix] for prefix in sorted(runs)]
 
 
@@ -142,59 +102,20 @@ def _read_file(path: Path) -> _EventFile:
             file.start = min(file.start, (event.wall_time, path.name))
             by_prefix: dict[str, dict[str, float]] = {}
             for value in event.summary.value:
-                if value.HasField("simple_value") and (match := _LOGGER_TAG.fullmatch(value.tag)):
-                    by_prefix.setdefault(match["prefix"] or "", {})[match["tag"]] = value.simple_value
+                if value.HasField("simple_value") and (split := split_prefix(value.tag)):
+                    by_prefix.setdefault(split[0], {})[split[1]] = value.simple_value
                 elif (match := _ORDER_TEXT.fullmatch(value.tag)) and value.tensor.string_val:
                     text = value.tensor.string_val[0].decode("utf-8", "replace")
                     file.orders[match["prefix"] or ""] = parse_order(text)
             file.steps += [
-                (event.step, prefix, scalars)
-                for prefix, scalars in by_prefix.items()
-                if any(t.startswith(_STATISTICS) for t in scalars)
+                (event.step, prefix, scalars) for prefix, scalars in by_prefix.items() if is_logged_step(scalars)
             ]
             file.series += [
-                (event.step, prefix, scalars)
-                for prefix, scalars in by_prefix.items()
-                if all(t.startswith(_SERIES) for t in scalars)
+                (event.step, prefix, scalars) for prefix, scalars in by_prefix.items() if is_series(scalars)
             ]
     except (DamagedFile, DecodeError) as error:
         raise ReportError(f"{str(path)!r} is damaged: {error} (what follows cannot be trusted)") from None
     return file
-
-
-def findings(run: Run, thresholds: Thresholds | None = None) -> list[Finding]:
-    """Every finding that starts in the run, in step order (spikes of its per-step series too)."""
-    health = Health(thresholds or Thresholds())
-    log.disabled = True  # the report prints them itself
-    try:
-        for step, scalars in run.scalars.items():
-            health.update(step, scalars, run.order)
-    finally:
-        log.disabled = False
-    return sorted(health.started + replay(run.series), key=lambda f: f.step)
-
-
-def module_rows(run: Run) -> list[dict[str, object]]:
-    """Per watched module: output-gradient norm (latest, minimum, latest/first), latest dead
-    fraction, and NaN/Inf counted over the run (outputs and output gradients)."""
-    rows: list[dict[str, object]] = []
-    for m in run.order:
-        norm_tag, dead_tag = tag(Root.GRADIENT, Stat.NORM, m), tag(Root.ACTIVATION, Stat.DEAD_FRAC, m)
-        norms = [s[norm_tag] for s in run.scalars.values() if norm_tag in s]
-        dead = [s[dead_tag] for s in run.scalars.values() if dead_tag in s]
-        bad = sum(
-            s.get(tag(Root.ACTIVATION, Stat.NONFINITE, m), 0.0) + s.get(tag(Root.GRADIENT, Stat.NONFINITE, m), 0.0)
-            for s in run.scalars.values()
-        )
-        rows.append({
-            "module": m,
-            "grad_norm_latest": norms[-1] if norms else None,
-            "grad_norm_min": min(norms) if norms else None,
-            "grad_norm_trend": norms[-1] / norms[0] if norms and norms[0] > 0 else None,
-            "dead_frac": dead[-1] if dead else None,
-            "nonfinite": bad,
-        })  # fmt: skip
-    return rows
 
 
 def as_json(run: Run) -> object:

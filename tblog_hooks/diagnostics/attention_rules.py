@@ -7,27 +7,15 @@ logger also the head.
 
 from __future__ import annotations
 
-import math
-import statistics
-from collections import deque
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ..output.summary import Heads
 from ..stats.tags import Root, Stat, by_name, tag
 from . import pictures
+from .findings import ENTROPY_COLLAPSE, LOGIT_GROWTH, Candidates, Finding, Thresholds, Trailing
 
-if TYPE_CHECKING:
-    from .health import Finding, Thresholds
-
-#: Per head of one module: the largest logit and the mean entropy (``stats.attention.Heads``).
-Heads = tuple[np.ndarray, np.ndarray]
-#: Earlier logged steps of a module the growth rule compares with (those without the finding).
-WINDOW = 64
-#: Max logits below this are never called growth: they start near 0.1 and grow tenfold as
-#: training begins, while attention stays soft.
-LOGIT_FLOOR = 10.0
 #: The image tags of the per-head pictures.
 PICTURES = {
     Stat.MAX_LOGIT: tag(Root.HEALTH, "attention_max_logit"),
@@ -36,39 +24,36 @@ PICTURES = {
 
 
 class AttentionRules:
-    """``attention_logit_growth`` and ``attention_entropy_collapse``; keeps the last
-    :data:`WINDOW` max logits of each module."""
+    """``attention_logit_growth`` and ``attention_entropy_collapse``; keeps the latest
+    ``growth_window`` max logits of each module (of steps without the finding)."""
 
     def __init__(self, thresholds: Thresholds) -> None:
         self.thresholds = thresholds
-        self._history: dict[str, deque[float]] = {}
+        self._history: dict[str, Trailing] = {}
 
-    def candidates(
-        self, step: int, scalars: Mapping[str, float], heads: Mapping[str, Heads]
-    ) -> dict[tuple[str, str], Finding] | None:
-        """This step's attention findings, by (kind, module); ``None`` on a step without
-        ``attention/*`` scalars (nothing to judge)."""
-        from .health import ENTROPY_COLLAPSE, LOGIT_GROWTH, Finding
-
+    def judge(
+        self, step: int, scalars: Mapping[str, float], order: Sequence[str], heads: Mapping[str, Heads]
+    ) -> tuple[set[str], Candidates]:
+        """This step's attention candidates; a step without ``attention/*`` scalars judges nothing."""
         t = self.thresholds
         peaks = by_name(scalars, Root.ATTENTION, Stat.MAX_LOGIT)
         if not peaks:
-            return None
-        found: dict[tuple[str, str], Finding] = {}
+            return set(), {}
+        found: Candidates = {}
         for m, peak in peaks.items():
-            history = self._history.setdefault(m, deque(maxlen=WINDOW))
-            typical = statistics.median(history) if history else math.nan
+            history = self._history.setdefault(m, Trailing(t.growth_window))
+            typical = history.median()
             where = _head(heads.get(m), 0, np.argmax)
             reason = None
             if peak > t.attention_logit:
                 reason = f"above {t.attention_logit:g}, where attention is effectively one-hot"
-            elif peak > LOGIT_FLOOR and typical > 0 and peak > t.attention_growth * typical:
+            elif peak > t.attention_floor and typical > 0 and peak > t.attention_growth * typical:
                 reason = f"{peak / typical:.3g} times the median of its recent logged steps ({typical:.3g})"
             if reason is None:
-                history.append(peak)
+                history.add(peak)
                 continue
             message = f"the largest attention logit of {m}{where} is {peak:.3g}, {reason}"
-            found[(LOGIT_GROWTH, m)] = Finding(LOGIT_GROWTH, m, step, peak, message)
+            found[(LOGIT_GROWTH, m)] = (Finding(LOGIT_GROWTH, m, step, peak, message), False)
         for m, mean in by_name(scalars, Root.ATTENTION, Stat.ENTROPY).items():
             lowest, where = mean, ""
             per_head = heads.get(m)
@@ -80,8 +65,8 @@ class AttentionRules:
                     f"the attention of {m}{where} has a mean entropy of {lowest:.3g} nats (below "
                     f"{t.attention_entropy:g}): each query attends to about one key"
                 )
-                found[(ENTROPY_COLLAPSE, m)] = Finding(ENTROPY_COLLAPSE, m, step, lowest, message)
-        return found
+                found[(ENTROPY_COLLAPSE, m)] = (Finding(ENTROPY_COLLAPSE, m, step, lowest, message), False)
+        return {LOGIT_GROWTH, ENTROPY_COLLAPSE}, found
 
 
 def _head(per_head: Heads | None, which: int, pick: object) -> str:

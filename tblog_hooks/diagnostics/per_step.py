@@ -1,7 +1,7 @@
 """What the logger adds to each step it writes: health findings and ``health/*`` scalars, the
 gradient-flow heatmap, the custom-scalars layout (once) and the text summaries.
 
-Host-side only: it reads the :class:`~tblog_hooks.output.summarize.StepSummary` the step already
+Host-side only: it reads the :class:`~tblog_hooks.output.summary.StepSummary` the step already
 produced, so diagnostics cost no device work.
 """
 
@@ -11,18 +11,21 @@ import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..output.destination import Destination
-from ..output.summarize import StepSummary
-from ..stats.tags import Root, Stat, by_name, escape, tag, unescape
+from ..output.summary import StepSummary
+from ..stats.tags import ORDER_TAG, Root, Stat, by_name, order_markdown, tag, unescape
 from . import pictures
 from .attention_rules import heads_pictures
-from .health import Health, Thresholds
+from .findings import Thresholds
+from .health import default_health
+
+if TYPE_CHECKING:
+    from ..output.destination import Destination
 
 FLOW_TAG, FINDINGS_TAG = tag(Root.HEALTH, "gradient_flow"), tag(Root.HEALTH, "findings")
-ORDER_TAG = tag(Root.HEALTH, "forward_order")
 _GLOBAL_NORM = tag(Root.PARAM_GRAD, Stat.GLOBAL_NORM)
 #: The heatmap is drawn on the first logged step, then every this many logged steps, and at
 #: close: drawing and encoding it on every logged step would cost more than the statistics.
@@ -41,7 +44,7 @@ class Diagnostics:
     def __init__(self, modules: Sequence[str], forward_order: list[str], thresholds: Thresholds | None) -> None:
         self._modules = tuple(modules)
         self._forward_order = forward_order  # filled by the collector as forward hooks first fire
-        self.health = None if thresholds is None else Health(thresholds)
+        self.health = None if thresholds is None else default_health(thresholds)
         self._norms: OrderedDict[int, dict[str, float]] = OrderedDict()
         self._written_order: list[str] | None = None
         self._written_table: str | None = None
@@ -189,13 +192,3 @@ def custom_scalars_layout(scalars: Mapping[str, float], order: Sequence[str]) ->
             part = ordered[start : start + MAX_CHART_LINES]
             layout[f"{quantity} ({start + 1}-{start + len(part)} of {len(ordered)})"] = ["Multiline", part]
     return {"tblog_hooks": layout}
-
-
-def order_markdown(order: Sequence[str]) -> str:
-    """The forward order as a numbered Markdown list of escaped names (``report`` reads it back)."""
-    return "\n".join(f"{i}. `{escape(m)}`" for i, m in enumerate(order, 1))
-
-
-def parse_order(text: str) -> list[str]:
-    """Inverse of :func:`order_markdown`."""
-    return [unescape(m) for m in re.findall(r"^\d+\. `(.*)`$", text, flags=re.MULTILINE)]

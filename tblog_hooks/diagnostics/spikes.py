@@ -7,34 +7,23 @@ warm-up) starts ``gradient_spike`` and ``loss_spike`` findings at the step of th
 spike is attributed to the watched module whose own norm rose most against its own recent
 history. Every step's values become ``step/grad_norm`` and ``step/loss``; around a spike the
 per-module norms become ``spike/grad_norm/{module}``. ``tblog-hooks report`` replays the written
-series through the same :class:`Detector` and :func:`attribute`.
+series through the same :class:`Detector` and :func:`attribute`. Host-side only (no torch):
+``spike_log.py`` wires it to a training loop.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ..capture.spikes import StepNorms, any_split, check_loss
 from ..errors import HookLoggerError
-from ..stats.tags import Root, Stat, by_name, tag
-from .health import Finding, FindingKind, Health, check_fields
+from ..stats.tags import GRAD_NORM_TAG, LOSS_TAG, Root, Stat, by_name, tag
+from .findings import Finding, FindingKind, Trailing, check_fields
 
-if TYPE_CHECKING:
-    from ..capture.hooks import Handles
-    from ..capture.watched import Watched
-    from ..options import Options
-    from ..output.destination import Destination
-    from ..transport.distributed import Ranks
-
-GRAD_NORM_TAG, LOSS_TAG = tag(Root.STEP, Stat.GRAD_NORM), tag(Root.STEP, Stat.LOSS)
 #: Runners-up named in a ``gradient_spike`` message.
 RUNNERS_UP = 3
 #: The median absolute deviation of a normal distribution is this fraction of its standard deviation.
@@ -111,7 +100,7 @@ class Detector:
 
     def __init__(self, config: Spikes, ratio: float) -> None:
         self._config, self._log_ratio = config, math.log(ratio)
-        self._values: deque[float] = deque(maxlen=config.window)
+        self._values = Trailing(config.window)
         self._in_spike = False
 
     def judge(self, value: float) -> tuple[float, float] | None:
@@ -122,15 +111,15 @@ class Detector:
         x = math.log(value)
         found = None
         if len(self._values) >= self._config.warmup:
-            history = np.fromiter(self._values, dtype=np.float64, count=len(self._values))
-            median = float(np.median(history))
+            median = self._values.median()
+            history = np.fromiter(self._values.values, dtype=np.float64, count=len(self._values))
             spread = max(_MAD_TO_STD * float(np.median(np.abs(history - median))), _MIN_SPREAD)
             rise = x - median
             spiking = rise > self._log_ratio and rise > self._config.threshold * spread
             if spiking and not self._in_spike:
                 found = (math.exp(rise), math.exp(median))
             self._in_spike = spiking
-        self._values.append(x)
+        self._values.add(x)
         return found
 
 
@@ -245,110 +234,3 @@ def replay(series: Mapping[int, Mapping[str, float]], config: Spikes | None = No
         if (judged := loss.judge(value)) is not None:
             found.append(loss_finding(step, value, *judged))
     return found
-
-
-class SpikeLog:
-    """What ``spikes=`` adds to each ``step()``: the step's norms and loss into the ring, the rows
-    that arrived judged, their series written in batches (every ``every`` steps and at close),
-    and whether the next step is logged in full (the steps after a spike)."""
-
-    def __init__(
-        self, norms: StepNorms, watch: SpikeWatch | None, health: Health | None, destination: Destination | None,
-        *, every: int, force: bool,
-    ) -> None:  # fmt: skip
-        self.norms, self.watch, self.health, self.destination = norms, watch, health, destination
-        self._every, self._force = every, force
-        self._log_until = -1  # steps up to this one are logged in full
-        self._failed = False
-
-    @classmethod
-    def of(
-        cls, config: Options, watched: Watched, modules: Sequence[str],
-        handles: Handles, health: Health | None, destination: Destination | None, ranks: Ranks,
-    ) -> SpikeLog | NoSpikes:  # fmt: skip
-        """The spike watch ``config`` asks for, its hooks kept in ``handles``."""
-        spikes: Spikes | None = config.spikes  # type: ignore[assignment]  # (normalised by Options)
-        if spikes is None or (destination is None and not any_split(watched)):
-            return NoSpikes(off=spikes is None)
-        norms = StepNorms(watched, modules, spikes.steps)
-        handles.add(register_optimizer_step_pre_hook(norms.pre))
-        handles.add(register_optimizer_step_post_hook(norms.post))
-        watch = None if destination is None else SpikeWatch(spikes, modules)
-        # Under collectives in logged steps every rank must log the same steps: no extra ones then.
-        return cls(norms, watch, health, destination, every=config.every, force=not ranks.needed)
-
-    def step(self, step: int, loss: object) -> bool:
-        """The end of step ``step`` (``loss``: its loss, checked here); whether step ``step + 1``
-        is logged in full."""
-        check_loss(loss)
-        if self.watch is None:  # a rank that only joins the collectives of sharded norms
-            self.norms.drop()
-            if (step + 1) % self._every == 0:
-                self.norms.refresh()
-            return False
-        self.norms.end_step(step, loss)  # type: ignore[arg-type]  # (checked)
-        if self._failed:
-            return False
-        self._judge(step, wait=False)
-        if (step + 1) % self._every == 0 or len(self.watch.pending) >= _MAX_PENDING:
-            self.norms.refresh()  # as a logged step looks the parameters up again
-            self._flush()
-        return self._force and step + 1 <= self._log_until
-
-    def close(self) -> None:
-        """Judge and write every row still on its way."""
-        if self.watch is not None and not self._failed:
-            self._judge(-1, wait=True)
-            self._flush()
-
-    def _judge(self, step: int, *, wait: bool) -> None:
-        assert self.watch is not None
-        for at, row in self.norms.take(wait=wait):
-            found = self.watch.feed(at, row)
-            if found:
-                self._log_until = max(self._log_until, step + self.watch.config.after)
-                if self.health is not None:
-                    self.health.spiked(found)
-
-    def _flush(self) -> None:
-        assert self.watch is not None and self.destination is not None
-        pending = self.watch.take()
-        if not pending:
-            return
-        try:
-            self.destination.write_series(pending)
-            self.destination.flush()
-        except Exception as error:  # a broken writer: the logger's own writes report it too
-            self._failed = True
-            warnings.warn(
-                f"tblog_hooks: writing the per-step series failed, so spikes are no longer watched "
-                f"(training continues): {type(error).__name__}: {error}",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-
-
-#: Steps of series held before they are written even between logged steps (a large ``every``).
-_MAX_PENDING = 1000
-
-
-class NoSpikes:
-    """``spikes=`` off, or a rank that neither writes nor joins a collective of sharded norms: a
-    loss given to ``step()`` is checked, and warned about (once) when ``spikes=`` is off."""
-
-    def __init__(self, *, off: bool) -> None:
-        self._off = off
-
-    def step(self, step: int, loss: object) -> bool:
-        check_loss(loss)
-        if self._off and loss is not None:
-            warnings.warn(
-                "tblog_hooks: step(loss=...) is only used with spikes= (HookLogger(..., spikes=True)); "
-                "this logger ignores it",
-                UserWarning,
-                stacklevel=3,
-            )
-        return False
-
-    def close(self) -> None:
-        pass

@@ -21,7 +21,7 @@ from torch.utils.tensorboard import SummaryWriter
 from .._compat import event_file_writer, writer_closed
 from ..errors import HookLoggerError
 from .events import to_proto
-from .summarize import StepSummary
+from .summary import StepSummary
 
 ChartLayout = dict[str, dict[str, list[Any]]]  # {category: {chart: [kind, [tag regex, ...]]}}
 

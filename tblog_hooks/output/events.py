@@ -1,4 +1,4 @@
-"""Encode a :class:`~tblog_hooks.output.summarize.StepSummary` as the event a ``SummaryWriter`` writes.
+"""Encode a :class:`~tblog_hooks.output.summary.StepSummary` as the event a ``SummaryWriter`` writes.
 
 A logged step becomes one event holding every scalar and histogram, instead of one event
 per value: a few hundred values cost one record, one queue slot and one checksum.
@@ -12,7 +12,7 @@ import numpy as np
 from PIL import Image
 from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
 
-from .summarize import StepSummary
+from .summary import StepSummary
 
 
 def to_proto(summary: StepSummary) -> Summary:

@@ -1,19 +1,19 @@
 """Logged steps on their way to TensorBoard: each one's copy to the host, then, in step order, its
-summary (AMP loss scale undone), its diagnostics and its event."""
+summary (AMP loss scale undone), handed to what writes it (with its diagnostics)."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 from torch import Tensor
 
-from ..diagnostics.per_step import Diagnostics
 from ..stats.packing import StepLayout
-from ..transport import amp
 from ..transport.transfer import Transfer
-from .destination import Destination
+from .scaling import unscale
 from .summarize import summarize
+from .summary import StepSummary
 
 
 class WriteError(Exception):
@@ -33,9 +33,9 @@ class _Pending(NamedTuple):
 class Outbox:
     """Packed logged steps, written once their transfer to the host has completed."""
 
-    def __init__(self, destination: Destination, diagnostics: Diagnostics, *, param_grads_scaled: bool) -> None:
-        self.destination, self.diagnostics = destination, diagnostics
-        self._param_grads_scaled = param_grads_scaled  # (see amp.unscale)
+    def __init__(self, write: Callable[[StepSummary], None], *, param_grads_scaled: bool) -> None:
+        self._write = write  # a step's summary to its diagnostics and the event files
+        self._param_grads_scaled = param_grads_scaled  # (see scaling.unscale)
         self._pending: deque[_Pending] = deque()
 
     def send(self, step: int, packed: Tensor, layout: StepLayout) -> None:
@@ -49,8 +49,8 @@ class Outbox:
             step, transfer, layout = self._pending.popleft()
             try:
                 summary = summarize(step, transfer.result(), layout)
-                amp.unscale(summary, param_grads_scaled=self._param_grads_scaled)
-                self.diagnostics.write(self.destination, summary)
+                unscale(summary, param_grads_scaled=self._param_grads_scaled)
+                self._write(summary)
             except Exception as error:
                 raise WriteError(step, error) from error
 

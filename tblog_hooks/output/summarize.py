@@ -7,42 +7,14 @@ so the statistics cover every call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from ..stats import packing
-from ..stats.attention import Heads, attention_summary
 from ..stats.binning import BINS, H_HALF_SPAN, H_MAX, H_MIN, H_START, HIST_WIDTH, RowInfo
-from ..stats.kinds import BINNED, IMAGE, SCALAR_KINDS
+from ..stats.kinds import ATTENTION, BINNED, IMAGE, SCALAR_KINDS
 from ..stats.packing import StepLayout
 from ..stats.tags import tag
-
-
-@dataclass(frozen=True)
-class Histogram:
-    """A histogram in TensorBoard's terms: ``limits[i]`` is the right edge of bucket ``i``."""
-
-    min: float
-    max: float
-    num: float
-    sum: float
-    sum_squares: float
-    limits: list[float]
-    counts: list[float]
-
-
-@dataclass
-class StepSummary:
-    """Everything one logged step writes: ``{tag: value}``, ``{tag: Histogram}`` and
-    ``{tag: uint8 image, channels first}``."""
-
-    step: int
-    scalars: dict[str, float]
-    histograms: dict[str, Histogram]
-    images: dict[str, np.ndarray] = field(default_factory=dict)
-    #: With ``attention=``: per module, each head's largest logit and mean entropy (``stats/attention.py``).
-    heads: dict[str, Heads] = field(default_factory=dict)
+from .summary import Heads, Histogram, StepSummary
 
 
 def summarize(step: int, values: np.ndarray, layout: StepLayout) -> StepSummary:
@@ -59,6 +31,17 @@ def summarize(step: int, values: np.ndarray, layout: StepLayout) -> StepSummary:
     for entry in layout.of(BINNED):
         histograms = decode_histograms(layout.rows, entry.read(values)["rows"].reshape(entry.shape))
     return StepSummary(step, scalars, histograms, images, heads)
+
+
+def attention_summary(layout: StepLayout, values: np.ndarray) -> tuple[dict[str, float], dict[str, Heads]]:
+    """The ``attention/*`` scalars of a packed step, and per module (in the order of their first
+    call) each head's largest logit and mean entropy (NaN for a head whose every query was masked out)."""
+    entries = layout.of(ATTENTION)
+    heads: dict[str, Heads] = {}
+    for (_, name), (fields, _) in packing.pooled(entries, values).items():
+        with np.errstate(invalid="ignore", divide="ignore"):
+            heads[name] = (fields["max_logit"], fields["entropy"] / fields["queries"])
+    return packing.scalars(entries, values), heads
 
 
 def decode_histograms(meta: list[RowInfo], rows: np.ndarray) -> dict[str, Histogram]:

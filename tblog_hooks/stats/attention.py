@@ -14,16 +14,9 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from .kinds import ATTENTION
-from .packing import StepLayout, pooled, scalars
-
-#: Per head of one module: the largest logit and the mean entropy (nats).
-Heads = tuple[np.ndarray, np.ndarray]
 
 #: Bytes the float32 temporaries of one chunk of logits may take (their count: :data:`TEMPORARIES`).
 BUDGET = 64 << 20
@@ -183,15 +176,3 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, -math.inf)
     return mask.to(dtype)
-
-
-def attention_summary(layout: StepLayout, values: np.ndarray) -> tuple[dict[str, float], dict[str, Heads]]:
-    """On the host, from a packed step: the ``attention/*`` scalars, and per module (in the
-    order of their first call) each head's largest logit and mean entropy (NaN for a head
-    whose every query was masked out)."""
-    entries = layout.of(ATTENTION)
-    heads: dict[str, Heads] = {}
-    for (_, name), (fields, _) in pooled(entries, values).items():
-        with np.errstate(invalid="ignore", divide="ignore"):
-            heads[name] = (fields["max_logit"], fields["entropy"] / fields["queries"])
-    return scalars(entries, values), heads

@@ -16,7 +16,7 @@ from .sampling import IndexCache, device_index
 from .tags import Root
 
 if TYPE_CHECKING:
-    from ..transport.sharding import Split
+    from ..topology.sharding import Split
 
 #: Histogram buckets over ``[min, max]`` (TensorBoard's chart re-bins to ~30 anyway).
 BINS = 32

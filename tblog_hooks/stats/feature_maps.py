@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torchvision
 from torch import Tensor
 
 #: Most channels a feature-map grid shows (the first ones), and the largest side of a tile:
@@ -28,5 +27,7 @@ def feature_grid(x: Tensor) -> Tensor:
     lo = x.amin(dim=(1, 2), keepdim=True)
     span = (x.amax(dim=(1, 2), keepdim=True) - lo).clamp_min(1e-12)
     x = ((x - lo) / span).nan_to_num_(0.0, 0.0, 0.0)
+    import torchvision  # here, where a grid is drawn: importing it takes a second and most runs draw none
+
     grid = torchvision.utils.make_grid(x.unsqueeze(1), nrow=math.ceil(math.sqrt(x.shape[0])), padding=1, pad_value=1)
     return grid[:1]  # type: ignore[no-any-return]  # torchvision is untyped

@@ -25,7 +25,7 @@ from .sampling import IndexCache
 from .tags import Root, Stat, tag
 
 if TYPE_CHECKING:
-    from ..transport.sharding import Split
+    from ..topology.sharding import Split
 
 
 class Record(NamedTuple):

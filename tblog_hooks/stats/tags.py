@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from urllib.parse import unquote
 
 
@@ -54,6 +55,29 @@ def tag(root: str, *parts: str) -> str:
     return "/".join((str(root), *map(escape, parts)))
 
 
+#: Roots of scalars tagged ``root/stat/{name}`` (a module or parameter) and of those tagged
+#: ``root/stat`` (the whole model); ``param_grad`` has both.
+NAMED_ROOTS = (Root.ACTIVATION, Root.INPUT, Root.GRADIENT, Root.PARAM_GRAD, Root.PARAM, Root.ATTENTION, Root.SPIKE)
+MODEL_ROOTS = (Root.PARAM_GRAD, Root.AMP, Root.HEALTH, Root.STEP)
+#: A scalar tag of this package after an optional ``{prefix}/``: names are escaped (no ``/``), so each
+#: root has a fixed number of parts. The prefix is matched greedily; no stat is named like a root, so
+#: an unprefixed tag never reads as a prefixed one.
+_SCALAR_TAG = re.compile(
+    rf"(?:(?P<prefix>.+)/)?(?P<tag>(?:{'|'.join(NAMED_ROOTS)})/[^/]+/[^/]+|(?:{'|'.join(MODEL_ROOTS)})/[^/]+)"
+)
+
+
+def split_prefix(full: str) -> tuple[str, str] | None:
+    """``(prefix, tag)`` of a scalar tag this package writes (``prefix`` is ``""`` without
+    ``prefix=``); ``None`` for any other tag.
+
+    >>> split_prefix("G/gradient/norm/0")
+    ('G', 'gradient/norm/0')
+    """
+    match = _SCALAR_TAG.fullmatch(full)
+    return None if match is None else (match["prefix"] or "", match["tag"])
+
+
 def by_name(scalars: Mapping[str, float], root: str, stat: str) -> dict[str, float]:
     """``{name: value}`` of the scalars tagged ``root/stat/{name}``."""
     prefix = tag(root, stat, "")
@@ -80,3 +104,21 @@ def _percent(char: str) -> str:
 def unescape(part: str) -> str:
     """The name :func:`escape` was given."""
     return unquote(part, errors="surrogatepass")
+
+
+#: The ``GradScaler``'s loss scale of a logged step's backward, and whether the scaler skipped it.
+SCALE_TAG, SKIPPED_TAG = tag(Root.AMP, Stat.LOSS_SCALE), tag(Root.AMP, Stat.SKIPPED_STEP)
+#: Every step's gradient norm and loss (``spikes=``).
+GRAD_NORM_TAG, LOSS_TAG = tag(Root.STEP, Stat.GRAD_NORM), tag(Root.STEP, Stat.LOSS)
+#: The text summary listing the watched modules in forward order (see :func:`order_markdown`).
+ORDER_TAG = tag(Root.HEALTH, "forward_order")
+
+
+def order_markdown(order: Sequence[str]) -> str:
+    """The forward order as a numbered Markdown list of escaped names (``report`` reads it back)."""
+    return "\n".join(f"{i}. `{escape(m)}`" for i, m in enumerate(order, 1))
+
+
+def parse_order(text: str) -> list[str]:
+    """Inverse of :func:`order_markdown`."""
+    return [unescape(m) for m in re.findall(r"^\d+\. `(.*)`$", text, flags=re.MULTILINE)]

@@ -36,8 +36,8 @@ from torch import Tensor
 from ..errors import HookLoggerError
 from ..stats.binning import Sample
 from ..stats.packing import Entry, Record, StepLayout
-from .parallel import TensorParallel
-from .sharding import Pending, Split
+from ..topology.parallel import TensorParallel
+from ..topology.sharding import Pending, Split
 
 Item = TypeVar("Item")
 Packed = tuple[Tensor, StepLayout]

@@ -1,0 +1,209 @@
+"""Findings and their thresholds: what every rule produces and is configured by, and the
+trailing median the rules that compare a value with its own history share.
+
+A leaf of the package (no torch): the live logger, ``tblog-hooks report`` and the dashboard read
+findings through it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import numbers
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+
+from ..errors import HookLoggerError
+
+
+class FindingKind(enum.StrEnum):
+    """What a :class:`Finding` is about (its ``kind``)."""
+
+    VANISHING_GRADIENT = "vanishing_gradient"
+    EXPLODING_GRADIENT = "exploding_gradient"
+    DEAD_UNITS = "dead_units"
+    NONFINITE = "nonfinite"
+    AMP_SKIPPED_STEPS = "amp_skipped_steps"
+    ATTENTION_LOGIT_GROWTH = "attention_logit_growth"
+    ATTENTION_ENTROPY_COLLAPSE = "attention_entropy_collapse"
+    #: With ``spikes=``: judged every step by ``diagnostics/spikes.py``; each starts and ends at its own step.
+    GRADIENT_SPIKE = "gradient_spike"
+    LOSS_SPIKE = "loss_spike"
+
+
+#: Every finding kind, in the order tables list them.
+FINDING_KINDS: tuple[str, ...] = tuple(kind.value for kind in FindingKind)
+VANISHING, EXPLODING, DEAD, NONFINITE, SKIPPING = FINDING_KINDS[:5]
+LOGIT_GROWTH, ENTROPY_COLLAPSE = FindingKind.ATTENTION_LOGIT_GROWTH.value, FindingKind.ATTENTION_ENTROPY_COLLAPSE.value
+_SMALLER_IS_WORSE = (VANISHING, ENTROPY_COLLAPSE)  # finding kinds whose smaller values are worse
+#: Modules named per kind in the log line (the worst ones) and rows per kind in the text summary.
+LOG_WORST, TABLE_ROWS = 3, 20
+#: Findings are reported here, one line per logged step that starts any (WARNING level).
+log = logging.getLogger("tblog_hooks.health")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When a finding starts. A rule is switched off by a value that is never crossed:
+    ``vanishing_ratio=0``, ``math.inf`` for the others (``zero_steps`` is no rule of its own).
+
+    Each field below is a keyword with a default; values are Python or NumPy numbers (not
+    bools), and counts of logged steps are whole numbers.
+
+    Raises:
+        HookLoggerError: a field that is not such a number or is out of its range; the message
+            names the field, the value and what is valid.
+    """
+
+    #: ``vanishing_gradient``: every output-gradient norm from the input up to a module (in
+    #: forward order) is below this fraction of the largest one in the model at the same step.
+    vanishing_ratio: float = 1e-4
+    #: ``exploding_gradient``: with ``optimizer=``, the median update-to-weight ratio of the
+    #: watched parameters is above this (the step moved the weights by many times their size) ...
+    exploding_update: float = 10.0
+    #: ... or the largest output-gradient norm is above this multiple of the median of the
+    #: largest norms of the latest ``growth_window`` logged steps without this finding ...
+    exploding_growth: float = 100.0
+    #: ... or above this absolute value (off by default: norms scale with the loss reduction,
+    #: batch and layer sizes, so no one number suits every model).
+    exploding_norm: float = math.inf
+    #: Earlier logged steps (the latest ones without the finding) the growth rules of
+    #: ``exploding_gradient`` and ``attention_logit_growth`` compare with: a bounded window keeps
+    #: the cost of a step constant.
+    growth_window: int = 64
+    #: ``dead_units``: this fraction of a module's units (the channels of a convolution or a batch,
+    #: instance or group norm, else the last dim of its output) is never positive across the batch
+    #: (the last module that ran, in forward order, is skipped: usually the output layer).
+    dead_fraction: float = 0.9
+    #: Evidence that is exactly zero (a zero output, all gradients up to a module exactly zero) is
+    #: what zero-initialised layers show before their first update: it must last this many logged steps.
+    zero_steps: int = 3
+    #: ``amp_skipped_steps``: the ``GradScaler`` skipped this many logged steps in a row.
+    skipped_steps: float = 20
+    #: ``attention_logit_growth``: with ``attention=``, a module's max attention logit is above this
+    #: (a key whose logit is 30 above the others takes all the weight among 1e12 keys) ...
+    attention_logit: float = 30.0
+    #: ... or above this multiple of the median of its latest ``growth_window`` logged steps without
+    #: the finding, and above ``attention_floor`` ...
+    attention_growth: float = 100.0
+    #: ... below which a max logit is never called growth: max logits start near 0.1 and grow
+    #: tenfold as training begins, while attention stays soft.
+    attention_floor: float = 10.0
+    #: ``attention_entropy_collapse``: a module's (in the live logger: a head's) mean attention entropy is below
+    #: this many nats (``exp(0.3)``: each query spreads its attention over about 1.35 keys).
+    attention_entropy: float = 0.3
+
+    def __post_init__(self) -> None:
+        limits = {  # name: (low, high, low allowed, high allowed, integral, what is valid)
+            "vanishing_ratio": (0.0, 1.0, True, False, False, "a fraction in [0, 1) (0: off)"),
+            "exploding_update": (0.0, math.inf, False, True, False, "a positive number (inf: off)"),
+            "exploding_growth": (1.0, math.inf, False, True, False, "a number above 1 (inf: off)"),
+            "exploding_norm": (0.0, math.inf, False, True, False, "a positive number (inf: off)"),
+            "growth_window": (1.0, math.inf, True, False, True, "a whole number of logged steps, at least 1"),
+            "dead_fraction": (0.0, math.inf, False, True, False, "a fraction in (0, 1] (above 1: off)"),
+            "zero_steps": (1.0, math.inf, True, False, True, "a whole number of logged steps, at least 1"),
+            "skipped_steps": (1.0, math.inf, True, True, True, "a whole number of logged steps, at least 1 (inf: off)"),
+            "attention_logit": (0.0, math.inf, False, True, False, "a positive number (inf: off)"),
+            "attention_growth": (1.0, math.inf, False, True, False, "a number above 1 (inf: off)"),
+            "attention_floor": (0.0, math.inf, True, False, False, "a finite number >= 0"),
+            "attention_entropy": (0.0, math.inf, True, False, False, "a number of nats >= 0 (0: off)"),
+        }  # fmt: skip
+        check_fields(self, limits)
+
+
+#: A numeric field's valid range: (low, high, low allowed, high allowed, whole numbers only, what is valid).
+Limit = tuple[float, float, bool, bool, bool, str]
+
+
+def check_fields(config: object, limits: Mapping[str, Limit]) -> None:
+    """Check each field of the frozen dataclass ``config`` against its :data:`Limit`, raising
+    ``HookLoggerError`` naming the class, the field, the value and what is valid; NumPy scalars
+    become plain numbers, whole numbers ints (but ``inf``)."""
+    for f in fields(config):  # type: ignore[arg-type]
+        value = getattr(config, f.name)
+        low, high, low_ok, high_ok, integral, valid = limits[f.name]
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if ok:
+            number = float(value)
+            ok = (low < number or (low_ok and number == low)) and (number < high or (high_ok and number == high))
+            ok = ok and (not integral or number == math.inf or number.is_integer())
+        if not ok:
+            raise HookLoggerError(f"{type(config).__name__}({f.name}={value!r}) is invalid: it must be {valid}")
+        object.__setattr__(config, f.name, int(number) if integral and number != math.inf else number)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem, as it was when it started.
+
+    Attributes:
+        kind: what it is about, one of :data:`FINDING_KINDS` (``"vanishing_gradient"``, ...).
+        module: the watched module it names (for some findings a parameter,
+            ``{module}.{param}``); ``""`` when it is about the whole model.
+        step: the step at which it started (TensorBoard's ``global_step``): a logged step, or for
+            ``gradient_spike`` and ``loss_spike`` any step.
+        value: the measured quantity its rule compared, e.g. the dead fraction or the NaN/Inf count.
+        message: one line saying what was found, as logged.
+    """
+
+    kind: str
+    module: str
+    step: int
+    value: float
+    message: str
+
+
+Key = tuple[str, str]  # (kind, module or "" for the whole model)
+#: Candidates of one step: the finding and whether its evidence is exactly zero.
+Candidates = dict[Key, tuple[Finding, bool]]
+
+
+class Trailing:
+    """The latest ``window`` values of a series, and their median: what a value is compared with
+    by the rules that judge a series against its own recent history."""
+
+    def __init__(self, window: int) -> None:
+        self.values: deque[float] = deque(maxlen=window)
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+
+    def median(self) -> float:
+        """The median of the values kept; NaN before the first."""
+        return statistics.median(self.values) if self.values else math.nan
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+def started_line(new: Sequence[Finding]) -> str:
+    """One line for the findings a step starts: per kind, how many and the worst few."""
+    parts = []
+    for kind, found in by_kind(new):
+        if len(found) == 1:
+            parts.append(f"{kind}: {found[0].message}")
+            continue
+        worst = ", ".join(f"{f.module} ({f.value:.3g})" for f in found[:LOG_WORST])
+        more = f", +{len(found) - LOG_WORST} more" if len(found) > LOG_WORST else ""
+        parts.append(f"{kind} in {count(found)}, worst: {worst}{more}")
+    return "; ".join(parts)
+
+
+def by_kind(found: Iterable[Finding]) -> list[tuple[str, list[Finding]]]:
+    """Findings grouped by kind (in :data:`KINDS` order), the worst first within a kind."""
+    groups: dict[str, list[Finding]] = {}
+    for f in found:
+        groups.setdefault(f.kind, []).append(f)
+    # The smaller a vanishing ratio or an entropy, the worse; for the other kinds, the larger the value.
+    return [
+        (kind, sorted(groups[kind], key=lambda f: (f.value if kind in _SMALLER_IS_WORSE else -f.value, f.step)))
+        for kind in FINDING_KINDS
+        if kind in groups
+    ]
+
+
+def count(found: Sequence[Finding]) -> str:
+    return f"{len(found)} module" + ("s" if len(found) > 1 else "")

@@ -1,0 +1,97 @@
+"""A run read back from TensorBoard's files, replayed through the rules the logger uses: what
+``tblog-hooks report`` and the dashboard show. Host-side only, no torch.
+
+The logged scalars go through the same :class:`~tblog_hooks.diagnostics.health.Health` as in
+the live logger, with the default :class:`~tblog_hooks.Thresholds`, and the per-step series of
+``spikes=`` through the same spike detector, with the default :class:`~tblog_hooks.Spikes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ..stats.tags import Root, Stat, tag, unescape
+from .findings import Finding, Thresholds, log
+from .health import default_health
+from .spikes import replay
+
+#: Roots that only a logged step holds: their presence marks a step as logged.
+_STATISTICS = tuple(tag(root, "") for root in (Root.ACTIVATION, Root.GRADIENT, Root.PARAM_GRAD))
+#: The per-step series of ``spikes=``, written in events of their own.
+_SERIES = tuple(tag(root, "") for root in (Root.STEP, Root.SPIKE))
+#: Tags whose last part names every watched module (the forward order may be missing).
+_NAMED = (tag(Root.GRADIENT, Stat.NORM, ""), tag(Root.ACTIVATION, Stat.MEAN, ""))
+
+
+@dataclass
+class Run:
+    """One logger's scalars (its own tags, without the prefix) at the steps it logged, and its
+    watched modules in forward order."""
+
+    label: str  # the run directory, as the user named it
+    prefix: str  # the logger's tag prefix ("" for none)
+    scalars: dict[int, dict[str, float]]
+    order: list[str]
+    #: ``(from, to)`` for each time the logged steps went back (a run restarted into the same
+    #: directory); from ``to`` on, the steps are those of the restart.
+    restarts: list[tuple[int, int]] = field(default_factory=list)
+    #: With ``spikes=``: ``{step: {tag: value}}`` of every step (``step/*``, ``spike/*``).
+    series: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """The directory's label, then the prefix in brackets: ``runs/gan [G]``."""
+        return f"{self.label} [{self.prefix}]" if self.prefix else self.label
+
+
+def is_logged_step(scalars: Mapping[str, float]) -> bool:
+    """Whether an event's scalars (tags without the prefix) are those of a logged step."""
+    return any(t.startswith(_STATISTICS) for t in scalars)
+
+
+def is_series(scalars: Mapping[str, float]) -> bool:
+    """Whether an event's scalars are every-step series of ``spikes=`` (written in events of their own)."""
+    return all(t.startswith(_SERIES) for t in scalars)
+
+
+def forward_order(written: Sequence[str], scalars: Mapping[int, Mapping[str, float]]) -> list[str]:
+    """The watched modules in forward order: as written (``health/forward_order``), then those
+    only the scalars name, sorted."""
+    named = {unescape(t.split("/", 2)[2]) for s in scalars.values() for t in s if t.startswith(_NAMED)}
+    return [*written, *sorted(named - set(written))]
+
+
+def findings(run: Run, thresholds: Thresholds | None = None) -> list[Finding]:
+    """Every finding that starts in the run, in step order (spikes of its per-step series too)."""
+    judge = default_health(thresholds or Thresholds())
+    log.disabled = True  # the report prints them itself
+    try:
+        for step, scalars in run.scalars.items():
+            judge.update(step, scalars, run.order)
+    finally:
+        log.disabled = False
+    return sorted(judge.started + replay(run.series), key=lambda f: f.step)
+
+
+def module_rows(run: Run) -> list[dict[str, object]]:
+    """Per watched module: output-gradient norm (latest, minimum, latest/first), latest dead
+    fraction, and NaN/Inf counted over the run (outputs and output gradients)."""
+    rows: list[dict[str, object]] = []
+    for m in run.order:
+        norm_tag, dead_tag = tag(Root.GRADIENT, Stat.NORM, m), tag(Root.ACTIVATION, Stat.DEAD_FRAC, m)
+        norms = [s[norm_tag] for s in run.scalars.values() if norm_tag in s]
+        dead = [s[dead_tag] for s in run.scalars.values() if dead_tag in s]
+        bad = sum(
+            s.get(tag(Root.ACTIVATION, Stat.NONFINITE, m), 0.0) + s.get(tag(Root.GRADIENT, Stat.NONFINITE, m), 0.0)
+            for s in run.scalars.values()
+        )
+        rows.append({
+            "module": m,
+            "grad_norm_latest": norms[-1] if norms else None,
+            "grad_norm_min": min(norms) if norms else None,
+            "grad_norm_trend": norms[-1] / norms[0] if norms and norms[0] > 0 else None,
+            "dead_frac": dead[-1] if dead else None,
+            "nonfinite": bad,
+        })  # fmt: skip
+    return rows

@@ -1,0 +1,51 @@
+"""Gradients as training sees them without the ``GradScaler``'s loss scale, on the host.
+
+The scale a logged step's backward used and whether the scaler skipped the step travel in the
+step's transfer (``transport/amp.py``); here the step's gradient statistics that scale with the
+loss are divided by it, and on a skipped step they are dropped (they would be garbage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..stats.tags import SCALE_TAG, SKIPPED_TAG, Root, Stat, tag
+from .summary import Histogram, StepSummary
+
+
+def unscale(summary: StepSummary, *, param_grads_scaled: bool) -> None:
+    """Divide the step's gradient norms and histograms by the loss scale (shift log10 histograms
+    by its log10), or drop them if the scaler skipped the step (non-finite counts stay: they
+    show where the overflow came from). A no-op for steps without a scale."""
+    if SCALE_TAG not in summary.scalars:
+        return
+    scale, skipped = summary.scalars[SCALE_TAG], bool(summary.scalars[SKIPPED_TAG])
+    kinds = (Root.GRADIENT, Root.PARAM_GRAD) if param_grads_scaled or skipped else (Root.GRADIENT,)
+    prefixes = tuple(tag(kind, "") for kind in kinds)
+    nonfinite = tag(Root.GRADIENT, Stat.NONFINITE, "")
+    for key in [k for k in summary.scalars if k.startswith(prefixes) and not k.startswith(nonfinite)]:
+        if skipped:
+            del summary.scalars[key]
+        else:
+            summary.scalars[key] /= scale
+    log10 = tag(Root.GRADIENT_LOG10, "")
+    for key in [k for k in summary.histograms if k.startswith((*prefixes, log10))]:
+        if skipped:
+            del summary.histograms[key]
+        elif key.startswith(log10):
+            summary.histograms[key] = _affine(summary.histograms[key], 1.0, -math.log10(scale))
+        else:
+            summary.histograms[key] = _affine(summary.histograms[key], 1.0 / scale, 0.0)
+
+
+def _affine(h: Histogram, a: float, b: float) -> Histogram:
+    """The histogram of ``a * x + b`` (``a > 0``) from that of ``x``."""
+    return dataclasses.replace(
+        h,
+        min=a * h.min + b,
+        max=a * h.max + b,
+        sum=a * h.sum + b * h.num,
+        sum_squares=a * a * h.sum_squares + 2 * a * b * h.sum + b * b * h.num,
+        limits=[a * limit + b for limit in h.limits],
+    )

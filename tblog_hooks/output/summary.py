@@ -1,0 +1,37 @@
+"""One logged step on the host, as TensorBoard will hold it: scalars, histograms, images and the
+per-head attention values. Plain data (NumPy, no torch), so that what reads runs back can use it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: Per head of one module: the largest attention logit and the mean entropy (nats).
+Heads = tuple[np.ndarray, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A histogram in TensorBoard's terms: ``limits[i]`` is the right edge of bucket ``i``."""
+
+    min: float
+    max: float
+    num: float
+    sum: float
+    sum_squares: float
+    limits: list[float]
+    counts: list[float]
+
+
+@dataclass
+class StepSummary:
+    """Everything one logged step writes: ``{tag: value}``, ``{tag: Histogram}`` and
+    ``{tag: uint8 image, channels first}``."""
+
+    step: int
+    scalars: dict[str, float]
+    histograms: dict[str, Histogram]
+    images: dict[str, np.ndarray] = field(default_factory=dict)
+    #: With ``attention=``: per module, each head's largest logit and mean entropy (``stats/attention.py``).
+    heads: dict[str, Heads] = field(default_factory=dict)
