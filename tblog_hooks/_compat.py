@@ -8,6 +8,7 @@ reading this file.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import google_crc32c
@@ -108,6 +109,13 @@ def is_compiled(model: nn.Module) -> bool:
 
 
 # -- GradScaler --------------------------------------------------------------------------------
+def step_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> object | None:
+    """The closure of the ``optimizer.step(...)`` call an optimizer step hook sees (``args[0]``
+    is the optimizer): LBFGS & co. (and Lightning, always) compute the gradients inside
+    ``step()`` by calling it, so they are read after it."""
+    return kwargs.get("closure", args[1] if len(args) > 1 else None)
+
+
 def loss_scale(scaler: torch.amp.GradScaler) -> Tensor | None:
     """The scaler's scale as its device tensor, without the host read ``get_scale()`` makes
     (``_get_scale_async``); ``None`` before its first ``scale()``."""
@@ -167,6 +175,19 @@ def fast_checksum(writer: SummaryWriter, frame: Callable[[bytes], bytes]) -> Cal
 
 def _nothing() -> None:
     pass
+
+
+# -- DTensor ------------------------------------------------------------------------------------
+def dtensor_api() -> ModuleType:
+    """The module holding ``DTensor`` and its placements (``Replicate``, ...): public as
+    ``torch.distributed.tensor`` from torch 2.5; torch 2.4 has them in ``torch.distributed._tensor``."""
+    import torch.distributed.tensor as public
+
+    if hasattr(public, "DTensor"):
+        return public
+    import torch.distributed._tensor as private
+
+    return private
 
 
 # -- tensor parallelism ------------------------------------------------------------------------

@@ -93,14 +93,14 @@ class HookLogger:
         # step, step 0, ends before its first optimizer step).
         self._recorded_steps = 0
         self._module_names = tuple(selected)
-        self._watched = Watched(model, selected, parameters=config.parameters)
+        self._watched = Watched(model, selected)
         parallel = TensorParallel(model)
         parallel.begin()
         split = parallel.holds_split()
-        _check_optimizer(config, averaged=averaged and bool(self._watched.params()), split=split)
         self._recording = Recording(
             self._watched, config, feature_maps=frozenset(mapped), model=model, parallel=parallel
         )
+        _check_optimizer(config, averaged=averaged and bool(self._recording.params()), split=split)
         scaler = config.scaler
         self._amp = amp.ScaleWatch(scaler) if scaler is not None and scaler.is_enabled() else None
         self._ranks = Ranks(reduce=config.reduce_ranks, split=split, lead=parallel.first_of_groups())
@@ -118,7 +118,7 @@ class HookLogger:
             self._outbox = Outbox(write, param_grads_scaled=scaled)
         _warn_if_shared(model, self._destination)
         spiking = (self._recording.handles, self._diagnostics.health, self._destination, self._ranks)
-        self._spikes = SpikeLog.of(config, Watched(model, selected, parameters=True), self._module_names, *spiking)
+        self._spikes = SpikeLog.of(config, self._watched, self._module_names, *spiking)
         # A rank that neither writes nor takes part in collectives is off from the start.
         self._state = _State.OFF if self._writer is None and not self._ranks.needed else _State.IDLE
         self._recording.attach(model, selected)
@@ -210,7 +210,7 @@ class HookLogger:
     def __repr__(self) -> str:
         state = "closed" if self._state is _State.CLOSED else f"step={self._step}"
         return (
-            f"HookLogger({len(self._module_names)} modules, {len(self._watched.params())} parameters, "
+            f"HookLogger({len(self._module_names)} modules, {len(self._recording.params())} parameters, "
             f"every={self._every}, {state}, log_dir={self._writer.log_dir if self._writer else None!r})"
         )
 

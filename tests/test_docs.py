@@ -25,8 +25,9 @@ from tblog_hooks.stats.kinds import (
     INPUT,
     NONFINITE_COUNT,
     PARAM_GRAD,
+    UPDATE,
 )
-from tblog_hooks.stats.tags import ORDER_TAG, Root, Stat, escape
+from tblog_hooks.stats.tags import ORDER_TAG, SCALE_TAG, SKIPPED_TAG, Root, Stat, escape
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -115,15 +116,11 @@ def documented_tags() -> dict[str, set[str]]:
 
 def declared_tags() -> dict[str, set[str]]:
     """``{type: tag patterns}`` as the code declares them."""
-    per_module = (ACTIVATION, INPUT, GRADIENT, NONFINITE_COUNT, ATTENTION)
+    per_module, per_parameter = (ACTIVATION, INPUT, GRADIENT, NONFINITE_COUNT, ATTENTION), (PARAM_GRAD, UPDATE)
     scalars = {f"{kind.name}/{stat}/{MODULE}" for kind in per_module for stat in kind.stats}
-    scalars |= {f"{PARAM_GRAD.name}/{stat}/{PARAM}" for stat in PARAM_GRAD.stats}
-    scalars |= {
-        f"{Root.PARAM}/{Stat.UPDATE_RATIO}/{PARAM}",
-        f"{Root.PARAM_GRAD}/{Stat.GLOBAL_NORM}",
-        f"{Root.AMP}/{Stat.LOSS_SCALE}",
-        f"{Root.AMP}/{Stat.SKIPPED_STEP}",
-    }
+    scalars |= {f"{kind.name}/{stat}/{PARAM}" for kind in per_parameter for stat in kind.stats}
+    scalars |= {f"{k.name}/{m.total}" for k in (*per_module, *per_parameter) for m in k.measures if m.total}
+    scalars |= {SCALE_TAG, SKIPPED_TAG}
     scalars |= {f"{Root.HEALTH}/{kind}" for kind in FINDING_KINDS}
     scalars |= {f"{Root.STEP}/{Stat.GRAD_NORM}", f"{Root.STEP}/{Stat.LOSS}", f"{Root.SPIKE}/{Stat.GRAD_NORM}/{MODULE}"}
     histograms = {f"{root}/{PARAM if root in (Root.PARAM_GRAD, Root.PARAM) else MODULE}" for root in HISTOGRAM_KINDS}

@@ -4,6 +4,7 @@ feature maps, and the order in which the modules first run."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
@@ -17,10 +18,7 @@ from ..topology.parallel import CONTEXT_PARALLEL, TensorParallel, along_units
 from ..topology.sharding import Split
 from .output_gradients import OutputGradientRecorder
 from .passes import PassFilter
-from .step import Mode, StepBuffer
-
-#: The name under which a failure of every module's statistics at once is reported.
-MODULE_STATISTICS = "module statistics"
+from .step import Mode, Part, StepBuffer
 
 
 class ActivationRecorder:
@@ -136,7 +134,7 @@ class ActivationRecorder:
         ``topology/parallel.py``)."""
         if mode.compiled or not self.parallel.sequence_split():
             return False
-        self.buffer.fail(MODULE_STATISTICS, RuntimeError(CONTEXT_PARALLEL))
+        self.buffer.fail(Part.MODULE_STATISTICS, RuntimeError(CONTEXT_PARALLEL))
         self.buffer.disabled.update(self.units)
         return True
 
@@ -148,12 +146,12 @@ class ActivationRecorder:
             return [(t, None) for t in tensors]
         return [(t, along_units(split, units, t.dim())) for t, split in self.parallel.outputs(module, args, tensors)]
 
-    def _remember(self, mode: Mode, t: Tensor, values: tuple[Tensor, ...]) -> None:
+    def _remember(self, mode: Mode, t: Tensor, values: Mapping[str, Tensor]) -> None:
         """Keep the finite count of an output for the next module's pre-hook, should its input
         be this very tensor (conv -> bn in a ResNet), saving a pass over it. Not while compiling
         (no weak reference or version there), nor of inference tensors (they have neither)."""
         if not mode.compiled and not t.is_inference():
-            self._last_output = (weakref.ref(t), version(t), ACTIVATION.value(values, "finite"))
+            self._last_output = (weakref.ref(t), version(t), values["finite"])
 
     def _finite_input(self, mode: Mode, t: Tensor) -> Tensor:
         """Finite count of an input: the one remembered if the input is the unchanged output

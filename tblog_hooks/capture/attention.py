@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .._compat import function_mode_on_top, in_backward
+from .._compat import function_mode_on_top
 from ..errors import HookLoggerError
 from ..stats.attention import attention_statistics, mha_arguments, sdpa_arguments
 from ..stats.kinds import ATTENTION
@@ -32,10 +32,8 @@ from ..stats.packing import Record
 from ..topology.parallel import TensorParallel
 from .hooks import _Hook
 from .selection import ROOT_NAME, Selector, select_modules
-from .step import StepBuffer
+from .step import Part, StepBuffer
 
-#: The name under which a failure switches attention statistics off (``StepBuffer.fail``).
-PART = "attention"
 _SDPA = F.scaled_dot_product_attention
 _MHA = F.multi_head_attention_forward
 
@@ -76,13 +74,14 @@ class AttentionRecorder:
         if self._depth:
             self._depth += 1
             return
-        if not self.buffer.active or PART in self.buffer.disabled:
+        if not self.buffer.active or Part.ATTENTION in self.buffer.disabled:
             return
-        if torch.compiler.is_compiling():
+        mode = self.buffer.now()
+        if mode is not None and mode.compiled:
             self._compiled = True
             return
         counted = self.eval_passes or (module.training and torch.is_grad_enabled())
-        if not counted or in_backward() or self.buffer.now() is None:
+        if not counted or mode is None or mode.in_backward():
             return
         self._mode.__enter__()
         self._depth = 1
@@ -113,15 +112,17 @@ class AttentionRecorder:
         if function_mode_on_top(self._mode):
             self._mode.__exit__(None, None, None)
         else:  # a mode entered inside the forward and never left sits above ours
-            self.buffer.fail(PART, RuntimeError("another TorchFunctionMode was left active by the forward pass"))
+            self.buffer.fail(
+                Part.ATTENTION, RuntimeError("another TorchFunctionMode was left active by the forward pass")
+            )
 
     def on_call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """After an attention call: record its statistics under its innermost module's name."""
-        if torch.compiler.is_compiling():
+        mode = self.buffer.now()
+        if mode is not None and mode.compiled:
             self._compiled = True
             return
-        mode = self.buffer.now()
-        if mode is None or PART in self.buffer.disabled:
+        if mode is None or Part.ATTENTION in self.buffer.disabled:
             return
         try:
             running = self._running()
@@ -135,7 +136,7 @@ class AttentionRecorder:
             split = self.parallel.heads(module)
             mode.add(Record(ATTENTION, name, found["query"].shape[:-1].numel(), values, split=split))
         except Exception as error:  # the logger must never stop training
-            self.buffer.fail(PART, error)
+            self.buffer.fail(Part.ATTENTION, error)
 
     def _running(self) -> tuple[str, nn.Module] | None:
         """The innermost module of the model whose code is on the call stack (its name and

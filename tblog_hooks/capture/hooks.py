@@ -14,13 +14,14 @@ from __future__ import annotations
 import enum
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .activations import ActivationRecorder
-from .parameters import ParameterRecorder
+if TYPE_CHECKING:
+    from .activations import ActivationRecorder
+    from .parameters import ParameterRecorder
 
 # What a copied or unpickled hook is: a standard-library callable that takes any arguments and
 # returns None (a hook returning None changes nothing), and that torch.compile traces:

@@ -10,7 +10,6 @@ import weakref
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from .._compat import tree_flatten, tree_unflatten
 from ..stats import sampling
@@ -21,6 +20,7 @@ from ..stats.reductions import loggable
 from ..stats.tags import Root
 from ..topology.sharding import Split, is_dtensor, local
 from . import probes
+from .hooks import Handles
 from .step import Mode, StepBuffer
 
 
@@ -30,7 +30,8 @@ class OutputGradientRecorder:
     def __init__(self, buffer: StepBuffer, *, histograms: bool) -> None:
         self.buffer = buffer
         self._width = sampling.SAMPLE_CAP if histograms else 0  # of a probe's histogram sample
-        self._handles: list[RemovableHandle] = []  # this step's tensor hooks
+        self._handles = Handles()  # this step's tensor hooks
+        self._probe_handles = Handles()  # the probes' own hooks, live until release()
         self._probes: dict[str, probes.Probe] = {}
         self._warned_repeated = False
 
@@ -50,7 +51,7 @@ class OutputGradientRecorder:
             return self._tap(name, output)
         for t, split in zip(tensors, splits):
             if t.requires_grad:
-                self._handles.append(t.register_hook(_GradientHook(self, name, split)))
+                self._handles.add(t.register_hook(_GradientHook(self, name, split)))
         return None
 
     def on_grad(self, name: str, grad: Tensor, split: Split | None) -> None:
@@ -100,7 +101,7 @@ class OutputGradientRecorder:
         """A logged step ended: remove its tensor hooks; probes of modules whose outputs turned
         out to be on another device (the model was moved after attaching) follow them, at the
         cost of one more graph."""
-        self._unhook()
+        self._handles.remove_all()
         for record in records:
             probe = self._probes.get(record.name)
             if record.kind is ACTIVATION and probe is not None and probe.device != record.values[0].device:
@@ -108,17 +109,14 @@ class OutputGradientRecorder:
 
     def release(self) -> None:
         """The logger is done: remove every gradient hook, the probes' too."""
-        self._unhook()
+        self._handles.remove_all()
+        self._probe_handles.remove_all()
         self._probes.clear()
-
-    def _unhook(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     def _place_probe(self, name: str, device: torch.device) -> None:
         # A weak reference: the probe's tensor hook must not keep the recorder alive.
-        self._probes[name] = probes.Probe(device, self._width, functools.partial(_on_probe, weakref.ref(self), name))
+        deliver = functools.partial(_on_probe, weakref.ref(self), name)
+        self._probes[name] = probes.Probe(device, self._width, deliver, self._probe_handles)
 
     def _tap(self, name: str, output: object) -> object | None:
         """The output with each tensor that carries a gradient passed through the module's

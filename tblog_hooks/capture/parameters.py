@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .._compat import at_end_of_backward, foreach_copy, foreach_div, foreach_sub_
+from .._compat import at_end_of_backward, foreach_copy, foreach_div, foreach_sub_, step_closure
 from ..stats.binning import Sample
 from ..stats.kinds import PARAM_GRAD, UPDATE
 from ..stats.packing import Record
@@ -23,11 +23,10 @@ from ..stats.reductions import FLOAT_DTYPES, loggable, norms, sparse_values
 from ..stats.tags import Root
 from ..topology.sharding import Pending, Split, local, pending
 from ..transport import amp
-from .step import StepBuffer
+from .step import Part, StepBuffer
 from .watched import Watched
 
 #: The names under which failures of these parts are reported (and they stop).
-PARAMETERS, UPDATE_RATIO = "parameters", "update_ratio"
 
 Named = list[tuple[str, Tensor]]
 
@@ -81,7 +80,7 @@ class ParameterRecorder:
                     record = Record(PARAM_GRAD, key, grad.numel(), (norm,), split=split)
                     self._graded[key] = (record, samples.get(key))
         except Exception as error:
-            buffer.fail(named[0][0] if len(named) == 1 else PARAMETERS, error)
+            buffer.fail(named[0][0] if len(named) == 1 else Part.PARAMETERS, error)
             buffer.disabled.update(key for key, _ in named)
 
     def weights(self, params: Callable[[], Named]) -> None:
@@ -101,7 +100,7 @@ class ParameterRecorder:
                 for row in samples.values():
                     self.buffer.eager.add(row)
         except Exception as error:
-            self.buffer.fail(PARAMETERS, error)
+            self.buffer.fail(Part.PARAMETERS, error)
 
     def before_update(self, named: Named) -> None:
         """Optimizer step pre-hook: copy the weights (logged steps only) to measure the update."""
@@ -114,7 +113,7 @@ class ParameterRecorder:
                 splits = [split for _, split in pieces]
                 self._before_update = (named, splits, norms(weights), foreach_copy(weights))
         except Exception as error:
-            self.buffer.fail(UPDATE_RATIO, error)
+            self.buffer.fail(Part.UPDATE_RATIO, error)
 
     def after_update(self) -> None:
         """Optimizer step post-hook: ``||W_after - W_before||`` and ``||W_before||`` per parameter
@@ -129,7 +128,7 @@ class ParameterRecorder:
                 for (key, p), split, change, weight in zip(named, splits, norms(before), weight_norms):
                     self.buffer.eager.add(Record(UPDATE, key, p.numel(), (change, weight), split=split))
         except Exception as error:
-            self.buffer.fail(UPDATE_RATIO, error)
+            self.buffer.fail(Part.UPDATE_RATIO, error)
 
     def end_step(self) -> tuple[list[Record], list[Sample], list[Pending]]:
         """The gradients this logged step read, as records and histogram samples, and those
@@ -220,7 +219,7 @@ class OptimizerHooks:
 
     def pre(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         buffer = self.parameters.buffer
-        if not buffer.active or PARAMETERS in buffer.disabled:
+        if not buffer.active or Part.PARAMETERS in buffer.disabled:
             return
         try:
             params = self._params  # one read: another thread's optimizer may run this hook too
@@ -230,13 +229,13 @@ class OptimizerHooks:
             if not named:
                 return  # another model's optimizer
             # LBFGS & co. compute gradients inside step(), by calling the closure: read them after it.
-            closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
+            closure = step_closure(args, kwargs)
             if closure is None:
                 self._read(named, amp.grad_scale(optimizer))
             self._stepping[id(optimizer)] = (named, closure is not None)
             self.parameters.before_update([(key, p) for key, p in named if p.requires_grad])
         except Exception as error:  # the logger must never stop training
-            buffer.fail(PARAMETERS, error)
+            buffer.fail(Part.PARAMETERS, error)
 
     def post(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         stepping = self._stepping.pop(id(optimizer), None)
@@ -248,7 +247,7 @@ class OptimizerHooks:
                 self._read(named, None)
             self.parameters.after_update()
         except Exception as error:
-            self.parameters.buffer.fail(PARAMETERS, error)
+            self.parameters.buffer.fail(Part.PARAMETERS, error)
 
     def _read(self, named: Named, scale: Tensor | None) -> None:
         self.parameters.read(named, scale=scale)
@@ -257,7 +256,7 @@ class OptimizerHooks:
     def unstepped(self) -> list[str]:
         """Watched parameters holding a gradient that no optimizer stepped this logged step
         (none when these hooks failed: nothing was read then)."""
-        if PARAMETERS in self.parameters.buffer.disabled:
+        if Part.PARAMETERS in self.parameters.buffer.disabled:
             return []
         params = self.watched.params()
         return [key for key, p in params if key not in self._stepped and p.requires_grad and p.grad is not None]

@@ -23,12 +23,23 @@ from torch import Tensor, nn
 
 from ..stats.kinds import GRADIENT
 from ..stats.sampling import traced_sample
+from .hooks import Handles
 
 #: Positions in a summary: the gradients summed into it (more than one when the module ran
-#: twice in one forward: autograd adds up the probe's gradients within a backward), elements,
-#: squared L2 norm, non-finite count, min, max; then the histogram sample, padded with NaN.
-S_CALLS, S_NUMEL, S_SQUARES, S_NONFINITE, S_MIN, S_MAX = range(6)
-HEAD = 6
+#: twice in one forward: autograd adds up the probe's gradients within a backward), elements; then
+#: ``kinds.GRADIENT``'s fields in the form that adds up (``Pool.summed``), the min and max, and
+#: the histogram sample, padded with NaN (:func:`summary`).
+S_CALLS, S_NUMEL, S_FIELDS = range(3)
+
+
+def _fields() -> int:
+    """How many values ``kinds.GRADIENT`` records (0-d each)."""
+    return sum(len(f.names) for f in GRADIENT.fields)
+
+
+def head() -> int:
+    """Where a summary's histogram sample starts."""
+    return S_FIELDS + _fields() + 2
 
 
 class _Tap(torch.autograd.Function):
@@ -45,13 +56,18 @@ class _Tap(torch.autograd.Function):
 
 
 def summary(grad: Tensor, width: int) -> Tensor:
-    """``[1, elements, norm², non-finite, min, max]`` of ``grad`` in float64, then its histogram
+    """``[1, elements, GRADIENT's fields..., min, max]`` of ``grad`` in float64, then its histogram
     sample (``sampling.traced_sample``: it runs in the compiled backward) padded with NaN to
     ``width`` (0: no histogram)."""
-    norm, bad = GRADIENT.compute(grad, -1)  # type: ignore[misc]  # GRADIENT has one
-    lo, hi = torch.aminmax(grad)
+    named = GRADIENT.compute(grad, -1)
     wide = torch.float64
-    measured = torch.stack([norm.to(wide).square(), bad.to(wide), lo.to(wide), hi.to(wide)])
+    fields = [
+        f.pool.summed[0](named[n].to(wide)) if f.pool.summed else named[n].to(wide)
+        for f in GRADIENT.fields
+        for n in f.names
+    ]
+    lo, hi = torch.aminmax(grad)
+    measured = torch.stack([*fields, lo.to(wide), hi.to(wide)])
     parts = [torch.tensor([1.0, grad.numel()], dtype=wide, device=grad.device), measured]
     if width:
         sample = traced_sample(grad).to(wide)
@@ -60,29 +76,34 @@ def summary(grad: Tensor, width: int) -> Tensor:
 
 
 def gradient(summed: Tensor) -> tuple[Tensor, ...]:
-    """``kinds.GRADIENT``'s values from a summary (or several added up: the norm and non-finite
-    count stay right)."""
-    return summed[S_SQUARES].sqrt(), summed[S_NONFINITE]
+    """``kinds.GRADIENT``'s values from a summary, or several added up: the summable fields stay
+    right, the others are NaN (their sums mean nothing)."""
+    pools = [f.pool for f in GRADIENT.fields for _ in f.names]
+    return tuple(
+        pool.summed[1](v) if pool.summed else torch.where(summed[S_CALLS] == 1, v, math.nan)
+        for pool, v in zip(pools, (summed[S_FIELDS + i] for i in range(len(pools))))
+    )
 
 
 def histogram(summed: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The sample, exact min and max, and the elements each sampled one stands for, from a
     summary; all NaN where several summaries were added up (their sums mean nothing)."""
     kept = torch.where(summed[S_CALLS] == 1, summed, math.nan)
-    sample, numel = kept[HEAD:], summed[S_NUMEL]
-    return sample, kept[S_MIN], kept[S_MAX], numel / numel.clamp(max=sample.numel())
+    low = S_FIELDS + _fields()
+    sample, numel = kept[low + 2 :], summed[S_NUMEL]
+    return sample, kept[low], kept[low + 1], numel / numel.clamp(max=sample.numel())
 
 
 class Probe:
     """One watched module's leaf tensor; ``deliver`` receives each summary that reaches it (one
     per backward through the module's tapped outputs)."""
 
-    def __init__(self, device: torch.device, width: int, deliver: Callable[[Tensor], None]) -> None:
+    def __init__(self, device: torch.device, width: int, deliver: Callable[[Tensor], None], handles: Handles) -> None:
         self.width = width
         # Stride 0: one element of storage whatever the summary's length.
-        self.tensor = torch.empty_strided((HEAD + width,), (0,), dtype=torch.float64, device=device).requires_grad_()
+        self.tensor = torch.empty_strided((head() + width,), (0,), dtype=torch.float64, device=device).requires_grad_()
         # The hook holds neither the probe nor its tensor: no reference cycle through a tensor hook.
-        self.tensor.register_post_accumulate_grad_hook(functools.partial(_take, deliver))
+        handles.add(self.tensor.register_post_accumulate_grad_hook(functools.partial(_take, deliver)))
 
     @property
     def device(self) -> torch.device:

@@ -42,6 +42,7 @@ class Recording:
         of the watched modules they select; ``parallel``: the model's tensor-parallel styles)."""
         histograms = config.histogram_schedule
         self.watched = watched
+        self._parameters = config.parameters
         self.buffer = StepBuffer(histograms)
         self.gradients = (
             OutputGradientRecorder(self.buffer, histograms=histograms is not None) if config.gradients else None
@@ -70,6 +71,10 @@ class Recording:
         self.handles = Handles()  # live until release()
         self._step_handles = Handles()  # live during one logged step
         self._unstepped_warned = self._eval_warned = False
+
+    def params(self) -> list[tuple[str, Tensor]]:
+        """The watched parameters that are logged (none with ``parameters=False``)."""
+        return self.watched.params() if self._parameters else []
 
     @property
     def forward_order(self) -> list[str]:
@@ -108,7 +113,7 @@ class Recording:
         self.parallel.begin()
         if self.optimizer_hooks is not None:
             return  # parameters are read when an optimizer steps them
-        for key, p in self.watched.params():
+        for key, p in self.params():
             if p.requires_grad:  # a frozen parameter has no gradient (and takes no hook)
                 self._step_handles.add(p.register_post_accumulate_grad_hook(ParamGradHook(self.parameters, key)))
 
@@ -140,7 +145,7 @@ class Recording:
         self._step_handles.remove_all()
         if self.optimizer_hooks is not None:
             self.optimizer_hooks.clear()
-        self.parameters.weights(self.watched.params)
+        self.parameters.weights(self.params)
 
     def drain(self) -> tuple[list[Record], list[Sample], list[Pending]]:
         """The step's records and histogram samples, and the gradients still to be reduced over

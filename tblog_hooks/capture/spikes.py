@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .._compat import step_closure
 from ..errors import HookLoggerError
 from ..stats.reductions import loggable, norms
 from ..topology.sharding import is_dtensor, is_partial, local
@@ -68,7 +69,7 @@ class StepNorms:
     def pre(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         """Optimizer step pre-hook: this optimizer's watched gradients, squared and summed per module;
         with a closure (LBFGS, Lightning), which computes them inside ``step()``, after it instead."""
-        if kwargs.get("closure", args[1] if len(args) > 1 else None) is None:  # (args[0] is the optimizer)
+        if step_closure(args, kwargs) is None:
             self._read(optimizer)
         else:
             self._after.add(id(optimizer))

@@ -9,6 +9,7 @@ the step they are binned and packed into one float64 tensor (``packing.pack_step
 from __future__ import annotations
 
 import abc
+import enum
 import warnings
 from typing import TYPE_CHECKING, Generic, TypeVar, Union
 
@@ -27,6 +28,17 @@ from ..stats.tags import Root
 if TYPE_CHECKING:
     from ..topology.sharding import Split
 
+
+class Part(enum.Enum):
+    """A part of the logging that is switched off as a whole when it fails; a watched module's
+    own statistics are switched off by its name. Not strings: a module may be named like a part."""
+
+    PARAMETERS = "parameters"
+    UPDATE_RATIO = "update_ratio"
+    ATTENTION = "attention"
+    MODULE_STATISTICS = "module statistics"
+
+
 Item = TypeVar("Item")
 Recorded = Union[Record, Sample]
 _NO_KINDS: frozenset[str] = frozenset()
@@ -39,8 +51,8 @@ class StepBuffer:
     def __init__(self, histograms: Histograms | None) -> None:
         #: Whether hooks record now: during a logged step of a logger that is logging.
         self.active = False
-        #: Modules (and parts: ``"parameters"``, ``"update_ratio"``) whose logging failed or ended.
-        self.disabled: set[str] = set()
+        #: Modules (by name) and parts whose logging failed or ended.
+        self.disabled: set[str | Part] = set()
         self.indices = IndexCache()  # sample and histogram-row indices, made once per size
         self._schedule = histograms
         self.kinds = _NO_KINDS  # histogram kinds of the current logged step
@@ -80,10 +92,11 @@ class StepBuffer:
             (samples if isinstance(item, Sample) else records).append(item)  # type: ignore[arg-type]
         return records, samples
 
-    def fail(self, name: str, error: BaseException) -> None:
-        """Report a failure once and stop logging ``name``; training carries on."""
-        if name not in self.disabled:
-            self.disabled.add(name)
+    def fail(self, key: str | Part, error: BaseException) -> None:
+        """Report a failure once and stop logging ``key`` (a module's name, or a part); training carries on."""
+        if key not in self.disabled:
+            self.disabled.add(key)
+            name = key.value if isinstance(key, Part) else key
             warnings.warn(
                 f"tblog_hooks: logging for {name!r} failed and is switched off: {type(error).__name__}: {error}",
                 RuntimeWarning,
@@ -125,23 +138,23 @@ class Mode(abc.ABC):
 
     def record(
         self, kind: Kind, name: str, t: Tensor, units: int = -1, split: Split | None = None
-    ) -> tuple[Tensor, ...]:
+    ) -> dict[str, Tensor]:
         """Statistics (and a histogram sample over their exact range) of an output, input or
         output gradient (``units``: the dim that holds the module's units; ``split``: how ``t``,
-        one rank's piece, is split over ranks); returns the values."""
-        values = kind.compute(t, units)  # type: ignore[misc]  # kinds recorded from tensors have one
-        self.add(Record(kind, name, t.numel(), values, split=split))
+        one rank's piece, is split over ranks); returns the values, by name."""
+        named = kind.compute(t, units)
+        self.add(Record(kind, name, t.numel(), kind.values(named), split=split))
         if self.takes_histogram(kind.name):
             lo: Tensor | None
             hi: Tensor | None
-            if kind.has("min"):  # exact extremes, already taken for the scalars
-                lo, hi = kind.value(values, "min"), kind.value(values, "max")
+            if "min" in named:  # exact extremes, already taken for the scalars
+                lo, hi = named["min"], named["max"]
             elif kind.name in self.kinds:  # the linear histogram's range (log10 rows bin their own)
                 lo, hi = torch.aminmax(t)
             else:
                 lo = hi = None
             self.add(Sample(kind.name, name, self.sample(t), t.numel(), lo, hi, split=split))
-        return values
+        return named
 
 
 class Eager(Mode):

@@ -19,17 +19,14 @@ from .._compat import own_parameters
 class Watched:
     """The model and its watched modules (``{display name: module}``), held by weak reference."""
 
-    def __init__(self, model: nn.Module, modules: dict[str, nn.Module], *, parameters: bool) -> None:
+    def __init__(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
         self._model = weakref.ref(model)
         self._modules = [(name, weakref.ref(module)) for name, module in modules.items()]
-        self._parameters = parameters
         self._left: set[str] = set()
 
     def params(self) -> list[tuple[str, Tensor]]:
         """``[("module.param", parameter)]`` of the watched modules still in the model (frozen ones
-        too; tied ones once); empty with ``parameters=False``."""
-        if not self._parameters:
-            return []
+        too; tied ones once)."""
         seen: set[int] = set()
         params: list[tuple[str, Tensor]] = []
         for name, ref in self._modules:

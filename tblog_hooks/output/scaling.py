@@ -10,25 +10,28 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..stats.tags import SCALE_TAG, SKIPPED_TAG, Root, Stat, tag
+from ..stats.kinds import GRADIENT, PARAM_GRAD
+from ..stats.tags import SCALE_TAG, SKIPPED_TAG, Root, tag
 from .summary import Histogram, StepSummary
 
 
 def unscale(summary: StepSummary, *, param_grads_scaled: bool) -> None:
-    """Divide the step's gradient norms and histograms by the loss scale (shift log10 histograms
-    by its log10), or drop them if the scaler skipped the step (non-finite counts stay: they
-    show where the overflow came from). A no-op for steps without a scale."""
+    """Divide the step's gradient statistics that scale with the loss (as their measures declare,
+    ``stats/kinds.py``) and its gradient histograms by the loss scale (shift log10 histograms by
+    its log10), or drop them if the scaler skipped the step (counts and fractions stay: the
+    non-finite counts show where the overflow came from). A no-op for steps without a scale."""
     if SCALE_TAG not in summary.scalars:
         return
     scale, skipped = summary.scalars[SCALE_TAG], bool(summary.scalars[SKIPPED_TAG])
-    kinds = (Root.GRADIENT, Root.PARAM_GRAD) if param_grads_scaled or skipped else (Root.GRADIENT,)
-    prefixes = tuple(tag(kind, "") for kind in kinds)
-    nonfinite = tag(Root.GRADIENT, Stat.NONFINITE, "")
-    for key in [k for k in summary.scalars if k.startswith(prefixes) and not k.startswith(nonfinite)]:
+    kinds = (GRADIENT, PARAM_GRAD) if param_grads_scaled or skipped else (GRADIENT,)
+    scaled = tuple(tag(kind.name, stat, "") for kind in kinds for stat in kind.scaled_stats())
+    totals = {tag(kind.name, stat) for kind in kinds for stat in kind.scaled_stats()}
+    for key in [k for k in summary.scalars if k.startswith(scaled) or k in totals]:
         if skipped:
             del summary.scalars[key]
         else:
             summary.scalars[key] /= scale
+    prefixes = tuple(tag(kind.name, "") for kind in kinds)
     log10 = tag(Root.GRADIENT_LOG10, "")
     for key in [k for k in summary.histograms if k.startswith((*prefixes, log10))]:
         if skipped:

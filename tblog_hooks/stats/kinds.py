@@ -1,112 +1,208 @@
-"""What a logged step records, declared once: each record kind says what it computes on the
-device, its fields, how repeated records of one module pool (several calls, micro-batches,
-ranks) and which scalars they become.
+"""What a logged step records, declared once, as torchmetrics' ``add_state`` couples a state with
+its reduction.
 
-Adding a statistic is one change to a kind below: its device function, its field, its scalar
-(named in :class:`~tblog_hooks.stats.tags.Stat`). ``packing.py`` moves the fields to the host and
-pools them; the tag table in the docs lists the scalars each kind declares.
+A :class:`Kind` of record (an activation, an output gradient, a parameter's gradient, ...) is the
+:class:`Measure` objects declared on it. A measure says everything about one statistic (or a few
+computed together): its device function, returning named tensors; its :class:`Field` objects and
+how each pools over the records of one module (several calls, micro-batches, ranks: sum, min, max,
+norm, moments up to the fourth); the scalars it yields and their :class:`~tblog_hooks.stats.tags.Stat`
+names; whether they scale with the loss under a ``GradScaler``; whether they need the record's
+element count. Recording (``capture/step.py``), the compiled output-gradient probes
+(``capture/probes.py``), packing and pooling (``packing.py``), unscaling (``output/scaling.py``)
+and the docs' tag table are derived from the declarations, so a new statistic is one
+:meth:`Kind.declare`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from torch import Tensor
 
-from .reductions import gradient_statistics, tensor_statistics
+from . import reductions
 from .tags import Root, Stat
 
 Values = dict[str, np.ndarray]
-
-
-def _pool_sum(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    return values.sum(axis=0)  # type: ignore[no-any-return]
-
-
-def _pool_min(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    return values.min(axis=0)  # type: ignore[no-any-return]  # NaN propagates, as in torch.aminmax
-
-
-def _pool_max(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    return values.max(axis=0)  # type: ignore[no-any-return]
-
-
-def _pool_first(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    return values[0]  # type: ignore[no-any-return]
-
-
-def _pool_norm(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """L2 norm over all records: the root of the summed squares."""
-    return np.sqrt(np.square(values).sum(axis=0))  # type: ignore[no-any-return]
-
-
-def _pool_moments(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``[mean, centred norm]`` of the concatenation of records holding the same (Chan et al.'s
-    parallel variance)."""
-    n, (mean, norm) = counts[0], values[0]
-    m2 = norm * norm
-    for count, (mean_b, norm_b) in zip(counts[1:], values[1:]):
-        total = n + count
-        delta = mean_b - mean
-        m2 = m2 + norm_b * norm_b + delta * delta * n * count / total
-        mean = mean + delta * count / total
-        n = total
-    return np.array([mean, math.sqrt(m2)])
+#: A record's device values, by name, as a measure's device function returns them.
+Named = Mapping[str, Tensor]
 
 
 @dataclass(frozen=True)
+class Pool:
+    """How the values of a field pool over records, on the host; and, where they can, how they
+    add up on the device (a compiled module's probe sums the gradient summaries of its calls)."""
+
+    #: (values per record, elements per record) -> pooled.
+    combine: Callable[[np.ndarray, np.ndarray], np.ndarray]
+    #: A device value into a form whose sum over records is that of the pooled records, and back
+    #: (``None``: not summable; the probe keeps it of a single call only).
+    summed: tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]] | None = None
+
+
+def _moments(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``[mean, centred norm(, M3, M4)]`` of the concatenation of records holding the same: the
+    pairwise update of Chan et al. for the second central moment and of Pébay (2008) for the third
+    and fourth (``M_p`` the sum of ``(x - mean)^p``)."""
+    n, mean = counts[0], values[0][0]
+    m = [0.0, 0.0, values[0][1] ** 2, *values[0][2:]]  # m[p]: M_p
+    order = len(m) - 1
+    for count, row in zip(counts[1:], values[1:]):
+        b = [0.0, 0.0, row[1] ** 2, *row[2:]]
+        total = n + count
+        delta = row[0] - mean
+        if order >= 4:
+            m[4] = (
+                m[4] + b[4]
+                + delta**4 * n * count * (n * n - n * count + count * count) / total**3
+                + 6 * delta**2 * (n * n * b[2] + count * count * m[2]) / total**2
+                + 4 * delta * (n * b[3] - count * m[3]) / total
+            )  # fmt: skip
+        if order >= 3:
+            m[3] = (
+                m[3] + b[3]
+                + delta**3 * n * count * (n - count) / total**2
+                + 3 * delta * (n * b[2] - count * m[2]) / total
+            )  # fmt: skip
+        m[2] = m[2] + b[2] + delta * delta * n * count / total
+        mean = mean + delta * count / total
+        n = total
+    return np.array([mean, math.sqrt(m[2]), *m[3:]])
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+SUM = Pool(lambda v, n: v.sum(axis=0), (_same, _same))
+MIN = Pool(lambda v, n: v.min(axis=0))  # NaN propagates, as in torch.aminmax
+MAX = Pool(lambda v, n: v.max(axis=0))
+FIRST = Pool(lambda v, n: v[0])
+#: L2 norms: the root of the summed squares of all records.
+NORM = Pool(lambda v, n: np.sqrt(np.square(v).sum(axis=0)), (torch.square, torch.sqrt))
+#: ``[mean, centred L2 norm]``, optionally followed by the third and fourth central sums.
+MOMENTS = Pool(_moments)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Field:
-    """One recorded value, from ``parts`` device tensors (0-d, or 1-d such as one value per channel)."""
+    """One recorded value: 0-d or 1-d (one value per channel), or several device values pooled
+    together (``parts``, e.g. a mean and a centred norm)."""
 
     name: str
-    pool: Callable[[np.ndarray, np.ndarray], np.ndarray]  # (values per record, elements per record) -> pooled
-    parts: int = 1
+    pool: Pool
+    #: The names of its device values, when it has several; else the field's own name.
+    parts: tuple[str, ...] = ()
     #: One value per unit of the module (its pieces, where the units are split over ranks, go side by side).
     per_unit: bool = False
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.parts or (self.name,)
 
-@dataclass(frozen=True, eq=False)
-class Kind:
-    """A kind of record: its fields, and the scalars a module's pooled fields become. Compared
-    and hashed by identity: each kind is one object, looked up for every record of a step."""
 
-    #: The tag root of its scalars (``{name}/{stat}/{module}``) and histograms; kinds whose
-    #: records are tagged by their own names have a name of their own.
-    name: str
+@dataclass(frozen=True, kw_only=True)
+class Measure:
+    """One statistic, or a few computed together, declared once."""
+
+    #: What it records, and how each field pools.
     fields: tuple[Field, ...]
-    #: (pooled fields, elements in all records) -> ``{stat: value}``; the stat ``""`` tags a
-    #: record by its own name (a whole tag, e.g. ``input/nonfinite/{module}``).
-    scalars: Callable[[Values, int], dict[str, float]]
-    #: The statistics its scalars are tagged with (for the tag table).
-    stats: tuple[Stat, ...] = ()
-    #: Pooled over ranks with ``reduce_ranks=True`` (one record per call); otherwise the writing rank's own.
-    per_call: bool = False
-    #: The record's values of a tensor, in field order (call under ``no_grad``), given the dim
-    #: that holds its units (``reductions.units_dim``); for kinds recorded from a tensor's statistics.
-    compute: Callable[[Tensor, int], tuple[Tensor, ...]] | None = None
-    #: Every field is an L2 norm: those of a tensor's pieces on several ranks combine as the root
-    #: of their summed squares.
-    norms: bool = False
+    #: The statistics its scalars are tagged with (``{kind}/{stat}/{module}``).
+    stats: tuple[str, ...] = ()
+    #: (its pooled fields, elements in all records) -> ``{stat: value}``; the stat ``""`` tags a
+    #: record by its own name (a whole tag, e.g. ``amp/loss_scale``).
+    scalars: Callable[[Values, int], Mapping[str, float]]
+    #: The record's device values of a tensor, by name (call under ``no_grad``), given the dim that
+    #: holds its units (``reductions.units_dim``); ``None`` for values recorded by their own hooks.
+    compute: Callable[[Tensor, int], Named] | None = None
+    #: Its scalars of gradients scale with the loss under a ``GradScaler`` (norms, extremes: they
+    #: are divided by the scale on the host); ``False`` for counts, fractions and ratios.
+    scaled: bool = False
+    #: Its scalars need the records' element count (a count of its fields only is not one).
+    counted: bool = False
+    #: A whole-model scalar ``{kind}/{total}``: the L2 norm over every record's (one) field.
+    total: str | None = None
 
-    def has(self, name: str) -> bool:
-        """Whether records of this kind hold the field ``name``."""
-        return any(f.name == name for f in self.fields)
 
-    def value(self, values: Sequence[Tensor], name: str) -> Tensor:
-        """The device value of the one-part field ``name`` among a record's ``values``."""
-        position = 0
-        for f in self.fields:
-            if f.name == name:
-                return values[position]
-            position += f.parts
-        raise KeyError(name)
+class Declared:
+    """What :meth:`Kind.declare` returns: ``remove()`` takes the measure back (safe twice)."""
+
+    def __init__(self, kind: Kind, measure: Measure) -> None:
+        self._kind, self._measure = kind, measure
+
+    def remove(self) -> None:
+        kind = self._kind
+        kind._set(tuple(m for m in kind.measures if m is not self._measure))
+
+
+class Kind:
+    """A kind of record: its measures, and how its records travel. Compared and hashed by identity:
+    each kind is one object, looked up for every record of a step."""
+
+    def __init__(self, *, name: str, per_call: bool = False, norms: bool = False, counts: bool = True) -> None:
+        #: The tag root of its scalars (``{name}/{stat}/{module}``) and histograms; kinds whose
+        #: records are tagged by their own names have a name of their own.
+        self.name = name
+        #: Pooled over ranks with ``reduce_ranks=True`` (one record per call); otherwise the writing rank's own.
+        self.per_call = per_call
+        #: Every field is an L2 norm: those of a tensor's pieces on several ranks combine as the root
+        #: of their summed squares.
+        self.norms = norms
+        #: Its records know their element count (an output gradient summed by a compiled probe does not).
+        self.counts = counts
+        self.measures: tuple[Measure, ...] = ()
+        self.fields: tuple[Field, ...] = ()
+        self.stats: tuple[str, ...] = ()
+        self._computed: tuple[Callable[[Tensor, int], Named], ...] = ()
+
+    def __repr__(self) -> str:
+        return f"Kind({self.name!r})"
+
+    def declare(self, measure: Measure) -> Declared:
+        """Add ``measure`` to the records of this kind (the next logged step on)."""
+        if measure.counted and not self.counts:
+            raise ValueError(f"{self!r} records do not know their element count, which {measure.stats} need")
+        names = {n for f in self.fields for n in (f.name, *f.names)}
+        clash = names & {n for f in measure.fields for n in (f.name, *f.names)}
+        if clash:
+            raise ValueError(f"{self!r} already records {sorted(clash)}")
+        self._set((*self.measures, measure))
+        return Declared(self, measure)
+
+    def _set(self, measures: tuple[Measure, ...]) -> None:
+        self.measures = measures
+        self.fields = tuple(f for m in measures for f in m.fields)
+        self.stats = tuple(s for m in measures for s in m.stats)
+        self._computed = tuple(m.compute for m in measures if m.compute is not None)
+
+    def scaled_stats(self) -> tuple[str, ...]:
+        """The statistics (whole-model totals included) that scale with the loss."""
+        return tuple(s for m in self.measures if m.scaled for s in (*m.stats, *filter(None, [m.total])))
+
+    def compute(self, t: Tensor, units: int) -> dict[str, Tensor]:
+        """Every measure's device values of ``t``, by name (call under ``no_grad``)."""
+        out: dict[str, Tensor] = {}
+        for compute in self._computed:
+            out.update(compute(t, units))
+        return out
+
+    def values(self, named: Named) -> tuple[Tensor, ...]:
+        """A record's values in field order, from their names."""
+        return tuple(named[n] for f in self.fields for n in f.names)
+
+    def scalars(self, values: Values, count: int) -> dict[str, float]:
+        """``{stat: value}`` of a module's pooled fields."""
+        out: dict[str, float] = {}
+        for m in self.measures:
+            out.update(m.scalars(values, count))
+        return out
 
 
 def _finite(value: float) -> dict[str, float]:
-    """A scalar left out where undefined (the update ratio of an all-zero weight)."""
+    """A scalar left out where undefined."""
     return {"": value} if math.isfinite(value) else {}
 
 
@@ -116,80 +212,120 @@ def _ratio(change: float, weight: float) -> dict[str, float]:
     return {Stat.UPDATE_RATIO: ratio} if math.isfinite(ratio) else {}
 
 
-def _nonfinite(v: Values, count: int) -> float:
-    """NaN/Inf count of pooled records that hold a ``finite`` count of their ``count`` elements."""
-    return float(count - v["finite"][0])
+def _std(norm: float, count: int) -> float:
+    return norm / math.sqrt(count - 1) if count > 1 else 0.0  # unbiased, as torch.std
 
 
-def _tensor_scalars(v: Values, count: int) -> dict[str, float]:
-    """Activation (and input) statistics of the pooled calls, as if their tensors were concatenated."""
-    mean, norm = v["moments"]
-    out = {
-        Stat.MEAN: float(mean),
-        Stat.STD: float(norm) / math.sqrt(count - 1) if count > 1 else 0.0,  # unbiased, as torch.std
-        Stat.MIN: float(v["min"][0]),
-        Stat.MAX: float(v["max"][0]),
-        Stat.ZERO_FRAC: float((count - v["nonzero"][0]) / count),
-        Stat.NONFINITE: _nonfinite(v, count),
-    }
+#: The mean and the (unbiased) standard deviation of a tensor; centring keeps the standard
+#: deviation accurate when |mean| >> std.
+MEAN_STD = Measure(
+    fields=(Field(name="moments", pool=MOMENTS, parts=("mean", "centred_norm")),),
+    stats=(Stat.MEAN, Stat.STD),
+    scalars=lambda v, n: {Stat.MEAN: float(v["moments"][0]), Stat.STD: _std(float(v["moments"][1]), n)},
+    compute=reductions.mean_and_centred_norm,
+    scaled=True,
+    counted=True,
+)
+#: The smallest and largest element (exact; also a histogram's range).
+EXTREMES = Measure(
+    fields=(Field(name="min", pool=MIN), Field(name="max", pool=MAX)),
+    stats=(Stat.MIN, Stat.MAX),
+    scalars=lambda v, n: {Stat.MIN: float(v["min"][0]), Stat.MAX: float(v["max"][0])},
+    compute=reductions.extremes,
+    scaled=True,
+)
+#: The fraction of elements exactly zero.
+ZERO_FRAC = Measure(
+    fields=(Field(name="nonzero", pool=SUM),),
+    stats=(Stat.ZERO_FRAC,),
+    scalars=lambda v, n: {Stat.ZERO_FRAC: float((n - v["nonzero"][0]) / n)},
+    compute=lambda x, units: {"nonzero": torch.count_nonzero(x)},
+    counted=True,
+)
+#: The NaN/Inf count, from the finite count (the host knows the elements: NaN/Inf are the rest).
+NONFINITE = Measure(
+    fields=(Field(name="finite", pool=SUM),),
+    stats=(Stat.NONFINITE,),
+    scalars=lambda v, n: {Stat.NONFINITE: float(n - v["finite"][0])},
+    compute=lambda x, units: {"finite": reductions.finite(x)},
+    counted=True,
+)
+
+
+def _dead_fraction(v: Values, count: int) -> dict[str, float]:
+    """A unit is dead if it is never positive across the pooled batch (outputs of 2+ dims)."""
     peaks = v["peak"]
-    if peaks.size:  # a unit is dead if it is never positive across the pooled batch
-        out[Stat.DEAD_FRAC] = float(np.count_nonzero(peaks <= 0) / peaks.size)
-    return out  # type: ignore[return-value]  # (Stat is a str)
+    return {Stat.DEAD_FRAC: float(np.count_nonzero(peaks <= 0) / peaks.size)} if peaks.size else {}
 
 
-_TENSOR_FIELDS = (
-    Field("moments", _pool_moments, parts=2),  # mean, L2 norm of (x - mean): accurate when |mean| >> std
-    Field("min", _pool_min),
-    Field("max", _pool_max),
-    Field("nonzero", _pool_sum),
-    Field("finite", _pool_sum),  # the host knows the elements: NaN/Inf are the rest
-    Field("peak", _pool_max, per_unit=True),  # per unit: the largest value, for dead units
+#: Per unit, the largest value: the fraction of units never positive.
+DEAD_FRAC = Measure(
+    fields=(Field(name="peak", pool=MAX, per_unit=True),),
+    stats=(Stat.DEAD_FRAC,),
+    scalars=_dead_fraction,
+    compute=reductions.unit_peaks,
 )
-_TENSOR_STATS = (Stat.MEAN, Stat.STD, Stat.MIN, Stat.MAX, Stat.ZERO_FRAC, Stat.NONFINITE, Stat.DEAD_FRAC)
+
 #: A watched module's output (``activation/*``).
-ACTIVATION = Kind(Root.ACTIVATION, _TENSOR_FIELDS, _tensor_scalars, _TENSOR_STATS, True, tensor_statistics)
+ACTIVATION = Kind(name=Root.ACTIVATION, per_call=True)
 #: With ``inputs=True``, a watched module's input (``input/*``).
-INPUT = Kind(Root.INPUT, _TENSOR_FIELDS, _tensor_scalars, _TENSOR_STATS, True, tensor_statistics)
-#: The gradient w.r.t. a module's output: ``gradient/norm`` and ``gradient/nonfinite``.
-GRADIENT = Kind(
-    Root.GRADIENT,
-    (Field("norm", _pool_norm), Field("nonfinite", _pool_sum)),
-    lambda v, n: {Stat.NORM: float(v["norm"][0]), Stat.NONFINITE: float(v["nonfinite"][0])},
-    (Stat.NORM, Stat.NONFINITE),
-    per_call=True,
-    compute=gradient_statistics,
+INPUT = Kind(name=Root.INPUT, per_call=True)
+for _kind in (ACTIVATION, INPUT):
+    for _measure in (MEAN_STD, EXTREMES, ZERO_FRAC, NONFINITE, DEAD_FRAC):
+        _kind.declare(_measure)
+
+#: The gradient w.r.t. a module's output: ``gradient/norm`` and ``gradient/nonfinite``. Under
+#: ``torch.compile`` its records are summed on the device by the module's probe, which knows the
+#: element count only on the device: its fields pool without it, so the NaN/Inf count is recorded.
+GRADIENT = Kind(name=Root.GRADIENT, per_call=True, counts=False)
+GRADIENT.declare(
+    Measure(
+        fields=(Field(name="norm", pool=NORM),),
+        stats=(Stat.NORM,),
+        scalars=lambda v, n: {Stat.NORM: float(v["norm"][0])},
+        compute=lambda g, units: {"norm": torch.linalg.vector_norm(g, dtype=reductions.acc_dtype(g.dtype))},
+        scaled=True,
+    )
 )
-#: A parameter's final gradient: ``param_grad/norm`` (``param_grad/global_norm`` is derived from all).
-PARAM_GRAD = Kind(
-    Root.PARAM_GRAD,
-    (Field("norm", _pool_first),),
-    lambda v, n: {Stat.NORM: float(v["norm"][0])},
-    (Stat.NORM,),
-    norms=True,
+GRADIENT.declare(
+    Measure(
+        fields=(Field(name="nonfinite", pool=SUM),),
+        stats=(Stat.NONFINITE,),
+        scalars=lambda v, n: {Stat.NONFINITE: float(v["nonfinite"][0])},
+        compute=lambda g, units: {"nonfinite": reductions.nonfinite(g)},
+    )
+)
+#: A parameter's final gradient: ``param_grad/norm`` and the whole-model ``param_grad/global_norm``.
+PARAM_GRAD = Kind(name=Root.PARAM_GRAD, norms=True)
+PARAM_GRAD.declare(
+    Measure(
+        fields=(Field(name="norm", pool=FIRST),),
+        stats=(Stat.NORM,),
+        scalars=lambda v, n: {Stat.NORM: float(v["norm"][0])},
+        scaled=True,
+        total=Stat.GLOBAL_NORM,
+    )
 )
 #: An optimizer step's change of a parameter, ``||W_after - W_before|| / ||W_before||``
 #: (``param/update_ratio``; left out where the weight is all zeros).
-UPDATE = Kind(
-    Root.PARAM,
-    (Field("change", _pool_first), Field("weight", _pool_first)),
-    lambda v, n: _ratio(float(v["change"][0]), float(v["weight"][0])),
-    (Stat.UPDATE_RATIO,),
-    norms=True,
+UPDATE = Kind(name=Root.PARAM, norms=True)
+UPDATE.declare(
+    Measure(
+        fields=(Field(name="change", pool=FIRST), Field(name="weight", pool=FIRST)),
+        stats=(Stat.UPDATE_RATIO,),
+        scalars=lambda v, n: _ratio(float(v["change"][0]), float(v["weight"][0])),
+    )
 )
 #: Without ``inputs=True``, the NaN/Inf count of a watched module's inputs alone
 #: (``input/nonfinite/{module}``), recorded as their finite count (``reductions.finite``).
-NONFINITE_COUNT = Kind(
-    Root.INPUT,
-    (Field("finite", _pool_sum),),
-    lambda v, n: {Stat.NONFINITE: _nonfinite(v, n)},
-    (Stat.NONFINITE,),
-    per_call=True,
-)
+NONFINITE_COUNT = Kind(name=Root.INPUT, per_call=True)
+NONFINITE_COUNT.declare(NONFINITE)
 #: A device value logged under its own tag (``amp/*``); the first record.
-SCALAR = Kind("scalar", (Field("value", _pool_first),), lambda v, n: _finite(float(v["value"][0])))
+SCALAR = Kind(name="scalar")
+SCALAR.declare(Measure(fields=(Field(name="value", pool=FIRST),), scalars=lambda v, n: _finite(float(v["value"][0]))))
 #: A module's feature maps, an image in [0, 1] (``feature_map/{module}``); the first record of a step.
-IMAGE = Kind(Root.FEATURE_MAP, (Field("pixels", _pool_first),), lambda v, n: {})
+IMAGE = Kind(name=Root.FEATURE_MAP)
+IMAGE.declare(Measure(fields=(Field(name="pixels", pool=FIRST),), scalars=lambda v, n: {}))
 
 
 def _attention_scalars(v: Values, count: int) -> dict[str, float]:
@@ -204,22 +340,24 @@ def _attention_scalars(v: Values, count: int) -> dict[str, float]:
 #: With ``attention=``, the attention calls of a module (``attention/*``; ``stats/attention.py``),
 #: one value per head: the largest logit, the summed entropy of its queries and their count. The
 #: heads of a tensor-parallel attention, split over ranks, go side by side.
-ATTENTION = Kind(
-    Root.ATTENTION,
-    (
-        Field("max_logit", _pool_max, per_unit=True),
-        Field("entropy", _pool_sum, per_unit=True),
-        Field("queries", _pool_sum, per_unit=True),
-    ),
-    _attention_scalars,
-    (Stat.MAX_LOGIT, Stat.ENTROPY),
-    per_call=True,
+ATTENTION = Kind(name=Root.ATTENTION, per_call=True)
+ATTENTION.declare(
+    Measure(
+        fields=(
+            Field(name="max_logit", pool=MAX, per_unit=True),
+            Field(name="entropy", pool=SUM, per_unit=True),
+            Field(name="queries", pool=SUM, per_unit=True),
+        ),
+        stats=(Stat.MAX_LOGIT, Stat.ENTROPY),
+        scalars=_attention_scalars,
+    )
 )
 #: Every histogram of the step: rows ``[start, span, min, max, counts...]`` (``binning.bin_rows``).
-BINNED = Kind("histogram", (Field("rows", _pool_first),), lambda v, n: {})
+BINNED = Kind(name="histogram")
+BINNED.declare(Measure(fields=(Field(name="rows", pool=FIRST),), scalars=lambda v, n: {}))
 
-#: The kinds whose records become scalars as their ``scalars`` say (attention's are summarised
-#: with their per-head values, ``stats/attention.py``).
+#: The kinds whose records become scalars as their measures say (attention's are summarised
+#: with their per-head values, ``output/summarize.py``).
 SCALAR_KINDS = (ACTIVATION, INPUT, GRADIENT, PARAM_GRAD, UPDATE, NONFINITE_COUNT, SCALAR)
 
 #: Every histogram kind, by tag root: ``activation/{module}``, ``input/{module}`` (with

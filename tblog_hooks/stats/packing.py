@@ -20,9 +20,9 @@ import torch
 from torch import Tensor
 
 from .binning import HIST_WIDTH, RowInfo, Sample, bin_step
-from .kinds import BINNED, PARAM_GRAD, Field, Kind, Values
+from .kinds import BINNED, Field, Kind, Values
 from .sampling import IndexCache
-from .tags import Root, Stat, tag
+from .tags import tag
 
 if TYPE_CHECKING:
     from ..topology.sharding import Split
@@ -57,11 +57,11 @@ class Entry:
     def read(self, values: np.ndarray) -> Values:
         out, spans = {}, iter(self.spans)
         for f in self.kind.fields:
-            if f.parts == 1:
+            if len(f.names) == 1:
                 a, n = next(spans)
                 out[f.name] = values[a : a + n]
             else:
-                out[f.name] = np.concatenate([values[a : a + n] for a, n in itertools.islice(spans, f.parts)])
+                out[f.name] = np.concatenate([values[a : a + n] for a, n in itertools.islice(spans, len(f.names))])
         return out
 
 
@@ -130,7 +130,7 @@ def pooled(entries: Iterable[Entry], values: np.ndarray) -> dict[tuple[Kind, str
             elif len({row.size for row in rows}) > 1:  # calls with other channel counts: channels side by side
                 fields[f.name] = np.concatenate(rows)
             else:
-                fields[f.name] = f.pool(np.stack(rows), counts)
+                fields[f.name] = f.pool.combine(np.stack(rows), counts)
         out[(kind, name)] = (fields, int(counts.sum()))
     return out
 
@@ -141,21 +141,24 @@ def _side_by_side(f: Field, rows: list[np.ndarray], parts: list[int]) -> np.ndar
     by_part: dict[int, list[np.ndarray]] = {}
     for part, row in zip(parts, rows):
         by_part.setdefault(part, []).append(row)
-    pooled_parts = [f.pool(np.stack(by_part[p]), np.ones(len(by_part[p]))) for p in sorted(by_part)]
+    pooled_parts = [f.pool.combine(np.stack(by_part[p]), np.ones(len(by_part[p]))) for p in sorted(by_part)]
     return np.concatenate(pooled_parts)
 
 
 def scalars(entries: Iterable[Entry], values: np.ndarray) -> dict[str, float]:
-    """``{tag: value}`` of every pooled record (``param_grad/global_norm`` included)."""
+    """``{tag: value}`` of every pooled record, and the whole-model totals of the measures that
+    declare one (``param_grad/global_norm``)."""
     out: dict[str, float] = {}
-    norms = []
+    totals: dict[str, list[float]] = {}
     for (kind, name), (fields, count) in pooled(entries, values).items():
         for stat, value in kind.scalars(fields, count).items():
             out[tag(kind.name, stat, name) if stat else name] = value
-        if kind is PARAM_GRAD:
-            norms.append(fields["norm"][0])
-    if norms:
-        out[tag(Root.PARAM_GRAD, Stat.GLOBAL_NORM)] = math.sqrt(float(np.sum(np.square(norms))))
+        for measure in kind.measures:
+            if measure.total is not None:
+                (field,) = measure.fields
+                totals.setdefault(tag(kind.name, measure.total), []).append(fields[field.name][0])
+    for key, norms in totals.items():
+        out[key] = math.sqrt(float(np.sum(np.square(norms))))
     return out
 
 

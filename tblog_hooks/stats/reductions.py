@@ -90,24 +90,27 @@ def sparse_values(g: Tensor) -> tuple[Tensor, Tensor]:
     return summed, torch.where(used, summed, math.nan)
 
 
-def tensor_statistics(x: Tensor, units: int) -> tuple[Tensor, ...]:
-    """Exact statistics of ``x``: mean and centred L2 norm (float32 or wider; centring costs one
-    pass and keeps the standard deviation accurate when |mean| >> std), min, max, nonzero and
-    finite counts, and per unit (along dim ``units``, see :func:`units_dim`) the largest value."""
+def mean_and_centred_norm(x: Tensor, units: int) -> dict[str, Tensor]:
+    """The mean and the L2 norm of ``x - mean`` (float32 or wider): centring costs one pass and
+    keeps the standard deviation accurate when |mean| >> std."""
     dtype = acc_dtype(x.dtype)
     mean = x.mean(dtype=dtype)
     # 16-bit inputs are centred in float32: a 16-bit x - mean would round each term.
     centred = x - mean if x.dtype == dtype else x.to(dtype).sub_(mean)
+    return {"mean": mean, "centred_norm": torch.linalg.vector_norm(centred)}
+
+
+def extremes(x: Tensor, units: int) -> dict[str, Tensor]:
+    """The smallest and largest element, in one op."""
     lo, hi = torch.aminmax(x)
+    return {"min": lo, "max": hi}
+
+
+def unit_peaks(x: Tensor, units: int) -> dict[str, Tensor]:
+    """Per unit (along dim ``units``, see :func:`units_dim`) the largest value; none for a 0-d or 1-d ``x``."""
     units %= max(x.dim(), 1)
     peak = x.amax(dim=tuple(d for d in range(x.dim()) if d != units)) if x.dim() >= 2 else x.new_empty(0)
-    return mean, torch.linalg.vector_norm(centred), lo, hi, torch.count_nonzero(x), finite(x), peak
-
-
-def gradient_statistics(g: Tensor, units: int) -> tuple[Tensor, ...]:
-    """L2 norm (float32 or wider) and non-finite count of a gradient. Its extremes are taken
-    only for a linear histogram: not a scalar, and not a default histogram. (No per-unit field.)"""
-    return torch.linalg.vector_norm(g, dtype=acc_dtype(g.dtype)), nonfinite(g)
+    return {"peak": peak}
 
 
 #: Modules whose outputs hold their units along dim 1 (``N, C, ...``): convolutions and the

@@ -17,6 +17,8 @@ import numpy as np
 import torch.distributed as dist
 from torch import Tensor
 
+from .._compat import dtensor_api
+
 if TYPE_CHECKING:
     from typing import TypeGuard
 
@@ -71,9 +73,7 @@ def is_dtensor(t: object) -> TypeGuard[DTensor]:
     """Whether ``t`` is a ``DTensor``; never in a torch built without distributed support."""
     if not dist.is_available():
         return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
+    return isinstance(t, dtensor_api().DTensor)
 
 
 def placed(mesh: DeviceMesh, placements: tuple[Placement, ...], ndim: int) -> Split | None:
@@ -108,9 +108,8 @@ class Pending(NamedTuple):
 
     def whole(self, reduced: Tensor) -> tuple[Tensor, Split | None]:
         """The reduced terms, a piece split as the placements' other dims say."""
-        from torch.distributed.tensor import Replicate
-
-        placements = tuple(Replicate() if p.is_partial() else p for p in self.placements)
+        replicate = dtensor_api().Replicate
+        placements = tuple(replicate() if p.is_partial() else p for p in self.placements)
         return reduced, placed(self.mesh, placements, reduced.dim())
 
 

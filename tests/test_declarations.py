@@ -1,0 +1,140 @@
+"""A statistic is declared once (``stats/kinds.py``): a test declares two here, each in one place,
+and sees it logged, pooled over two calls of a module and over two ranks, and, when it does not
+scale with the loss, left alone by the ``GradScaler``'s unscaling."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import read_run, spawn_ranks
+from torch import nn
+
+from tblog_hooks import HookLogger
+from tblog_hooks.stats.kinds import ACTIVATION, GRADIENT, MAX, MOMENTS, NORM, Field, Measure
+
+#: max|g| / ||g|| of an output gradient: does not scale with the loss.
+PEAK_RATIO = Measure(
+    fields=(Field(name="absmax", pool=MAX), Field(name="l2", pool=NORM)),
+    stats=("peak_ratio",),
+    scalars=lambda v, n: {"peak_ratio": float(v["absmax"][0] / v["l2"][0])},
+    compute=lambda g, units: {"absmax": g.abs().amax().float(), "l2": torch.linalg.vector_norm(g.float())},
+)
+
+
+def _central(x: torch.Tensor, units: int) -> dict[str, torch.Tensor]:
+    x = x.double()
+    mean = x.mean()
+    c = x - mean
+    return {"k_mean": mean, "k_norm": torch.linalg.vector_norm(c), "k_m3": c.pow(3).sum(), "k_m4": c.pow(4).sum()}
+
+
+def _kurtosis(v: dict, n: int) -> dict[str, float]:  # type: ignore[type-arg]
+    _, norm, _, m4 = v["central"]
+    return {"kurtosis": float(n * m4 / norm**4 - 3)}
+
+
+#: Excess kurtosis of an activation, from central moments up to the fourth pooled pairwise.
+KURTOSIS = Measure(
+    fields=(Field(name="central", pool=MOMENTS, parts=("k_mean", "k_norm", "k_m3", "k_m4")),),
+    stats=("kurtosis",),
+    scalars=_kurtosis,
+    compute=_central,
+    counted=True,
+)
+
+
+def _reference_kurtosis(x: torch.Tensor) -> float:
+    x = x.double().reshape(-1)
+    c = x - x.mean()
+    return float(c.pow(4).mean() / c.pow(2).mean() ** 2 - 3)
+
+
+@pytest.fixture
+def declared() -> Iterator[None]:
+    handles = [GRADIENT.declare(PEAK_RATIO), ACTIVATION.declare(KURTOSIS)]
+    yield
+    for handle in handles:
+        handle.remove()
+
+
+class Twice(nn.Module):
+    """One module called twice in a forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.shared(torch.tanh(self.shared(x)))))
+
+
+def test_a_declared_statistic_is_logged_pooled_over_calls_and_left_alone_by_unscale(
+    tmp_path: Path, declared: None
+) -> None:
+    model = Twice()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    x = torch.randn(16, 6)
+    outputs, grads = [], []
+
+    def keep(module: nn.Module, args: object, out: torch.Tensor) -> None:
+        outputs.append(out.detach().clone())
+        out.register_hook(lambda g: grads.append(g.detach().clone() / 2.0**10))  # as unscaled
+
+    handle = model.shared.register_forward_hook(keep)
+    with HookLogger(model, log_dir=tmp_path, every=1, modules=["shared"], optimizer=opt, scaler=scaler) as hooks:
+        scaler.scale(model(x).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        hooks.step()
+    handle.remove()
+    run = read_run(tmp_path)
+    both = torch.cat([g.reshape(-1) for g in grads])
+    assert run.scalar("gradient/peak_ratio/shared", 0) == pytest.approx(
+        float(both.abs().max() / both.norm()), rel=1e-5
+    )  # the ratio of scaled gradients is that of the true ones: not divided by the scale
+    assert run.scalar("gradient/norm/shared", 0) == pytest.approx(float(both.norm()), rel=1e-5)  # divided
+    assert run.scalar("activation/kurtosis/shared", 0) == pytest.approx(
+        _reference_kurtosis(torch.cat(outputs)), rel=1e-6
+    )
+
+
+def test_declaring_a_counted_statistic_on_a_kind_without_counts_is_refused() -> None:
+    with pytest.raises(ValueError, match="element count"):
+        GRADIENT.declare(KURTOSIS)
+    with pytest.raises(ValueError, match="already records"):
+        ACTIVATION.declare(Measure(fields=(Field(name="min", pool=MAX),), scalars=lambda v, n: {}))
+
+
+def _batch(rank: int) -> torch.Tensor:
+    return torch.randn(8, 6, generator=torch.Generator().manual_seed(rank)) * (1 + rank)
+
+
+def _worker(rank: int, root: str) -> None:
+    handle = ACTIVATION.declare(KURTOSIS)
+    torch.manual_seed(0)
+    model = Twice()
+    with HookLogger(
+        model, log_dir=f"{root}/run", every=1, modules=["shared"], reduce_ranks=True, parameters=False
+    ) as hooks:
+        model(_batch(rank)).sum().backward()
+        hooks.step()
+    handle.remove()
+
+
+def test_a_declared_statistic_is_pooled_over_ranks(tmp_path: Path) -> None:
+    spawn_ranks(_worker, tmp_path, 2, datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = Twice()
+    outputs: list[torch.Tensor] = []
+    model.shared.register_forward_hook(lambda m, a, out: outputs.append(out.detach()))
+    with torch.no_grad():
+        for rank in range(2):
+            model(_batch(rank))
+    expected = _reference_kurtosis(torch.cat(outputs))
+    assert read_run(tmp_path / "run").scalar("activation/kurtosis/shared", 0) == pytest.approx(expected, rel=1e-6)
