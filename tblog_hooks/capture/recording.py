@@ -20,7 +20,7 @@ from .attention import AttentionRecorder
 from .hooks import ForwardHook, ForwardPreHook, Handles, ParamGradHook
 from .output_gradients import OutputGradientRecorder
 from .parameters import OptimizerHooks, ParameterRecorder
-from .step import StepBuffer
+from .step import HISTOGRAMS, StepBuffer
 from .watched import Watched
 
 if TYPE_CHECKING:
@@ -153,8 +153,18 @@ class Recording:
         return records + graded, samples + rows, waiting
 
     def pack(self, records: list[Record], samples: list[Sample]) -> tuple[Tensor, StepLayout] | None:
-        """Bin the step's histograms and pack every record into one float64 tensor."""
-        return pack_step(records, samples, self.buffer.kinds, self.buffer.indices)
+        """Bin the step's histograms and pack every record into one float64 tensor. Should binning
+        fail (a kernel the device refuses), the step is packed without histograms and histograms
+        stop, said once: no scalar depends on them."""
+        buffer = self.buffer
+        try:
+            return pack_step(records, samples, buffer.kinds, buffer.indices)
+        except Exception as error:
+            if not samples:
+                raise
+            buffer.fail(HISTOGRAMS, error)
+            buffer.kinds = frozenset()
+            return pack_step(records, [], buffer.kinds, buffer.indices)
 
     def check_stepped(self, step: int) -> None:
         """Warn once when, at the end of logged step ``step``, a watched parameter holds a gradient

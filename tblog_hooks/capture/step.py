@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 Item = TypeVar("Item")
 Recorded = Union[Record, Sample]
 _NO_KINDS: frozenset[str] = frozenset()
+#: The part of the logging (see ``StepBuffer.disabled``) that a failure to bin a step's histograms stops.
+HISTOGRAMS = "histograms"
 
 
 class StepBuffer:
@@ -39,7 +41,7 @@ class StepBuffer:
     def __init__(self, histograms: Histograms | None) -> None:
         #: Whether hooks record now: during a logged step of a logger that is logging.
         self.active = False
-        #: Modules (and parts: ``"parameters"``, ``"update_ratio"``) whose logging failed or ended.
+        #: Modules (and parts: ``"parameters"``, ``"update_ratio"``, :data:`HISTOGRAMS`) whose logging failed or ended.
         self.disabled: set[str] = set()
         self.indices = IndexCache()  # sample and histogram-row indices, made once per size
         self._schedule = histograms
@@ -60,8 +62,9 @@ class StepBuffer:
     def begin(self, index: int) -> None:
         """A logged step begins; ``index`` is its number among the logged steps that recorded
         something (see ``Histograms``), which picks the histograms it takes (none: no sampling,
-        no binning)."""
-        self.kinds = _NO_KINDS if self._schedule is None else self._schedule.kinds_at(index)
+        no binning; none either once binning failed)."""
+        off = self._schedule is None or HISTOGRAMS in self.disabled
+        self.kinds = _NO_KINDS if off else self._schedule.kinds_at(index)  # type: ignore[union-attr]
 
     @property
     def empty(self) -> bool:
