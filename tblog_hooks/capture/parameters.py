@@ -48,7 +48,10 @@ class ParameterRecorder:
         """Post-accumulate-grad hook body: ``param.grad`` is final for this backward. Read when
         the backward ends, with every other parameter it reached: one norm op for all of them.
         Each call queues the reading (the first callback reads them all): one queued only by the
-        first would be lost with a backward that raises, and the next backward's with it."""
+        first would be lost with a backward that raises, and the next backward's with it. Also
+        where the records of a compiled forward are copied out of its graph's memory (see
+        ``StepBuffer.keep_traced``), should the model have no probe."""
+        self.buffer.keep_traced()
         self._ready.append((name, param))
         if not at_end_of_backward(self._read_ready):  # not run by the autograd engine: read it now
             self._read_ready()
