@@ -74,6 +74,7 @@ class ParameterRecorder:
                 splits = [split for _, (_, _, split) in graded]
                 samples = self._samples(Root.PARAM_GRAD, keys, [h for _, (_, h, _) in graded], splits)
                 found = norms(grads)
+                buffer.streams.note(found[0])
                 if scale is not None:  # a fused optimizer's gradients, still scaled: unscaled here
                     divisor = scale.to(found[0].device).reshape(())
                     found = foreach_div(found, divisor)

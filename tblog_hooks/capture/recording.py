@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
@@ -145,12 +146,15 @@ class Recording:
 
     def drain(self) -> tuple[list[Record], list[Sample], list[Pending]]:
         """The step's records and histogram samples, and the gradients still to be reduced over
-        ranks (``sharding.Pending``); the recorders are reset."""
+        ranks (``sharding.Pending``), ready for the current stream (``transport/streams.py``);
+        the recorders are reset."""
         records, samples = self.buffer.drain()
         if self.gradients is not None:
             self.gradients.end_step(records)
         graded, rows, waiting = self.parameters.end_step()
-        return records + graded, samples + rows, waiting
+        records, samples = records + graded, samples + rows
+        self.buffer.streams.join(_tensors(records, samples, waiting))
+        return records, samples, waiting
 
     def pack(self, records: list[Record], samples: list[Sample]) -> tuple[Tensor, StepLayout] | None:
         """Bin the step's histograms and pack every record into one float64 tensor. Should binning
@@ -191,3 +195,13 @@ class Recording:
         if self.gradients is not None:
             self.gradients.release()
         self.buffer.indices.clear()
+
+
+def _tensors(records: list[Record], samples: list[Sample], waiting: list[Pending]) -> Iterator[Tensor]:
+    """Every device tensor a drained step holds."""
+    for record in records:
+        yield from record.values
+    for h in samples:
+        yield from (t for t in (h.sample, h.lo, h.hi, h.weight) if t is not None)
+    for p in waiting:
+        yield p.terms

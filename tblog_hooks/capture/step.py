@@ -25,6 +25,7 @@ from ..stats.packing import Record
 from ..stats.sampling import IndexCache
 from ..stats.schedule import Histograms
 from ..stats.tags import Root
+from ..transport.streams import Streams
 
 if TYPE_CHECKING:
     from ..transport.sharding import Split
@@ -53,6 +54,7 @@ class StepBuffer:
         self._records: list[Record] = []
         self._samples: list[Sample] = []
         self._keeping = threading.Lock()  # backward hooks run on one thread per device
+        self.streams = Streams()  # the CUDA streams this logged step's hooks recorded on
         self.eager = Eager(self)
         self.traced = Traced(self, _NO_KINDS if histograms is None else histograms.all_kinds)
 
@@ -176,7 +178,12 @@ class Eager(Mode):
 
     def add(self, item: Recorded) -> None:
         buffer = self.buffer
-        (buffer._samples if isinstance(item, Sample) else buffer._records).append(item)  # type: ignore[arg-type]
+        if isinstance(item, Sample):
+            buffer.streams.note(item.sample)
+            buffer._samples.append(item)
+        else:
+            buffer.streams.note(item.values[0])
+            buffer._records.append(item)
 
     def sample(self, t: Tensor) -> Tensor:
         return sampling.sample(t, self.buffer.indices)
