@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Run, read_run
+from conftest import Run, needs_cuda, read_run
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
@@ -114,7 +114,7 @@ def _assert_same_scalars(compiled: Run, eager: Run, prefixes: tuple[str, ...] = 
         pytest.param(
             "inductor",
             "cuda",
-            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            marks=needs_cuda,
         ),
     ],
 )

@@ -8,13 +8,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torchvision
-from conftest import read_run
+from conftest import needs_cuda, read_run
 from models import mlp, train
 from torch import nn
 
 from tblog_hooks import HookLogger
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = needs_cuda
 
 
 def _losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from conftest import read_run, read_tags
+from conftest import needs_cuda, read_run, read_tags
 from models import mlp
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -110,7 +110,7 @@ def test_amp_checkpointing_and_eval_passes_never_read_values_on_the_host(tmp_pat
     assert set(run.scalars["activation/mean/0"]) == set(run.scalars["gradient/norm/2"]) == {0, 1}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_no_cuda_synchronisation_inside_a_logged_step(tmp_path) -> None:
     # CUDA's own witness: with sync debug mode "error", any synchronising call raises.
     model = torchvision.models.resnet18(num_classes=4).cuda()
