@@ -66,7 +66,8 @@ def test_a_step_on_one_stream_makes_no_stream_call(monkeypatch) -> None:
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: events.append(("record", s.name)))
     streams = Streams()
     streams._seen.add(default)
-    streams.join([torch.ones(2)])
+    streams.wait()
+    streams.keep([torch.ones(2)])
     assert events == [] and not streams._seen
 
 

@@ -125,8 +125,9 @@ class Recording:
 
     def end(self) -> None:
         """The logged step's training is over: stop recording, remove its per-step hooks, take
-        the weight histograms (after the optimizer's update)."""
+        the weight histograms (after the optimizer's update, on whichever stream it ran)."""
         self.stop()
+        self.buffer.streams.wait()
         if self.activations.only_evaluated and self.parameters.graded and not self._eval_warned:
             self._eval_warned = True
             warnings.warn(
@@ -153,7 +154,7 @@ class Recording:
             self.gradients.end_step(records)
         graded, rows, waiting = self.parameters.end_step()
         records, samples = records + graded, samples + rows
-        self.buffer.streams.join(_tensors(records, samples, waiting))
+        self.buffer.streams.keep(_tensors(records, samples, waiting))
         return records, samples, waiting
 
     def pack(self, records: list[Record], samples: list[Sample]) -> tuple[Tensor, StepLayout] | None:
