@@ -62,6 +62,7 @@ def _train(
     wrap: Callable[[Callable[[torch.Tensor], torch.Tensor], HookLogger], Callable[[torch.Tensor], torch.Tensor]]
     | None = None,
     mode: str | None = None,
+    gradients: bool = True,
 ) -> tuple[Run, nn.Module]:
     """5 optimizer steps of 2 micro-batches each (gradient accumulation), every=2: steps 0, 2, 4
     logged. With ``moved``, the logger is made while the model is on the meta device; ``wrap``
@@ -76,7 +77,7 @@ def _train(
     scaler = None if scale is None else torch.amp.GradScaler(device, init_scale=scale)
     optimizer = None if moved else opt
     with HookLogger(
-        model, log_dir=log_dir, every=2, optimizer=optimizer, scaler=scaler, histograms=histograms
+        model, log_dir=log_dir, every=2, optimizer=optimizer, scaler=scaler, histograms=histograms, gradients=gradients
     ) as hooks:
         if moved:
             model.to_empty(device=device).load_state_dict(weights)
@@ -175,11 +176,15 @@ def _as_under_cuda_graphs(
     return call
 
 
-def test_records_of_each_micro_batch_are_copied_out_of_cuda_graph_memory(tmp_path: Path) -> None:
-    """Gradient accumulation under CUDA graphs: the first micro-batch's records are kept as computed."""
-    eager, _ = _train(tmp_path / "eager", backend=None)
+@pytest.mark.parametrize("gradients", [True, False])
+def test_records_of_each_micro_batch_are_copied_out_of_cuda_graph_memory(tmp_path: Path, gradients: bool) -> None:
+    """Gradient accumulation under CUDA graphs: the first micro-batch's records are kept as computed,
+    in its backward, by the probes (``gradients=True``) or a hook on one trained parameter."""
+    kinds = [k for k in KINDS if k != "input" and (gradients or not k.startswith("gradient"))]
+    options = {"gradients": gradients, "histograms": Histograms(every_logged=1, weights_every_logged=1, kinds=kinds)}
+    eager, _ = _train(tmp_path / "eager", backend=None, **options)  # type: ignore[arg-type]
     torch._dynamo.reset()
-    compiled, _ = _train(tmp_path / "compiled", backend="aot_eager", wrap=_as_under_cuda_graphs)
+    compiled, _ = _train(tmp_path / "compiled", backend="aot_eager", wrap=_as_under_cuda_graphs, **options)  # type: ignore[arg-type]
     _assert_same_scalars(compiled, eager)
     _assert_same_histograms(compiled, eager)
 

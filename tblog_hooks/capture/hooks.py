@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .activations import ActivationRecorder
 from .parameters import ParameterRecorder
+from .step import StepBuffer
 
 # What a copied or unpickled hook is: a standard-library callable that takes any arguments and
 # returns None (a hook returning None changes nothing), and that torch.compile traces:
@@ -98,6 +99,21 @@ class ParamGradHook(_Hook):
 
     def __call__(self, param: Tensor) -> None:
         self.recorder.on_param_grad(self.name, param)
+
+
+class KeepTraced(_Hook):
+    """``register_post_accumulate_grad_hook`` callable on one trained parameter, for a logged step
+    whose backward runs no other hook of ours: copies compiled hooks' records out of CUDA graph
+    memory (``StepBuffer.keep_traced``) before the next micro-batch's forward."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: StepBuffer) -> None:
+        super().__init__()
+        self.buffer = buffer
+
+    def __call__(self, param: Tensor) -> None:
+        self.buffer.keep_traced()
 
 
 class Handles:

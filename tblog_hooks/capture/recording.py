@@ -18,7 +18,7 @@ from ..transport.parallel import TensorParallel
 from ..transport.sharding import Pending
 from .activations import ActivationRecorder
 from .attention import AttentionRecorder
-from .hooks import ForwardHook, ForwardPreHook, Handles, ParamGradHook
+from .hooks import ForwardHook, ForwardPreHook, Handles, KeepTraced, ParamGradHook
 from .output_gradients import OutputGradientRecorder
 from .parameters import OptimizerHooks, ParameterRecorder
 from .step import HISTOGRAMS, StepBuffer
@@ -108,11 +108,14 @@ class Recording:
         self.buffer.active = True
         self.buffer.begin(index)
         self.parallel.begin()
-        if self.optimizer_hooks is not None:
-            return  # parameters are read when an optimizer steps them
-        for key, p in self.watched.params():
-            if p.requires_grad:  # a frozen parameter has no gradient (and takes no hook)
-                self._step_handles.add(p.register_post_accumulate_grad_hook(ParamGradHook(self.parameters, key)))
+        if self.optimizer_hooks is None:  # else parameters are read when an optimizer steps them
+            for key, p in self.watched.params():
+                if p.requires_grad:  # a frozen parameter has no gradient (and takes no hook)
+                    self._step_handles.add(p.register_post_accumulate_grad_hook(ParamGradHook(self.parameters, key)))
+        elif self.gradients is None:  # no hook of ours would run in backward: one that keeps compiled records
+            anchor = self.watched.trained_parameter()
+            if anchor is not None:
+                self._step_handles.add(anchor.register_post_accumulate_grad_hook(KeepTraced(self.buffer)))
 
     def stop(self) -> None:
         """Hooks record nothing from now on, until the next :meth:`begin`."""

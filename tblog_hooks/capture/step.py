@@ -86,8 +86,9 @@ class StepBuffer:
         """Copy what compiled hooks recorded since the last call out of the memory of the graph
         that made it. Under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) their records
         are outputs of the graph, which its next run (the next micro-batch's forward) overwrites;
-        so the eager hooks that run in each backward (the probes' and the parameter gradients')
-        call this. Eager code only; one copy per recorded tensor, of logged steps of compiled models only."""
+        so the eager hooks that run in each backward (the probes', the parameter gradients', else
+        ``hooks.KeepTraced``) call this. Eager code only; one copy per recorded tensor, of logged
+        steps of compiled models only."""
         with self._keeping:
             try:
                 self.traced.sink.keep(_copied)
