@@ -1,5 +1,7 @@
-"""The CUDA check, one short script (a few minutes on one GPU): the CUDA tests, then the
-overhead benchmark on CUDA with larger batches, printed as a Markdown table.
+"""The CUDA check, one command (under 10 minutes on one GPU): every CUDA test of the suite (the
+tests marked ``cuda``: each one ``conftest.needs_cuda`` skips without a device), then the overhead
+benchmark on CUDA with larger batches, printed as a Markdown table. Without a CUDA device it
+says so and exits 0: there is nothing to check.
 
     pip install --no-deps -e . && python scripts/cuda_check.py [--json cuda_bench.json]
 """
@@ -26,9 +28,10 @@ def main() -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check")
-        return 1
-    failed = run("-m", "pytest", "-q", "tests/test_cuda.py", "tests/test_no_sync.py", "tests/test_transfer.py")
+        print("no CUDA device: the CUDA check is skipped")
+        return 0
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
+    failed = run("-m", "pytest", "-q", "-m", "cuda", "--durations=10", "tests")
     for workload, batch in (("w1", 128), ("w2", 4096)):
         extra = ["--json", f"{Path(args.json).with_suffix('')}-{workload}.json"] if args.json else []
         failed |= run("scripts/bench.py", "--device", "cuda", "--workload", workload, "--batch", str(batch),

@@ -7,7 +7,8 @@ reading this file.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -238,3 +239,28 @@ def context_parallel() -> bool:
     ``F.scaled_dot_product_attention`` (its default dispatch mode) while every rank holds a
     shard of the sequence, as plain tensors that say nothing of it."""
     return torch.nn.functional.scaled_dot_product_attention is not torch._C._nn.scaled_dot_product_attention
+
+
+@contextlib.contextmanager
+def full_float32_matmul(device: torch.device) -> Iterator[None]:
+    """Float32 matmuls on ``device`` in full IEEE float32 inside the block, whatever
+    ``torch.set_float32_matmul_precision`` allows (TF32 in cuBLAS, bf16 or TF32 in oneDNN on the
+    CPU); the user's setting is put back after through the same per-backend flag
+    (``torch.backends.{cuda,mkldnn}.matmul.fp32_precision``, torch >= 2.9; ``allow_tf32`` before),
+    so that it reads as it did, by either API. Matmuls other threads run meanwhile are in full
+    float32 too (more precise, never less)."""
+    backend: Any = None
+    if device.type == "cuda":
+        backend = torch.backends.cuda.matmul
+    elif device.type == "cpu":
+        backend = getattr(torch.backends.mkldnn, "matmul", None)
+    name, full = ("fp32_precision", "ieee") if hasattr(backend, "fp32_precision") else ("allow_tf32", False)
+    if not hasattr(backend, name):  # other devices; the CPU before torch 2.9, which had no such flag
+        yield
+        return
+    before = getattr(backend, name)
+    setattr(backend, name, full)
+    try:
+        yield
+    finally:
+        setattr(backend, name, before)

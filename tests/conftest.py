@@ -24,6 +24,17 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 from torch.utils._python_dispatch import TorchDispatchMode
 
+#: Skips a test (or a parameter) without a CUDA device; every test it marks is also marked ``cuda``
+#: (``pytest_collection_modifyitems``), which is how scripts/cuda_check.py finds them all.
+NEEDS_CUDA = "needs a CUDA device"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(mark.name == "skipif" and mark.kwargs.get("reason") == NEEDS_CUDA for mark in item.iter_markers()):
+            item.add_marker(pytest.mark.cuda)
+
 
 @dataclass
 class Run:

@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tblog_hooks import HookLogger, HookLoggerError, Thresholds
+from tblog_hooks._compat import full_float32_matmul
 from tblog_hooks.diagnostics.health import default_health
 from tblog_hooks.stats.attention import attention_statistics
 
@@ -282,6 +283,46 @@ def test_statistics_per_head(case) -> None:
     want = reference(q, k, mask, causal, scale)
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double(), w, rtol=REL, atol=0)
+
+
+class MatmulPrecision(TorchFunctionMode):
+    """The float32 precision of the CPU's and of CUDA's matmuls at each ``torch.matmul`` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, str]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.matmul:
+            self.seen.append(_precisions())
+        return func(*args, **(kwargs or {}))
+
+
+def _precisions() -> tuple[str, str]:
+    return torch.backends.mkldnn.matmul.fp32_precision, torch.backends.cuda.matmul.fp32_precision
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_logits_are_full_float32_whatever_the_matmul_precision(device) -> None:
+    """``torch.set_float32_matmul_precision("high")`` lets cuBLAS use TF32 and oneDNN bf16/TF32
+    (the largest logit moved by ~1e-3 on CUDA); the recompute runs in IEEE float32 on the
+    device of its tensors, and the user's setting reads as before afterwards. The CUDA flag is
+    a flag: it is set and read without a GPU."""
+    q, k = torch.randn(2, 4, 9, 8), torch.randn(2, 4, 11, 8)
+    torch.set_float32_matmul_precision("high")
+    try:
+        user = _precisions()
+        spy = MatmulPrecision()
+        with spy:
+            if device == "cpu":
+                attention_statistics(q, k)
+            else:
+                with full_float32_matmul(torch.device("cuda")):
+                    torch.matmul(q, k.transpose(-1, -2))
+        assert spy.seen and all(seen[device == "cuda"] == "ieee" for seen in spy.seen)
+        assert _precisions() == user and torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision("highest")
 
 
 class Sizes(TorchDispatchMode):

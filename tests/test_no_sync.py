@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from conftest import read_run, read_tags
+from conftest import needs_cuda, read_run, read_tags
 from models import mlp
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import tblog_hooks
-from tblog_hooks import HookLogger
+from tblog_hooks import Histograms, HookLogger
+from tblog_hooks.stats.kinds import HISTOGRAM_KINDS
 
 _PACKAGE = str(Path(tblog_hooks.__file__).parent)
 _HOST_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
@@ -110,7 +111,7 @@ def test_amp_checkpointing_and_eval_passes_never_read_values_on_the_host(tmp_pat
     assert set(run.scalars["activation/mean/0"]) == set(run.scalars["gradient/norm/2"]) == {0, 1}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_no_cuda_synchronisation_inside_a_logged_step(tmp_path) -> None:
     # CUDA's own witness: with sync debug mode "error", any synchronising call raises.
     model = torchvision.models.resnet18(num_classes=4).cuda()
@@ -130,3 +131,38 @@ def test_no_cuda_synchronisation_inside_a_logged_step(tmp_path) -> None:
     run = read_run(tmp_path)
     assert set(run.scalars["param/update_ratio/conv1.weight"]) == {0, 1}
     assert "feature_map/layer1.0.conv1" in read_tags(tmp_path)["images"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_no_cuda_synchronisation_in_a_logged_step_with_every_histogram(tmp_path, monkeypatch, deterministic) -> None:
+    """The binning (``histc``, or the sort and binary search of deterministic mode), the sample
+    and row indices copied from pinned memory, and the packed copy: none synchronises."""
+    if deterministic:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    model = mlp(64, 128, 128, 10, act=nn.ReLU, seed=0).cuda()
+    x, y = torch.randn(256, 64, device="cuda"), torch.randint(0, 10, (256,), device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    kinds = list(HISTOGRAM_KINDS)
+    options = {
+        "optimizer": opt,
+        "inputs": True,
+        "histograms": Histograms(every_logged=1, weights_every_logged=1, kinds=kinds),
+    }
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        with HookLogger(model, log_dir=tmp_path, every=1, **options) as hooks:  # type: ignore[arg-type]
+            for _ in range(2):  # the first step makes the index tensors (pinned copies) and the optimizer state
+                torch.cuda.set_sync_debug_mode("error" if hooks.global_step else "default")
+                try:
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    hooks.step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    histograms = read_run(tmp_path).histograms
+    assert {tag.split("/")[0] for tag in histograms} == set(kinds)
+    assert all(set(by_step) == {0, 1} for by_step in histograms.values())

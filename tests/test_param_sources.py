@@ -12,15 +12,13 @@ import weakref
 
 import pytest
 import torch
-from conftest import read_run
+from conftest import needs_cuda, read_run
 from models import mlp
 from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from tblog_hooks import HookLogger, HookLoggerError
 from tblog_hooks.transport import amp
-
-_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _loss(out: torch.Tensor) -> torch.Tensor:
@@ -235,7 +233,7 @@ def test_parameters_no_optimizer_steps_are_left_out_with_one_warning(tmp_path) -
 
 
 @pytest.mark.parametrize("unscale_first", [False, True])  # scaler.unscale_(opt) before clipping, say
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 def test_fused_optimizer_under_grad_scaler_logs_unscaled_gradients(tmp_path, device: str, unscale_first: bool) -> None:
     model = mlp(6, 16, 16, 3).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import OpCounter, read_run, spawn_ranks
+from conftest import OpCounter, needs_cuda, read_run, spawn_ranks
 from models import conv_net, gpt2, mlp, timm_model
 from torch import nn
 
@@ -390,7 +390,7 @@ def test_transformers_callback_passes_each_steps_loss(tmp_path) -> None:
     assert callback.hooks is None  # closed, its loss hook removed
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_cuda
 def test_cuda_norms_reach_the_host_without_a_sync(tmp_path) -> None:
     device = torch.device("cuda")
     model = mlp(16, 32, 32, 4, seed=0).to(device)

@@ -302,3 +302,52 @@ def test_attention_heads_split_over_ranks_are_those_of_one_process(tmp_path: Pat
         ours, theirs = read_images(tmp_path / "attention", picture), read_images(tmp_path / "one", picture)
         for step in range(STEPS):
             assert np.abs(ours[step].astype(int) - theirs[step].astype(int)).max() <= 1, (picture, step)
+
+
+def _object_collectives(rank: int, root: str) -> None:
+    """Per logged step, the ``all_gather_object`` calls (each a host sync under NCCL alone) of a
+    tensor-parallel model without histograms, with them, and of a norm whose gradients are
+    placed ``Partial`` (docs/sharded.md, Cost)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    calls: list[int] = []
+    real = dist.all_gather_object
+
+    def counting(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        real(*args, **kwargs)  # type: ignore[arg-type]
+
+    dist.all_gather_object = counting  # type: ignore[assignment]  # (this process only)
+    histograms = Histograms(every_logged=1, weights_every_logged=1)
+    sequence = {
+        "0": ColwiseParallel(input_layouts=Shard(1)),
+        "2": RowwiseParallel(output_layouts=Shard(1)),
+        "3": SequenceParallel(),
+    }
+    cases = [(_model, _plan(), ["0", "1", "2"], False), (_model, _plan(), ["0", "1", "2"], histograms)]
+    cases.append((_norm_model, sequence, ["3"], histograms))
+    counts = []
+    for build, plan, modules, hist in cases:
+        model = parallelize_module(build(), init_device_mesh("cpu", (2,)), plan)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        with HookLogger(
+            model, log_dir=f"{root}/count", every=1, modules=modules, optimizer=opt, histograms=hist
+        ) as hooks:
+            x = _sequence(0)[:, 3 * rank : 3 * rank + 3] if build is _norm_model else _batch(0, 0)
+            out = model(x)
+            (out.to_local() if hasattr(out, "to_local") else out).square().sum().backward()
+            opt.step()
+            calls.clear()
+            hooks.step()
+            counts.append(len(calls))
+    if rank == 0:
+        Path(root, "counts").write_text(repr(counts))
+
+
+def test_a_logged_step_makes_one_to_three_object_collectives(tmp_path: Path) -> None:
+    spawn_ranks(_object_collectives, tmp_path, 2)
+    # One description of what each rank recorded; again once the Partial gradients are reduced;
+    # and, where pieces' histogram samples are binned together, whether packing failed anywhere.
+    assert (tmp_path / "counts").read_text() == "[1, 2, 3]"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from conftest import read_run
+from conftest import needs_cuda, read_run
 from models import mlp
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
@@ -121,10 +121,7 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.square().mean()
 
 
-_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize("with_optimizer", [False, True])
 @pytest.mark.parametrize("update_before_step", [True, False])
 def test_grad_scaler_gradients_are_unscaled_and_skipped_steps_reported(
@@ -219,7 +216,7 @@ def test_resnet_reused_relu_pools_both_calls(tmp_path) -> None:
     assert read_run(tmp_path).histograms["activation/layer1.0.relu"][0].num == pytest.approx(both.numel())
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize("with_optimizer", [False, True])
 def test_sparse_gradients_are_logged_as_their_dense_values(tmp_path, device: str, with_optimizer: bool) -> None:
     model = nn.Sequential(nn.Embedding(50, 4, sparse=True), nn.Linear(4, 1)).to(device)

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from .step import StepBuffer
+
 if TYPE_CHECKING:
     from .activations import ActivationRecorder
     from .parameters import ParameterRecorder
@@ -99,6 +101,21 @@ class ParamGradHook(_Hook):
 
     def __call__(self, param: Tensor) -> None:
         self.recorder.on_param_grad(self.name, param)
+
+
+class KeepTraced(_Hook):
+    """``register_post_accumulate_grad_hook`` callable on one trained parameter, for a logged step
+    whose backward runs no other hook of ours: copies compiled hooks' records out of CUDA graph
+    memory (``StepBuffer.keep_traced``) before the next micro-batch's forward."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: StepBuffer) -> None:
+        super().__init__()
+        self.buffer = buffer
+
+    def __call__(self, param: Tensor) -> None:
+        self.buffer.keep_traced()
 
 
 class Handles:

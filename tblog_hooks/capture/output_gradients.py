@@ -70,12 +70,17 @@ class OutputGradientRecorder:
             self.buffer.fail(name, error)
 
     def on_probe(self, name: str, summed: Tensor) -> None:
-        """A probe's gradient: the summary of one backward through the module (``probes.py``)."""
+        """A probe's gradient: the summary of one backward through the module (``probes.py``).
+        Under CUDA graphs the summary is the backward graph's output, and this backward's
+        forward records are the forward graph's, which the next micro-batch overwrites: both
+        are copied out here (``StepBuffer.keep_traced``)."""
         buffer = self.buffer
         if name in buffer.disabled or not buffer.active:  # a backward after its logged step ended
             return
         try:
             with torch.no_grad():
+                buffer.keep_traced()
+                summed = summed.clone()
                 # Elements are on the device only; GRADIENT's fields pool without them.
                 buffer.eager.add(Record(GRADIENT, name, 0, probes.gradient(summed)))
                 if buffer.eager.takes_histogram(Root.GRADIENT):

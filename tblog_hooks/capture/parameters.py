@@ -47,7 +47,10 @@ class ParameterRecorder:
         """Post-accumulate-grad hook body: ``param.grad`` is final for this backward. Read when
         the backward ends, with every other parameter it reached: one norm op for all of them.
         Each call queues the reading (the first callback reads them all): one queued only by the
-        first would be lost with a backward that raises, and the next backward's with it."""
+        first would be lost with a backward that raises, and the next backward's with it. Also
+        where the records of a compiled forward are copied out of its graph's memory (see
+        ``StepBuffer.keep_traced``), should the model have no probe."""
+        self.buffer.keep_traced()
         self._ready.append((name, param))
         if not at_end_of_backward(self._read_ready):  # not run by the autograd engine: read it now
             self._read_ready()
@@ -70,6 +73,7 @@ class ParameterRecorder:
                 splits = [split for _, (_, _, split) in graded]
                 samples = self._samples(Root.PARAM_GRAD, keys, [h for _, (_, h, _) in graded], splits)
                 found = norms(grads)
+                buffer.streams.note(found[0])
                 if scale is not None:  # a fused optimizer's gradients, still scaled: unscaled here
                     divisor = scale.to(found[0].device).reshape(())
                     found = foreach_div(found, divisor)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
@@ -16,10 +17,10 @@ from ..topology.parallel import TensorParallel
 from ..topology.sharding import Pending
 from .activations import ActivationRecorder
 from .attention import AttentionRecorder
-from .hooks import ForwardHook, ForwardPreHook, Handles, ParamGradHook
+from .hooks import ForwardHook, ForwardPreHook, Handles, KeepTraced, ParamGradHook
 from .output_gradients import OutputGradientRecorder
 from .parameters import OptimizerHooks, ParameterRecorder
-from .step import StepBuffer
+from .step import Part, StepBuffer
 from .watched import Watched
 
 if TYPE_CHECKING:
@@ -111,11 +112,14 @@ class Recording:
         self.buffer.active = True
         self.buffer.begin(index)
         self.parallel.begin()
-        if self.optimizer_hooks is not None:
-            return  # parameters are read when an optimizer steps them
-        for key, p in self.params():
-            if p.requires_grad:  # a frozen parameter has no gradient (and takes no hook)
-                self._step_handles.add(p.register_post_accumulate_grad_hook(ParamGradHook(self.parameters, key)))
+        if self.optimizer_hooks is None:  # else parameters are read when an optimizer steps them
+            for key, p in self.params():
+                if p.requires_grad:  # a frozen parameter has no gradient (and takes no hook)
+                    self._step_handles.add(p.register_post_accumulate_grad_hook(ParamGradHook(self.parameters, key)))
+        elif self.gradients is None:  # no hook of ours would run in backward: one that keeps compiled records
+            anchor = self.watched.trained_parameter()
+            if anchor is not None:
+                self._step_handles.add(anchor.register_post_accumulate_grad_hook(KeepTraced(self.buffer)))
 
     def stop(self) -> None:
         """Hooks record nothing from now on, until the next :meth:`begin`."""
@@ -128,8 +132,9 @@ class Recording:
 
     def end(self) -> None:
         """The logged step's training is over: stop recording, remove its per-step hooks, take
-        the weight histograms (after the optimizer's update)."""
+        the weight histograms (after the optimizer's update, on whichever stream it ran)."""
         self.stop()
+        self.buffer.streams.wait()
         if self.activations.only_evaluated and self.parameters.graded and not self._eval_warned:
             self._eval_warned = True
             warnings.warn(
@@ -149,16 +154,29 @@ class Recording:
 
     def drain(self) -> tuple[list[Record], list[Sample], list[Pending]]:
         """The step's records and histogram samples, and the gradients still to be reduced over
-        ranks (``sharding.Pending``); the recorders are reset."""
+        ranks (``sharding.Pending``), ready for the current stream (``transport/streams.py``);
+        the recorders are reset."""
         records, samples = self.buffer.drain()
         if self.gradients is not None:
             self.gradients.end_step(records)
         graded, rows, waiting = self.parameters.end_step()
-        return records + graded, samples + rows, waiting
+        records, samples = records + graded, samples + rows
+        self.buffer.streams.keep(_tensors(records, samples, waiting))
+        return records, samples, waiting
 
     def pack(self, records: list[Record], samples: list[Sample]) -> tuple[Tensor, StepLayout] | None:
-        """Bin the step's histograms and pack every record into one float64 tensor."""
-        return pack_step(records, samples, self.buffer.kinds, self.buffer.indices)
+        """Bin the step's histograms and pack every record into one float64 tensor. Should binning
+        fail (a kernel the device refuses), the step is packed without histograms and histograms
+        stop, said once: no scalar depends on them."""
+        buffer = self.buffer
+        try:
+            return pack_step(records, samples, buffer.kinds, buffer.indices)
+        except Exception as error:
+            if not samples:
+                raise
+            buffer.fail(Part.HISTOGRAMS, error)
+            buffer.kinds = frozenset()
+            return pack_step(records, [], buffer.kinds, buffer.indices)
 
     def check_stepped(self, step: int) -> None:
         """Warn once when, at the end of logged step ``step``, a watched parameter holds a gradient
@@ -185,3 +203,13 @@ class Recording:
         if self.gradients is not None:
             self.gradients.release()
         self.buffer.indices.clear()
+
+
+def _tensors(records: list[Record], samples: list[Sample], waiting: list[Pending]) -> Iterator[Tensor]:
+    """Every device tensor a drained step holds."""
+    for record in records:
+        yield from record.values
+    for h in samples:
+        yield from (t for t in (h.sample, h.lo, h.hi, h.weight) if t is not None)
+    for p in waiting:
+        yield p.terms

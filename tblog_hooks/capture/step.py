@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import abc
 import enum
+import threading
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, TypeVar, Union
 
 import torch
@@ -24,6 +26,7 @@ from ..stats.packing import Record
 from ..stats.sampling import IndexCache
 from ..stats.schedule import Histograms
 from ..stats.tags import Root
+from ..transport.streams import Streams
 
 if TYPE_CHECKING:
     from ..topology.sharding import Split
@@ -36,12 +39,16 @@ class Part(enum.Enum):
     PARAMETERS = "parameters"
     UPDATE_RATIO = "update_ratio"
     ATTENTION = "attention"
+    HISTOGRAMS = "histograms"
     MODULE_STATISTICS = "module statistics"
 
 
 Item = TypeVar("Item")
 Recorded = Union[Record, Sample]
 _NO_KINDS: frozenset[str] = frozenset()
+#: The part of the logging (see ``StepBuffer.disabled``) that a failure to bin a step's histograms stops.
+#: What a failure to copy compiled hooks' records out of their graph's memory is reported as.
+COMPILED_RECORDS = "compiled hooks' records"
 
 
 class StepBuffer:
@@ -58,6 +65,8 @@ class StepBuffer:
         self.kinds = _NO_KINDS  # histogram kinds of the current logged step
         self._records: list[Record] = []
         self._samples: list[Sample] = []
+        self._keeping = threading.Lock()  # backward hooks run on one thread per device
+        self.streams = Streams()  # the CUDA streams this logged step's hooks recorded on
         self.eager = Eager(self)
         self.traced = Traced(self, _NO_KINDS if histograms is None else histograms.all_kinds)
 
@@ -72,8 +81,9 @@ class StepBuffer:
     def begin(self, index: int) -> None:
         """A logged step begins; ``index`` is its number among the logged steps that recorded
         something (see ``Histograms``), which picks the histograms it takes (none: no sampling,
-        no binning)."""
-        self.kinds = _NO_KINDS if self._schedule is None else self._schedule.kinds_at(index)
+        no binning; none either once binning failed)."""
+        off = self._schedule is None or Part.HISTOGRAMS in self.disabled
+        self.kinds = _NO_KINDS if off else self._schedule.kinds_at(index)  # type: ignore[union-attr]
 
     @property
     def empty(self) -> bool:
@@ -83,6 +93,20 @@ class StepBuffer:
     def record_scalar(self, key: str, value: Tensor) -> None:
         """A device value logged under the tag ``key`` as it is (the first, if recorded twice)."""
         self._records.append(Record(SCALAR, key, 1, (value,)))
+
+    def keep_traced(self) -> None:
+        """Copy what compiled hooks recorded since the last call out of the memory of the graph
+        that made it. Under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) their records
+        are outputs of the graph, which its next run (the next micro-batch's forward) overwrites;
+        so the eager hooks that run in each backward (the probes', the parameter gradients', else
+        ``hooks.KeepTraced``) call this. Eager code only; one copy per recorded tensor, of logged
+        steps of compiled models only."""
+        with self._keeping:
+            try:
+                self.traced.sink.keep(_copied)
+            except Exception as error:  # (a graph's output overwritten already): the step goes without them
+                self.traced.sink.drain()
+                self.fail(COMPILED_RECORDS, error)
 
     def drain(self) -> tuple[list[Record], list[Sample]]:
         """Everything the hooks recorded this step, in the order they recorded it; empties the buffer."""
@@ -168,7 +192,12 @@ class Eager(Mode):
 
     def add(self, item: Recorded) -> None:
         buffer = self.buffer
-        (buffer._samples if isinstance(item, Sample) else buffer._records).append(item)  # type: ignore[arg-type]
+        if isinstance(item, Sample):
+            buffer.streams.note(item.sample)
+            buffer._samples.append(item)
+        else:
+            buffer.streams.note(item.values[0])
+            buffer._records.append(item)
 
     def sample(self, t: Tensor) -> Tensor:
         return sampling.sample(t, self.buffer.indices)
@@ -205,6 +234,18 @@ class Traced(Mode):
         return False
 
 
+def _copied(items: list[Recorded]) -> list[Recorded]:
+    """``items`` holding copies of their tensors."""
+    out: list[Recorded] = []
+    for item in items:
+        if isinstance(item, Record):
+            out.append(item._replace(values=tuple(t.clone() for t in item.values)))
+        else:
+            lo, hi, weight = (None if t is None else t.clone() for t in (item.lo, item.hi, item.weight))
+            out.append(item._replace(sample=item.sample.clone(), lo=lo, hi=hi, weight=weight))
+    return out
+
+
 class _Link(Generic[Item]):
     __slots__ = ("item", "prev")
 
@@ -219,9 +260,21 @@ class _Sink(Generic[Item]):
 
     def __init__(self) -> None:
         self._head: _Link[Item] = _Link(None, None)
+        self._kept = self._head  # the newest link :meth:`keep` saw (never read by traced code)
 
     def append(self, item: Item) -> None:
         self._head = _Link(item, self._head)
+
+    def keep(self, copy: Callable[[list[Item]], list[Item]]) -> None:
+        """Replace the items appended since the last call by their ``copy``."""
+        links, link = [], self._head
+        while link is not self._kept and link.prev is not None:
+            links.append(link)
+            link = link.prev
+        if links:
+            for link, item in zip(links, copy([link.item for link in links])):  # type: ignore[misc]
+                link.item = item
+        self._kept = self._head
 
     def drain(self) -> list[Item]:
         """Everything appended, oldest first; empties the sink."""
@@ -229,7 +282,7 @@ class _Sink(Generic[Item]):
         while link.prev is not None:
             items.append(link.item)
             link = link.prev
-        self._head = _Link(None, None)
+        self._head = self._kept = _Link(None, None)
         return items[::-1]  # type: ignore[return-value]  # every linked item but the sentinel's is set
 
     def __bool__(self) -> bool:

@@ -37,6 +37,16 @@ class Watched:
                     params.append((f"{name}.{pname}", p))
         return params
 
+    def trained_parameter(self) -> Tensor | None:
+        """A parameter of the watched modules (or of their children) that requires grad, with
+        ``parameters=False`` too; ``None`` if there is none."""
+        for name, ref in self._modules:
+            module = None if name in self._left else ref()
+            for p in [] if module is None else module.parameters():
+                if p.requires_grad:
+                    return p
+        return None
+
     def newly_left(self) -> list[str]:
         """Watched modules no longer in the model (replaced, deleted), each reported once.
         A module that moved (wrapped after attaching, e.g. for checkpointing) is still in it."""

@@ -4,7 +4,8 @@ distribution ``softmax(q·kᵀ·scale + mask)``.
 
 The logits are recomputed in chunks of queries, so the extra memory is bounded by a byte budget
 whatever the sequence length; every shape is known on the host, so nothing is read from the
-device. Call under ``torch.no_grad()``.
+device. The logits are in full float32 whatever ``torch.set_float32_matmul_precision`` allows.
+Call under ``torch.no_grad()``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .._compat import full_float32_matmul
 
 #: Bytes the float32 temporaries of one chunk of logits may take (their count: :data:`TEMPORARIES`).
 BUDGET = 64 << 20
@@ -62,7 +65,8 @@ def attention_statistics(
     peaks, entropies, counts = [], [], []
     for start in range(0, length, chunk):
         stop = min(length, start + chunk)
-        logits = torch.matmul(q[:, :, start:stop].to(dtype), keys_t).mul_(factor)
+        with full_float32_matmul(q.device):  # not TF32: its 10-bit mantissa moves the largest logit by ~1e-3
+            logits = torch.matmul(q[:, :, start:stop].to(dtype), keys_t).mul_(factor)
         part = None if mask is None else mask[..., start:stop, :].reshape(-1, heads, stop - start, keys)
         peak, entropy, count = _chunk(logits, part, (start, stop) if is_causal else None)
         peaks.append(peak)

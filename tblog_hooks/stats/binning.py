@@ -102,7 +102,8 @@ def bin_rows(
     Rows sharing a key (calls of one module in a step) are binned over one range, so that the
     host can add them up. The range is ``[lows, highs]`` (exact extremes of the sampled tensor)
     where given and finite, else the sample's finite extremes. Returns float64 rows
-    ``[start, half_span, min, max, counts...]``; non-finite elements are left out.
+    ``[start, half_span, min, max, counts...]``; non-finite elements are left out. Under
+    ``torch.use_deterministic_algorithms(True)`` only deterministic kernels are used (see :func:`_counts`).
     """
     device = samples[0].device
     count = len(samples)
@@ -134,15 +135,29 @@ def bin_rows(
     wide = hi > lo  # false for constant rows and rows with no finite element
     start = torch.where(wide, lo, torch.where(torch.isfinite(lo), lo - 0.5, 0.0))
     half_span = torch.where(wide, half_span, 0.5)
-    # Row r's bucket b becomes the number r * BINS + b + 0.5, so one histc counts every row.
+    # Row r's bucket b becomes the number r * BINS + b + 0.5, so one count covers every row.
     # The scale stops just short of BINS, so the maximum lands in the last bucket; NaN and
-    # +-inf fall outside histc's range.
+    # +-inf fall outside the buckets.
     scale = torch.index_select(BINS * (1 - 2**-16) / half_span, 0, rows)
     position = values.mul_(0.5).sub_(torch.index_select(start / 2, 0, rows)).mul_(scale)
     position = position.floor_().add_(offsets)
-    counts = torch.histc(position, bins=count * BINS, min=0, max=count * BINS).view(count, BINS)
+    counts = _counts(position, count * BINS).view(count, BINS)
     head = torch.stack([start, half_span, lo, hi], dim=1)
     return torch.cat([head, counts.to(dtype)], dim=1).to(torch.float64)
+
+
+def _counts(position: Tensor, buckets: int) -> Tensor:
+    """How many ``position`` values (numbers ``k + 0.5``) fall into each bucket ``[k, k + 1)`` of
+    ``[0, buckets)``, in ``position``'s dtype; NaN and +-inf are left out. ``histc`` has no
+    deterministic CUDA kernel: under ``torch.use_deterministic_algorithms(True)`` (set by
+    Lightning's ``deterministic=True`` and the HF Trainer's ``full_determinism``) it raises, so
+    there the counts come from a sort and a binary search over the bucket edges, which are
+    deterministic on every device and read nothing on the host."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return torch.histc(position, bins=buckets, min=0, max=buckets)
+    ordered = torch.nan_to_num(position, nan=-1.0, posinf=-1.0, neginf=-1.0).sort().values
+    edges = torch.arange(buckets + 1, dtype=position.dtype, device=position.device)
+    return torch.searchsorted(ordered, edges).diff().to(position.dtype)
 
 
 def _row_index(lengths: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -6,7 +6,10 @@ logged step as usual; then, on all ranks together, at the end of each logged ste
 - one ``all_gather_object`` of a small host-side description of what each rank recorded (a
   hash of its records and their element counts). Ranks that recorded different calls, or a rank
   that stopped logging, would otherwise make collectives of different sizes, which gloo
-  aborts on and NCCL hangs or misreads; instead every rank learns it and logging stops;
+  aborts on and NCCL hangs or misreads; instead every rank learns it and logging stops. Two
+  more where records are made after it: of whether packing failed, where split histogram
+  samples are gathered (binned after the exchange), and, once gradients placed ``Partial`` are
+  reduced, of what their records became (one to three in all, each a host sync under NCCL);
 - for the pieces of tensors split over ranks (``sharding.Split``: ``DTensor`` parameters of
   FSDP2 and tensor parallelism, tensor-parallel module outputs), over exactly the mesh dims
   they are split on, never over replicas: norms' squares are summed (one ``all_reduce`` per
