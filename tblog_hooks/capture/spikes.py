@@ -262,3 +262,9 @@ def check_loss(loss: object) -> None:
         raise HookLoggerError(
             f"step(loss=...) takes the step's loss as a one-element floating-point tensor (or a number), got {what}"
         )
+
+
+def whole_loss(loss: Tensor | float | None) -> Tensor | float | None:
+    """The loss as one process has it: a ``DTensor`` loss (loss parallelism's, ``Replicate``) as its
+    full value; called on every rank at its ``step()``, since a ``Partial`` one's takes a collective."""
+    return loss.full_tensor() if is_dtensor(loss) else loss
