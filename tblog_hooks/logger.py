@@ -93,7 +93,7 @@ class HookLogger:
         self._module_names = tuple(selected)
         self._watched = Watched(model, selected, parameters=config.parameters)
         parallel = TensorParallel(model)
-        parallel.begin()
+        parallel.look_up()
         split = parallel.holds_split()
         _check_optimizer(config, averaged=averaged and bool(self._watched.params()), split=split)
         self._recording = Recording(
