@@ -70,13 +70,22 @@ def _tensor_parallel(rank: int, root: str) -> None:
     mesh = init_device_mesh("cpu", (2,))
     for name, modules in (("all", EVERYTHING), ("blocks", BLOCKS)):
         _train(parallelize_llama(Llama(), mesh), f"{root}/tp2_{name}", modules, [0])
-    _train(
-        parallelize_llama(Llama(), mesh, loss_parallel=True),
-        f"{root}/loss_parallel",
-        EVERYTHING,
-        [0],
-        loss_parallel=True,
-    )
+    lp = parallelize_llama(Llama(), mesh, loss_parallel=True)
+    _train(lp, f"{root}/loss_parallel", EVERYTHING, [0], loss_parallel=True)
+    _train(_parallel_embedding(mesh), f"{root}/embedding", ["0", "1"], [0])
+
+
+def _embedding() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(VOCAB, 16), nn.Linear(16, VOCAB)).double()
+
+
+def _parallel_embedding(mesh: object) -> nn.Module:
+    """A ``RowwiseParallel`` embedding: its weight is ``Shard(0)``, its gradient ``Replicate``."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    return parallelize_module(_embedding(), mesh, {"0": RowwiseParallel(input_layouts=Replicate())})  # type: ignore[arg-type]
 
 
 def _one_process(root: Path, modules: list[str], replicas: list[int]) -> Path:
@@ -91,6 +100,10 @@ def test_torchtitan_tensor_parallel_llama_logs_what_one_process_logs(tmp_path: P
     for run, modules in (("tp2_all", EVERYTHING), ("tp2_blocks", BLOCKS), ("loss_parallel", EVERYTHING)):
         one = read_run(_one_process(tmp_path, modules, [0]))
         assert_same_run(read_run(tmp_path / run), one, range(STEPS), ACTIVATIONS + PARAMETERS)
+    # Every step's gradient norm counts the embedding's Replicate gradient once, not once a rank.
+    _train(_embedding(), str(tmp_path / "one_embedding"), ["0", "1"], [0])
+    run, one = read_run(tmp_path / "embedding"), read_run(tmp_path / "one_embedding")
+    assert_same_run(run, one, range(STEPS), (*ACTIVATIONS, *PARAMETERS, "step/grad_norm"))
 
 
 def _four_ranks(rank: int, root: str) -> None:
