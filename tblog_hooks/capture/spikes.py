@@ -184,7 +184,7 @@ class StepNorms:
             return module
         if split.key not in self._group_sets:
             raise ValueError(
-                f"a gradient placed {tuple(grad.placements)} is sharded on mesh dims no watched parameter is sharded on"
+                f"a gradient is sharded on mesh dims {split.dims}, which no watched parameter is sharded on"
             )
         return (1 + list(self._group_sets).index(split.key)) * len(self.modules) + module
 
