@@ -109,6 +109,25 @@ def is_compiled(model: nn.Module) -> bool:
     )
 
 
+#: The attributes under which wrappers hold the module they wrap: ``checkpoint_wrapper``'s
+#: ``CheckpointWrapper``, FSDP1's ``FullyShardedDataParallel`` and ``torch.compile``'s
+#: ``OptimizedModule``. Their ``state_dict()`` keys leave them out (the names the user knows).
+WRAPPED_MODULE_ATTRIBUTES = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"})
+
+
+def compiled_code_ran(module: nn.Module) -> bool:
+    """Whether ``torch.compile`` already compiled the forward of ``module`` (an
+    ``OptimizedModule``'s wrapped module, or one whose ``compile()`` was called): hooks added
+    now inside it are ignored by that code (``skip_nnmodule_hook_guards``), which serves every
+    instance of its class. Dynamo keeps its compiled code on the forward's code object
+    (``_debug_get_cache_entry_list``); no public API tells."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    inner = module._orig_mod if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) else module
+    code = getattr(type(inner).forward, "__code__", None)
+    return code is not None and bool(_debug_get_cache_entry_list(code))
+
+
 # -- GradScaler --------------------------------------------------------------------------------
 def loss_scale(scaler: torch.amp.GradScaler) -> Tensor | None:
     """The scaler's scale as its device tensor, without the host read ``get_scale()`` makes

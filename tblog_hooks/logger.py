@@ -15,10 +15,10 @@ from typing import Any
 from torch import Tensor, nn
 from torch.utils.tensorboard import SummaryWriter
 
-from ._compat import fast_checksum, forward_hooks, is_compiled
+from ._compat import compiled_code_ran, fast_checksum, forward_hooks, is_compiled
 from .capture.hooks import ours
 from .capture.recording import Recording
-from .capture.selection import select_modules
+from .capture.selection import named_modules, select_modules
 from .capture.watched import Watched
 from .diagnostics.health import Finding
 from .diagnostics.per_step import Diagnostics
@@ -344,6 +344,7 @@ def _open_writer(config: Options, rank: int) -> tuple[SummaryWriter | None, bool
 def _select(model: nn.Module, config: Options) -> tuple[dict[str, nn.Module], dict[str, nn.Module]]:
     """The watched modules and those of them whose feature maps are taken."""
     selected = select_modules(model, config.modules)
+    _check_compiled_parts(model, selected)
     try:
         mapped = {} if config.feature_maps is None else select_modules(model, config.feature_maps)
     except HookLoggerError as error:
@@ -354,6 +355,24 @@ def _select(model: nn.Module, config: Options) -> tuple[dict[str, nn.Module], di
             "add them to modules= as well"
         )
     return selected, mapped
+
+
+def _check_compiled_parts(model: nn.Module, selected: dict[str, nn.Module]) -> None:
+    """Refuse watched modules inside a compiled submodule (``torch.compile`` per block) whose
+    compiled code already ran: it ignores hooks added since, so their tags would be missing."""
+    for name, _, part in named_modules(model):
+        if part is model or not is_compiled(part) or not compiled_code_ran(part):
+            continue
+        inside = {id(m) for m in part.modules()}
+        watched = [n for n, m in selected.items() if id(m) in inside]
+        if watched:
+            listed = ", ".join(map(repr, watched[:3])) + (", ..." if len(watched) > 3 else "")
+            raise HookLoggerError(
+                f"{name!r} is compiled ({type(part).__name__}) and its compiled code already ran, so hooks added now "
+                f"to the watched modules inside it ({listed}) would be ignored by that code: create the HookLogger "
+                "before the first forward of the compiled modules (compiling them before is fine), or leave them "
+                "out of modules="
+            )
 
 
 def _detach(

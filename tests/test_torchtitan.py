@@ -2,7 +2,8 @@
 sequence-parallel norms, ``PrepareModuleInput`` parents, a ``RowwiseParallel`` embedding, a
 ``ColwiseParallel`` output with and without loss parallelism), on CPU processes with gloo, in
 float64: every scalar and histogram is the one a single process gives on the same data, whichever
-modules are watched, at TP 2, TP 4 and under FSDP2 on a dp 2 x tp 2 mesh."""
+modules are watched, at TP 2, TP 4 and under FSDP2 on a dp 2 x tp 2 mesh (with torchtitan's
+activation checkpointing: tags named as the model's modules, without the wrapper's attribute)."""
 
 from __future__ import annotations
 
@@ -107,14 +108,15 @@ def test_torchtitan_tensor_parallel_llama_logs_what_one_process_logs(tmp_path: P
 
 
 def _four_ranks(rank: int, root: str) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     _train(parallelize_llama(Llama(), init_device_mesh("cpu", (4,))), f"{root}/tp4", EVERYTHING, [0])
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = parallelize_llama(Llama(), mesh["tp"])
-    for block in model.layers.values():
-        fully_shard(block, mesh=mesh["dp"])
+    for key, block in model.layers.items():  # activation checkpointing, then FSDP2, as torchtitan applies them
+        model.layers[key] = fully_shard(checkpoint_wrapper(block), mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     _train(model, f"{root}/2d", EVERYTHING, [mesh.get_local_rank("dp")])
 

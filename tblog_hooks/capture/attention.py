@@ -31,7 +31,7 @@ from ..stats.kinds import ATTENTION
 from ..stats.packing import Record
 from ..transport.parallel import TensorParallel
 from .hooks import _Hook
-from .selection import ROOT_NAME, Selector, select_modules
+from .selection import ROOT_NAME, Selector, named_modules, select_modules
 from .step import StepBuffer
 
 #: The name under which a failure switches attention statistics off (``StepBuffer.fail``).
@@ -54,7 +54,7 @@ class AttentionRecorder:
     ) -> None:
         self.buffer, self.eval_passes, self.parallel = buffer, eval_passes, parallel
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-        for name, module in model.named_modules():
+        for name, _, module in named_modules(model):
             self._names.setdefault(module, name or ROOT_NAME)
         self._covered: frozenset[str] | None = None  # None: every module
         if selectors is not True:
