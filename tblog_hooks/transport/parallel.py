@@ -79,8 +79,11 @@ class TensorParallel:
         """Hooks that follow how the data is placed during logged steps: on ``model`` (its input
         is whole), on each module with a style (what it returns) and on each that
         ``PrepareModuleInput`` prepares (what its forward is handed). Registered before the
-        recording hooks, so that a module's own boundary is followed before it is recorded."""
+        recording hooks, so that a module's own boundary is followed before it is recorded. None
+        for a model without styles."""
         self.look_up()
+        if not (self._styles or self._prepared):
+            return []
         handles = [model.register_forward_pre_hook(self._enter_model)]
         for module in model.modules():
             if id(module) in self._prepared:
@@ -152,12 +155,12 @@ class TensorParallel:
         return flow[0] if t.shape == flow[1] else dataclasses.replace(flow[0], axis=None)
 
     def _enter_model(self, module: nn.Module, args: object) -> None:
-        if self._following:
+        if not torch.compiler.is_compiling() and self._following:
             self._flow = None
 
     def _enter_prepared(self, module: nn.Module, args: object) -> None:
         """After ``PrepareModuleInput`` (registered before this hook): the first input as prepared."""
-        if not self._following or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not self._following:  # (compiled hooks record whole tensors)
             return
         first = next((t for t in tree_flatten(args)[0] if isinstance(t, Tensor)), None)
         if first is not None:
@@ -165,7 +168,7 @@ class TensorParallel:
             self._flow = self._boundary(first, lambda t: placed(mesh, (placement,), t.dim()))
 
     def _leave_styled(self, module: nn.Module, args: object, output: object) -> None:
-        if not self._following or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not self._following:  # (compiled hooks record whole tensors)
             return
         first = next((t for t in tree_flatten(output)[0] if isinstance(t, Tensor)), None)
         if first is not None:
