@@ -94,8 +94,10 @@ class HookLogger:
         self._watched = Watched(model, selected, parameters=config.parameters)
         parallel = TensorParallel(model)
         parallel.look_up()
+        _check_compiled_parts(model, selected, tensor_parallel=parallel.styled)
         split = parallel.holds_split()
-        _check_optimizer(config, averaged=averaged and bool(self._watched.params()), split=split)
+        graded = bool(self._watched.params())  # (not with parameters=False, which the error suggests)
+        _check_optimizer(config, averaged=averaged and graded, split=split and graded)
         self._recording = Recording(
             self._watched, config, feature_maps=frozenset(mapped), model=model, parallel=parallel
         )
@@ -344,7 +346,6 @@ def _open_writer(config: Options, rank: int) -> tuple[SummaryWriter | None, bool
 def _select(model: nn.Module, config: Options) -> tuple[dict[str, nn.Module], dict[str, nn.Module]]:
     """The watched modules and those of them whose feature maps are taken."""
     selected = select_modules(model, config.modules)
-    _check_compiled_parts(model, selected)
     try:
         mapped = {} if config.feature_maps is None else select_modules(model, config.feature_maps)
     except HookLoggerError as error:
@@ -357,22 +358,34 @@ def _select(model: nn.Module, config: Options) -> tuple[dict[str, nn.Module], di
     return selected, mapped
 
 
-def _check_compiled_parts(model: nn.Module, selected: dict[str, nn.Module]) -> None:
+def _check_compiled_parts(model: nn.Module, selected: dict[str, nn.Module], *, tensor_parallel: bool) -> None:
     """Refuse watched modules inside a compiled submodule (``torch.compile`` per block) whose
-    compiled code already ran: it ignores hooks added since, so their tags would be missing."""
+    compiled code already ran (it ignores hooks added since, so their tags would be missing), or
+    in a tensor-parallel model (compiled hooks record plain tensors as whole, pieces or not)."""
     for name, _, part in named_modules(model):
-        if part is model or not is_compiled(part) or not compiled_code_ran(part):
+        if part is model or not is_compiled(part):
+            continue
+        ran = compiled_code_ran(part)
+        if not (ran or tensor_parallel):
             continue
         inside = {id(m) for m in part.modules()}
         watched = [n for n, m in selected.items() if id(m) in inside]
-        if watched:
-            listed = ", ".join(map(repr, watched[:3])) + (", ..." if len(watched) > 3 else "")
+        if not watched:
+            continue
+        listed = ", ".join(map(repr, watched[:3])) + (", ..." if len(watched) > 3 else "")
+        if ran:
             raise HookLoggerError(
                 f"{name!r} is compiled ({type(part).__name__}) and its compiled code already ran, so hooks added now "
                 f"to the watched modules inside it ({listed}) would be ignored by that code: create the HookLogger "
                 "before the first forward of the compiled modules (compiling them before is fine), or leave them "
                 "out of modules="
             )
+        raise HookLoggerError(
+            f"{name!r} is compiled ({type(part).__name__}) in a tensor-parallel model: hooks traced into its compiled "
+            f"code cannot tell one rank's piece of a tensor from the whole, so the watched modules inside it "
+            f"({listed}) would be logged over this rank's pieces; watch modules outside the compiled parts, or "
+            "leave them uncompiled for a run that watches them"
+        )
 
 
 def _detach(

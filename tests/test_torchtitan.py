@@ -17,7 +17,7 @@ from conftest import assert_same_run, read_run, spawn_ranks
 from models import Llama, parallelize_llama
 from torch import nn
 
-from tblog_hooks import Histograms, HookLogger
+from tblog_hooks import Histograms, HookLogger, HookLoggerError
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -74,6 +74,13 @@ def _tensor_parallel(rank: int, root: str) -> None:
     lp = parallelize_llama(Llama(), mesh, loss_parallel=True)
     _train(lp, f"{root}/loss_parallel", EVERYTHING, [0], loss_parallel=True)
     _train(_parallel_embedding(mesh), f"{root}/embedding", ["0", "1"], [0])
+    compiled = parallelize_llama(Llama(), mesh)
+    for key, block in compiled.layers.items():  # (torchtitan compiles each block)
+        compiled.layers[key] = torch.compile(block, backend="eager")
+    with pytest.raises(HookLoggerError, match=r"'layers\.0' is compiled .* in a tensor-parallel model"):
+        HookLogger(compiled, log_dir=f"{root}/compiled", modules=BLOCKS)
+    outside = ["tok_embeddings", "head"]
+    HookLogger(compiled, log_dir=f"{root}/compiled", modules=outside, parameters=False).close()
 
 
 def _embedding() -> nn.Sequential:

@@ -82,7 +82,7 @@ class TensorParallel:
         recording hooks, so that a module's own boundary is followed before it is recorded. None
         for a model without styles."""
         self.look_up()
-        if not (self._styles or self._prepared):
+        if not self.styled:
             return []
         handles = [model.register_forward_pre_hook(self._enter_model)]
         for module in model.modules():
@@ -91,6 +91,11 @@ class TensorParallel:
             if id(module) in self._styles:
                 handles.append(module.register_forward_hook(self._leave_styled))
         return handles
+
+    @property
+    def styled(self) -> bool:
+        """Whether a module has a tensor-parallel style (as of the latest :meth:`look_up`)."""
+        return bool(self._styles or self._prepared)
 
     def holds_split(self) -> bool:
         """Whether the model holds tensors split over ranks: ``DTensor`` parameters (FSDP2, tensor
