@@ -109,6 +109,25 @@ def is_compiled(model: nn.Module) -> bool:
     )
 
 
+#: The attributes under which wrappers hold the module they wrap: ``checkpoint_wrapper``'s
+#: ``CheckpointWrapper``, FSDP1's ``FullyShardedDataParallel`` and ``torch.compile``'s
+#: ``OptimizedModule``. Their ``state_dict()`` keys leave them out (the names the user knows).
+WRAPPED_MODULE_ATTRIBUTES = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"})
+
+
+def compiled_code_ran(module: nn.Module) -> bool:
+    """Whether ``torch.compile`` already compiled the forward of ``module`` (an
+    ``OptimizedModule``'s wrapped module, or one whose ``compile()`` was called): hooks added
+    now inside it are ignored by that code (``skip_nnmodule_hook_guards``), which serves every
+    instance of its class. Dynamo keeps its compiled code on the forward's code object
+    (``_debug_get_cache_entry_list``); no public API tells."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    inner = module._orig_mod if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) else module
+    code = getattr(type(inner).forward, "__code__", None)
+    return code is not None and bool(_debug_get_cache_entry_list(code))
+
+
 # -- GradScaler --------------------------------------------------------------------------------
 def step_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> object | None:
     """The closure of the ``optimizer.step(...)`` call an optimizer step hook sees (``args[0]``
@@ -192,15 +211,24 @@ def dtensor_api() -> ModuleType:
 
 
 # -- tensor parallelism ------------------------------------------------------------------------
+def _style_hooks(module: nn.Module) -> list[dict[str, Any]]:
+    """What the forward (pre-)hooks of ``module`` close over, per hook: ``distribute_module``'s
+    hooks close over ``device_mesh`` and ``input_fn``/``output_fn`` (``functools.partial`` of a
+    style's ``_prepare_*_fn``, whose first arguments are the layouts); ``PrepareModuleInput``'s
+    and ``PrepareModuleOutput``'s lambdas over ``self`` (the style) and ``device_mesh``. No public
+    API tells a module's style."""
+    out = []
+    for hook in [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]:
+        code, closure = getattr(hook, "__code__", None), getattr(hook, "__closure__", None) or ()
+        if code is not None and "device_mesh" in code.co_freevars:
+            out.append({name: cell.cell_contents for name, cell in zip(code.co_freevars, closure)})
+    return out
+
+
 def parallel_output(module: nn.Module) -> tuple[DeviceMesh, tuple[Placement, ...] | None] | None:
     """The device mesh of the tensor-parallel style ``parallelize_module`` gave ``module``, and the
     placements of the output its caller receives (``None``: a style whose output is not known
-    here); ``None`` for a module without a style. Read from the hooks the style registered:
-    ``distribute_module``'s closures over ``device_mesh`` and ``input_fn``/``output_fn``
-    (``functools.partial`` of the style's ``_prepare_*_fn``, whose first arguments are the layouts),
-    and ``PrepareModuleOutput``'s over ``self``. No public API tells."""
-    if not getattr(module, "_distribute_module_applied", False):
-        return None
+    here); ``None`` for a module without an output style (``PrepareModuleInput`` alone has none)."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleOutput,
@@ -208,11 +236,8 @@ def parallel_output(module: nn.Module) -> tuple[DeviceMesh, tuple[Placement, ...
         SequenceParallel,
     )
 
-    mesh, placements = None, None
-    for hook in [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]:
-        code, closure = getattr(hook, "__code__", None), getattr(hook, "__closure__", None) or ()
-        contents = {} if code is None else {name: cell.cell_contents for name, cell in zip(code.co_freevars, closure)}
-        mesh = contents.get("device_mesh", mesh)
+    mesh, placements, styled = None, None, getattr(module, "_distribute_module_applied", False)
+    for contents in _style_hooks(module):
         fn = contents.get("output_fn", contents.get("input_fn"))
         func = getattr(fn, "func", None)
         # (SequenceParallel's output is sharded as its input)
@@ -221,10 +246,28 @@ def parallel_output(module: nn.Module) -> tuple[DeviceMesh, tuple[Placement, ...
             RowwiseParallel._prepare_output_fn,
             SequenceParallel._prepare_input_fn,
         ):
-            placements = tuple(fn.args[0])  # type: ignore[union-attr]
-        elif isinstance(style := contents.get("self"), PrepareModuleOutput) and len(style.desired_output_layouts) == 1:
-            placements = (style.desired_output_layouts[0],)
-    return None if mesh is None else (mesh, placements)
+            mesh, placements = contents["device_mesh"], tuple(fn.args[0])  # type: ignore[union-attr]
+        elif isinstance(style := contents.get("self"), PrepareModuleOutput):
+            styled, mesh = True, contents["device_mesh"]
+            layouts = style.desired_output_layouts
+            placements = (layouts[0],) if len(layouts) == 1 else None
+        elif styled and mesh is None:
+            mesh = contents["device_mesh"]
+    return (mesh, placements) if styled and mesh is not None else None
+
+
+def prepared_input(module: nn.Module) -> tuple[DeviceMesh, Placement] | None:
+    """The device mesh and the placement of the first positional input that
+    ``PrepareModuleInput`` (or ``PrepareModuleInputOutput``) hands ``module``'s forward
+    (its ``desired_input_layouts[0]``), or ``None`` where no style prepares that input."""
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    for contents in _style_hooks(module):
+        style = contents.get("self")
+        if isinstance(style, PrepareModuleInput) and style.input_layouts and style.input_layouts[0] is not None:
+            desired = (style.desired_input_layouts or (None,))[0]
+            return contents["device_mesh"], desired if desired is not None else style.input_layouts[0]
+    return None
 
 
 # -- torch function modes (attention statistics) -------------------------------------------------

@@ -16,10 +16,10 @@ from typing import Any
 from torch import Tensor, nn
 from torch.utils.tensorboard import SummaryWriter
 
-from ._compat import fast_checksum, forward_hooks, is_compiled
+from ._compat import compiled_code_ran, fast_checksum, forward_hooks, is_compiled
 from .capture.hooks import ours
 from .capture.recording import Recording
-from .capture.selection import select_modules
+from .capture.selection import named_modules, select_modules
 from .capture.watched import Watched
 from .diagnostics.findings import Finding
 from .diagnostics.per_step import Diagnostics
@@ -95,12 +95,13 @@ class HookLogger:
         self._module_names = tuple(selected)
         self._watched = Watched(model, selected)
         parallel = TensorParallel(model)
-        parallel.begin()
+        parallel.look_up()
+        _check_compiled_parts(model, selected, tensor_parallel=parallel.styled)
         split = parallel.holds_split()
         self._recording = Recording(
             self._watched, config, feature_maps=frozenset(mapped), model=model, parallel=parallel
         )
-        _check_optimizer(config, averaged=averaged and bool(self._recording.params()), split=split)
+        _check_optimizer(config, averaged=averaged, split=split, graded=bool(self._recording.params()))
         scaler = config.scaler
         self._amp = amp.ScaleWatch(scaler) if scaler is not None and scaler.is_enabled() else None
         self._ranks = Ranks(reduce=config.reduce_ranks, split=split, lead=parallel.first_of_groups())
@@ -111,11 +112,7 @@ class HookLogger:
         restore = None if self._writer is None else fast_checksum(self._writer, frame)
         # Hooks, tensor hooks and an owned writer go when the logger is closed or collected.
         self._detach = weakref.finalize(self, _detach, self._recording, self._destination, owns_writer, restore)
-        self._outbox = None
-        if self._destination is not None:
-            scaled = self._recording.optimizer_hooks is None  # (see scaling.unscale)
-            write = functools.partial(self._diagnostics.write, self._destination)
-            self._outbox = Outbox(write, param_grads_scaled=scaled)
+        self._outbox = _outbox(self._destination, self._diagnostics, self._recording)
         _warn_if_shared(model, self._destination)
         spiking = (self._recording.handles, self._diagnostics.health, self._destination, self._ranks)
         self._spikes = SpikeLog.of(config, self._watched, self._module_names, *spiking)
@@ -326,15 +323,24 @@ def _model_to_watch(model: object) -> tuple[nn.Module, bool]:
     return inner, averaged
 
 
-def _check_optimizer(config: Options, *, averaged: bool, split: bool) -> None:
-    """``optimizer=`` is required where the gradients of watched parameters are final only when the
-    optimizer steps: averaged over ranks (DDP), or split over them (FSDP2, tensor parallelism)."""
-    if config.optimizer is None and (split or averaged):
+def _check_optimizer(config: Options, *, averaged: bool, split: bool, graded: bool) -> None:
+    """``optimizer=`` is required where the gradients of watched parameters (``graded``: some are
+    logged) are final only when the optimizer steps: averaged over ranks (DDP), or split over them
+    (FSDP2, tensor parallelism)."""
+    if config.optimizer is None and graded and (split or averaged):
         what = "a sharded model" if split else f"a model trained over {rank_and_world()[1]} ranks (DDP)"
         raise HookLoggerError(
             f"got optimizer=None for {what}, whose parameter gradients are final only when the optimizer steps "
             "(DDP averages them during backward): pass optimizer=your_optimizer, or parameters=False"
         )
+
+
+def _outbox(destination: Destination | None, diagnostics: Diagnostics, recording: Recording) -> Outbox | None:
+    """Where logged steps go once copied to the host: diagnosed and written to ``destination``."""
+    if destination is None:
+        return None
+    scaled = recording.optimizer_hooks is None  # (see scaling.unscale)
+    return Outbox(functools.partial(diagnostics.write, destination), param_grads_scaled=scaled)
 
 
 def _open_writer(config: Options, rank: int) -> tuple[SummaryWriter | None, bool]:
@@ -357,6 +363,36 @@ def _select(model: nn.Module, config: Options) -> tuple[dict[str, nn.Module], di
             "add them to modules= as well"
         )
     return selected, mapped
+
+
+def _check_compiled_parts(model: nn.Module, selected: dict[str, nn.Module], *, tensor_parallel: bool) -> None:
+    """Refuse watched modules inside a compiled submodule (``torch.compile`` per block) whose
+    compiled code already ran (it ignores hooks added since, so their tags would be missing), or
+    in a tensor-parallel model (compiled hooks record plain tensors as whole, pieces or not)."""
+    for name, _, part in named_modules(model):
+        if part is model or not is_compiled(part):
+            continue
+        ran = compiled_code_ran(part)
+        if not (ran or tensor_parallel):
+            continue
+        inside = {id(m) for m in part.modules()}
+        watched = [n for n, m in selected.items() if id(m) in inside]
+        if not watched:
+            continue
+        listed = ", ".join(map(repr, watched[:3])) + (", ..." if len(watched) > 3 else "")
+        if ran:
+            raise HookLoggerError(
+                f"{name!r} is compiled ({type(part).__name__}) and its compiled code already ran, so hooks added now "
+                f"to the watched modules inside it ({listed}) would be ignored by that code: create the HookLogger "
+                "before the first forward of the compiled modules (compiling them before is fine), or leave them "
+                "out of modules="
+            )
+        raise HookLoggerError(
+            f"{name!r} is compiled ({type(part).__name__}) in a tensor-parallel model: hooks traced into its compiled "
+            f"code cannot tell one rank's piece of a tensor from the whole, so the watched modules inside it "
+            f"({listed}) would be logged over this rank's pieces; watch modules outside the compiled parts, or "
+            "leave them uncompiled for a run that watches them"
+        )
 
 
 def _detach(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .capture.spikes import StepNorms, any_split, check_loss
+from .capture.spikes import StepNorms, any_split, check_loss, whole_loss
 from .diagnostics.spikes import SpikeWatch
 
 if TYPE_CHECKING:
@@ -56,12 +56,13 @@ class SpikeLog:
         """The end of step ``step`` (``loss``: its loss, checked here); whether step ``step + 1``
         is logged in full."""
         check_loss(loss)
+        loss = whole_loss(loss)  # type: ignore[arg-type]  # (checked)
         if self.watch is None:  # a rank that only joins the collectives of sharded norms
             self.norms.drop()
             if (step + 1) % self._every == 0:
                 self.norms.refresh()
             return False
-        self.norms.end_step(step, loss)  # type: ignore[arg-type]  # (checked)
+        self.norms.end_step(step, loss)
         if self._failed:
             return False
         self._judge(step, wait=False)

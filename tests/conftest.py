@@ -147,3 +147,33 @@ def _rank(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def assert_same_run(
+    run: Run, reference: Run, steps: range, roots: tuple[str, ...], *, histograms: bool = True, gradients: float = 1.0
+) -> None:
+    """Every scalar (and histogram) under ``roots`` at ``steps``: the same tags, the same values
+    (output-gradient norms ``gradients`` times the reference's)."""
+    compared = [("scalar", run.scalars, reference.scalars)]
+    if histograms:
+        compared.append(("histogram", run.histograms, reference.histograms))  # type: ignore[arg-type]
+    for kind, ours, theirs in compared:
+        tags = sorted(t for t in theirs if t.startswith(roots))
+        assert tags and sorted(t for t in ours if t.startswith(roots)) == tags, kind
+        for tag in tags:
+            for step in steps:
+                assert (step in ours[tag]) == (step in theirs[tag]), (tag, step)
+                if step not in theirs[tag]:
+                    continue  # (an update ratio of all-zero weights)
+                got, want = ours[tag][step], theirs[tag][step]
+                if kind == "scalar":
+                    scale = gradients if tag.startswith("gradient/norm/") else 1.0
+                    assert got == pytest.approx(want * scale, rel=1e-4, abs=1e-7), (tag, step)
+                else:
+                    # Extremes as exact as float32 sums in another order allow. The smallest gradient
+                    # magnitude (gradient_log10's min) is a near-cancellation of larger terms, whose
+                    # rounding error is of the order of those terms: not compared.
+                    assert got.num == want.num, (tag, step)  # type: ignore[attr-defined]
+                    assert got.max == pytest.approx(want.max, rel=1e-5, abs=1e-7), (tag, step)  # type: ignore[attr-defined]
+                    if not tag.startswith("gradient_log10/"):
+                        assert got.min == pytest.approx(want.min, rel=1e-5, abs=1e-7), (tag, step)  # type: ignore[attr-defined]

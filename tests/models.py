@@ -87,3 +87,118 @@ def lightning_trainer(tmp_path: object, callbacks: list[object], **args: object)
         callbacks=callbacks,
         **{"max_epochs": 1, "log_every_n_steps": 1, **args},
     )
+
+
+class _Attention(nn.Module):
+    """torchtitan's attention: query, key, value and output projections around SDPA, the heads
+    rotated by a table that ``Llama`` passes in (``-1`` heads: this rank's, under tensor parallelism)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (f(x).view(b, s, -1, self.head_dim) for f in (self.wq, self.wk, self.wv))
+        q, k = q * freqs[:, None], k * freqs[:, None]
+        out = nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # type: ignore[no-any-return]
+
+
+class _FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))  # type: ignore[no-any-return]
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.attention, self.feed_forward = _Attention(dim, heads), _FeedForward(dim, 2 * dim)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs)
+        return h + self.feed_forward(self.ffn_norm(h))  # type: ignore[no-any-return]
+
+
+class _Head(nn.Module):
+    """The final norm and the output projection: a parent that takes the sequence piece of each
+    rank and returns the whole logits under torchtitan's plan."""
+
+    def __init__(self, dim: int, vocab: int) -> None:
+        super().__init__()
+        self.norm, self.output = nn.RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(h))  # type: ignore[no-any-return]
+
+
+class Llama(nn.Module):
+    """A tiny Llama laid out as torchtitan's (``tok_embeddings``, ``layers`` of blocks with
+    ``attention_norm``, ``attention.wq`` ... ``ffn_norm``, ``feed_forward.w1`` ...), the final norm
+    and output projection inside ``head``; float64, seeded."""
+
+    def __init__(self, *, dim: int = 16, heads: int = 4, layers: int = 2, vocab: int = 32, seq: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleDict({str(i): _Block(dim, heads) for i in range(layers)})
+        self.head = _Head(dim, vocab)
+        angles = torch.arange(seq)[:, None] * torch.linspace(0.1, 1.0, dim // heads)
+        self.register_buffer("freqs", angles.cos() + 1.5, persistent=False)
+        self.double()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs)
+        return self.head(h)  # type: ignore[no-any-return]
+
+
+def parallelize_llama(model: Llama, mesh: object, *, loss_parallel: bool = False) -> Llama:
+    """torchtitan's tensor- and sequence-parallel plan (``parallelize_llama``'s ``apply_tp``):
+    a ``RowwiseParallel`` embedding into sequence pieces, ``SequenceParallel`` norms,
+    ``PrepareModuleInput`` gathering the sequence for attention and feed-forward, a
+    ``ColwiseParallel`` output of whole logits (or, with ``loss_parallel``, of vocabulary pieces
+    as a ``DTensor``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    top = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "head.norm": SequenceParallel(),
+        "head.output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    parallelize_module(model, mesh, top)  # type: ignore[arg-type]
+    for block in model.layers.values():
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        parallelize_module(block, mesh, plan)  # type: ignore[arg-type]
+    return model

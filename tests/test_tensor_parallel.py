@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import Run, read_images, read_run, spawn_ranks
+from conftest import assert_same_run, read_images, read_run, spawn_ranks
 from models import mlp
 from torch import nn
 
@@ -80,36 +80,6 @@ def _fsdp_and_tensor_parallel(rank: int, root: str) -> None:
         _train(model, f"{root}/2d_{reduce}", lambda step: [_batch(replica, step)], reduce_ranks=reduce)
 
 
-def _assert_same(
-    run: Run, reference: Run, steps: range, roots: tuple[str, ...], *, histograms: bool = True, gradients: float = 1.0
-) -> None:
-    """Every scalar (and histogram) under ``roots`` at ``steps``: the same tags, the same values
-    (output-gradient norms ``gradients`` times the reference's)."""
-    compared = [("scalar", run.scalars, reference.scalars)]
-    if histograms:
-        compared.append(("histogram", run.histograms, reference.histograms))  # type: ignore[arg-type]
-    for kind, ours, theirs in compared:
-        tags = sorted(t for t in theirs if t.startswith(roots))
-        assert tags and sorted(t for t in ours if t.startswith(roots)) == tags, kind
-        for tag in tags:
-            for step in steps:
-                assert (step in ours[tag]) == (step in theirs[tag]), (tag, step)
-                if step not in theirs[tag]:
-                    continue  # (an update ratio of all-zero weights)
-                got, want = ours[tag][step], theirs[tag][step]
-                if kind == "scalar":
-                    scale = gradients if tag.startswith("gradient/norm/") else 1.0
-                    assert got == pytest.approx(want * scale, rel=1e-4, abs=1e-7), (tag, step)
-                else:
-                    # Extremes as exact as float32 sums in another order allow. The smallest gradient
-                    # magnitude (gradient_log10's min) is a near-cancellation of larger terms, whose
-                    # rounding error is of the order of those terms: not compared.
-                    assert got.num == want.num, (tag, step)  # type: ignore[attr-defined]
-                    assert got.max == pytest.approx(want.max, rel=1e-5, abs=1e-7), (tag, step)  # type: ignore[attr-defined]
-                    if not tag.startswith("gradient_log10/"):
-                        assert got.min == pytest.approx(want.min, rel=1e-5, abs=1e-7), (tag, step)  # type: ignore[attr-defined]
-
-
 ACTIVATIONS = ("activation/", "input/", "gradient/", "gradient_log10/")
 PARAMETERS = ("param_grad/", "param/", "step/grad_norm")
 
@@ -119,7 +89,7 @@ def test_tensor_parallel_logs_what_one_process_logs(tmp_path: Path) -> None:
     _train(_model(), str(tmp_path / "one"), lambda step: [_batch(0, step)])
     run = read_run(tmp_path / "tp")
     assert "step/grad_norm" in run.scalars and "activation/dead_frac/1" in run.scalars
-    _assert_same(run, read_run(tmp_path / "one"), range(STEPS), ACTIVATIONS + PARAMETERS)
+    assert_same_run(run, read_run(tmp_path / "one"), range(STEPS), ACTIVATIONS + PARAMETERS)
 
 
 def test_fsdp2_with_tensor_parallel_on_a_2d_mesh(tmp_path: Path) -> None:
@@ -129,12 +99,12 @@ def test_fsdp2_with_tensor_parallel_on_a_2d_mesh(tmp_path: Path) -> None:
     own, pooled = read_run(tmp_path / "2d_False"), read_run(tmp_path / "2d_True")
     # Parameters: the gradient averaged over both data-parallel replicas, as one process on both batches.
     for run in (own, pooled):
-        _assert_same(run, both, range(STEPS), PARAMETERS)
+        assert_same_run(run, both, range(STEPS), PARAMETERS)
     # Activations: the writing rank's batch; with reduce_ranks=True the scalars pool both (histograms
     # stay the writing rank's). Each replica's output gradients are those of its own loss, twice
     # those of the averaged loss.
-    _assert_same(own, first, range(1), ACTIVATIONS)
-    _assert_same(pooled, both, range(STEPS), ACTIVATIONS, histograms=False, gradients=2.0)
+    assert_same_run(own, first, range(1), ACTIVATIONS)
+    assert_same_run(pooled, both, range(STEPS), ACTIVATIONS, histograms=False, gradients=2.0)
 
 
 def _one_process(log_dir: Path, batches: Callable[[int], list[torch.Tensor]]) -> Path:
@@ -196,7 +166,7 @@ def test_sequence_parallel_logs_what_one_process_logs(tmp_path: Path) -> None:
     for watched in (WATCHED[:4], ["3"]):
         _train_sequence(_norm_model(), str(tmp_path / f"one{len(watched)}"), lambda x: x, watched)
         run, one = read_run(tmp_path / f"sp{len(watched)}"), read_run(tmp_path / f"one{len(watched)}")
-        _assert_same(run, one, range(STEPS), roots)
+        assert_same_run(run, one, range(STEPS), roots)
 
 
 def _context_parallel(rank: int, root: str) -> None:
@@ -297,7 +267,7 @@ def test_attention_heads_split_over_ranks_are_those_of_one_process(tmp_path: Pat
     spawn_ranks(_parallel_attention, tmp_path, 2)
     _train_attention(_Attention(), str(tmp_path / "one"))
     run, one = read_run(tmp_path / "attention"), read_run(tmp_path / "one")
-    _assert_same(run, one, range(STEPS), ("attention/",), histograms=False)
+    assert_same_run(run, one, range(STEPS), ("attention/",), histograms=False)
     for picture in ("health/attention_max_logit", "health/attention_entropy"):  # every head, in order
         ours, theirs = read_images(tmp_path / "attention", picture), read_images(tmp_path / "one", picture)
         for step in range(STEPS):

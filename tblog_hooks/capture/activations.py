@@ -76,7 +76,7 @@ class ActivationRecorder:
             tensors = loggable_leaves(output)
             if not tensors:
                 return None
-            pieces = self._pieces(module, args, tensors, units, mode)
+            pieces = self._pieces(module, tensors, units, mode)
             with torch.no_grad():
                 if name in self.feature_maps and name not in self._mapped:
                     self._add_feature_map(mode, name, [t for t, _ in pieces])
@@ -139,12 +139,12 @@ class ActivationRecorder:
         return True
 
     def _pieces(
-        self, module: nn.Module, args: object, tensors: list[Tensor], units: int, mode: Mode
+        self, module: nn.Module, tensors: list[Tensor], units: int, mode: Mode
     ) -> list[tuple[Tensor, Split | None]]:
         """The outputs as this rank's pieces, each with how it is split over ranks (``None``: whole)."""
         if mode.compiled:
             return [(t, None) for t in tensors]
-        return [(t, along_units(split, units, t.dim())) for t, split in self.parallel.outputs(module, args, tensors)]
+        return [(t, along_units(split, units, t.dim())) for t, split in self.parallel.outputs(module, tensors)]
 
     def _remember(self, mode: Mode, t: Tensor, values: Mapping[str, Tensor]) -> None:
         """Keep the finite count of an output for the next module's pre-hook, should its input

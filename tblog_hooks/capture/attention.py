@@ -31,7 +31,7 @@ from ..stats.kinds import ATTENTION
 from ..stats.packing import Record
 from ..topology.parallel import TensorParallel
 from .hooks import _Hook
-from .selection import ROOT_NAME, Selector, select_modules
+from .selection import ROOT_NAME, Selector, named_modules, select_modules
 from .step import Part, StepBuffer
 
 _SDPA = F.scaled_dot_product_attention
@@ -52,7 +52,7 @@ class AttentionRecorder:
     ) -> None:
         self.buffer, self.eval_passes, self.parallel = buffer, eval_passes, parallel
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-        for name, module in model.named_modules():
+        for name, _, module in named_modules(model):
             self._names.setdefault(module, name or ROOT_NAME)
         self._covered: frozenset[str] | None = None  # None: every module
         if selectors is not True:

@@ -84,6 +84,8 @@ class Recording:
 
     def attach(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
         """Register the module hooks (and the optimizer hooks, with ``optimizer=``)."""
+        for handle in self.parallel.follow(model):
+            self.handles.add(handle)
         for name, module in modules.items():
             self.activations.units[name] = units_dim(module)
             self.handles.add(module.register_forward_pre_hook(ForwardPreHook(self.activations, name), with_kwargs=True))

@@ -1,7 +1,10 @@
 """Select the submodules to watch: by exact name, glob, module instance, type or predicate.
 
 Selectors are resolved once, at construction; every selector that matches nothing
-is reported in one error together with the closest real module names.
+is reported in one error together with the closest real module names. Modules are named as the
+model's ``state_dict()`` names them, without the attributes of wrappers (``checkpoint_wrapper``,
+FSDP1, ``torch.compile``'s ``OptimizedModule``, anywhere in the tree): a wrapper and the module
+it wraps are one module of that name, the wrapped one; a name with those attributes selects too.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Union
 from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 
+from .._compat import WRAPPED_MODULE_ATTRIBUTES
 from ..errors import HookLoggerError
 
 #: One way to pick modules: a dotted name from ``model.named_modules()`` (``"root"`` for the
@@ -50,7 +54,7 @@ def select_modules(model: nn.Module, selectors: Selector | Sequence[Selector] | 
     for rule in rules:
         _check_rule(rule)
 
-    named = [(name, module) for name, module in model.named_modules()]
+    named = named_modules(model)
     matched: set[int] = set()
     unmatched: list[Selector] = []
     for rule in rules:
@@ -59,20 +63,37 @@ def select_modules(model: nn.Module, selectors: Selector | Sequence[Selector] | 
             unmatched.append(rule)
         matched |= hits
     if unmatched:
-        raise HookLoggerError(_unmatched_message(unmatched, [name for name, _ in named]))
+        raise HookLoggerError(_unmatched_message(unmatched, [name for name, _, _ in named]))
     if not matched:
         raise HookLoggerError(
             "modules= selected no module of the model; pass names from "
             "model.named_modules(), glob patterns, modules of the model, nn.Module subclasses or predicates"
             + ("" if selectors is not None else " (the default picks leaf modules that own parameters)")
         )
-    selected = {(named[i][0] or ROOT_NAME): named[i][1] for i in sorted(matched)}
-    if len(selected) < len(matched):
-        raise HookLoggerError(
-            f"modules= selects both the model itself (shown as {ROOT_NAME!r}) and its submodule named "
-            f"{ROOT_NAME!r}, whose tags would be the same; select only one of them"
-        )
-    return selected
+    selected: dict[str, tuple[str, nn.Module]] = {}  # display name -> (name, module)
+    for i in sorted(matched):  # (a wrapped module comes after its wrapper, of the same name: it is kept)
+        name, _, module = named[i]
+        display = name or ROOT_NAME
+        if display in selected and selected[display][0] != name:
+            raise HookLoggerError(
+                f"modules= selects both the model itself (shown as {ROOT_NAME!r}) and its submodule named "
+                f"{ROOT_NAME!r}, whose tags would be the same; select only one of them"
+            )
+        selected[display] = (name, module)
+    return {display: module for display, (_, module) in selected.items()}
+
+
+def named_modules(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
+    """``(name, name in named_modules(), module)`` of every module of ``model``, in model order;
+    ``name`` leaves wrappers' attributes out (``WRAPPED_MODULE_ATTRIBUTES``), as ``state_dict()`` does."""
+    return [(user_name(raw), raw, module) for raw, module in model.named_modules()]
+
+
+def user_name(name: str) -> str:
+    """``name`` without the attributes under which wrappers hold the module they wrap."""
+    if not any(attribute in name for attribute in WRAPPED_MODULE_ATTRIBUTES):
+        return name
+    return ".".join(part for part in name.split(".") if part not in WRAPPED_MODULE_ATTRIBUTES)
 
 
 def _is_predicate(rule: Selector) -> bool:
@@ -93,29 +114,33 @@ def _check_rule(rule: object) -> None:
     )
 
 
-def _hits(rule: Selector, named: list[tuple[str, nn.Module]]) -> set[int]:
+def _hits(rule: Selector, named: list[tuple[str, str, nn.Module]]) -> set[int]:
     """Indices into ``named`` that ``rule`` selects. A string is an exact name first (so names
     holding ``*?[`` select themselves, and ``"root"`` the model unless a submodule has that
-    name), else a glob pattern."""
+    name), with or without wrappers' attributes, else a glob pattern over either."""
     if isinstance(rule, str):
-        exact = {i for i, (name, _) in enumerate(named) if name == rule} or {
-            i for i, (name, _) in enumerate(named) if rule == ROOT_NAME and name == ""
+        exact = {i for i, (name, raw, _) in enumerate(named) if rule in (name, raw)} or {
+            i for i, (name, _, _) in enumerate(named) if rule == ROOT_NAME and name == ""
         }
         if exact or _GLOB_CHARS.isdisjoint(rule):
             return exact
-        return {i for i, (name, _) in enumerate(named) if fnmatch.fnmatchcase(name, rule)}
+        return {
+            i
+            for i, (name, raw, _) in enumerate(named)
+            if fnmatch.fnmatchcase(name, rule) or fnmatch.fnmatchcase(raw, rule)
+        }
     if isinstance(rule, nn.Module):
-        return {i for i, (_, module) in enumerate(named) if module is rule}
+        return {i for i, (_, _, module) in enumerate(named) if module is rule}
     if isinstance(rule, type):
-        return {i for i, (_, module) in enumerate(named) if isinstance(module, rule)}
-    return {i for i, (name, module) in enumerate(named) if rule(name, module)}
+        return {i for i, (_, _, module) in enumerate(named) if isinstance(module, rule)}
+    return {i for i, (name, _, module) in enumerate(named) if rule(name, module)}
 
 
 def _unmatched_message(unmatched: list[Selector], names: list[str]) -> str:
     lines = ["modules= has selectors that match no module of the model:"]
     for rule in unmatched:
         if isinstance(rule, str):
-            close = difflib.get_close_matches(rule, [n for n in names if n], n=5, cutoff=0.5)
+            close = difflib.get_close_matches(rule, [n for n in dict.fromkeys(names) if n], n=5, cutoff=0.5)
             hint = f"closest names: {', '.join(close)}" if close else "no similar name"
             lines.append(f"  {rule!r} ({hint})")
         elif isinstance(rule, nn.Module):

@@ -10,7 +10,8 @@ host ring of the last ``steps`` steps with one non-blocking copy; a row is read 
 complete: on the CPU at once, on CUDA when its event says so (at a later ``step()``).
 
 FSDP2 (and tensor-parallel) gradients are ``DTensor`` pieces: their squares are summed over the
-mesh dims each is sharded on (``topology.sharding.Split``), one ``all_reduce`` of ``modules``
+mesh dims each gradient is sharded on (``topology.sharding.Split``; a ``RowwiseParallel``
+embedding's gradient is ``Replicate`` where its parameter is ``Shard(0)``), one ``all_reduce`` of ``modules``
 floats per group of such dims per step, on every rank, in ``step()`` (never in a hook: a rank whose
 hook failed still takes part). Gradients placed ``Partial`` (a sequence-parallel norm's) are left
 out of the per-step norms, said once: only a collective of the whole gradient could add them up.
@@ -91,13 +92,16 @@ class StepNorms:
                     entry = owners.get(id(p))
                     if entry is None or not loggable(g := p.grad):
                         continue
+                    slot = entry[0]
                     if entry[2]:  # (no DTensor check per plain parameter and step)
                         if is_partial(g):
                             partial.append(p)
                             continue
+                        if g.placements != p.placements:  # (a RowwiseParallel embedding's: Replicate)
+                            slot = self._placed_as(g, slot)
                         g = g.to_local()
                     grads.append(g)
-                    slots.append(entry[0])
+                    slots.append(slot)
             if partial:
                 self._say_partial(partial)
             if grads:
@@ -170,6 +174,20 @@ class StepNorms:
         self._owners = owners
         self._indices.clear()
         return owners
+
+    def _placed_as(self, grad: Tensor, slot: int) -> int:
+        """The slot of a gradient placed otherwise than its parameter: its squares are summed
+        over the mesh dims the gradient is sharded on. Raises ``ValueError`` for dims no watched
+        parameter is sharded on (the ranks' collectives are fixed when the parameters are looked up)."""
+        split = local(grad)[1]
+        module = slot % len(self.modules)
+        if split is None:
+            return module
+        if split.key not in self._group_sets:
+            raise ValueError(
+                f"a gradient is sharded on mesh dims {split.dims}, which no watched parameter is sharded on"
+            )
+        return (1 + list(self._group_sets).index(split.key)) * len(self.modules) + module
 
     def _squares(self, grads: list[Tensor], slots: tuple[int, ...], scale: Tensor | None) -> Tensor:
         """Per-module sums of the squared gradient norms (over the shard groups too), on the device."""
@@ -263,3 +281,9 @@ def check_loss(loss: object) -> None:
         raise HookLoggerError(
             f"step(loss=...) takes the step's loss as a one-element floating-point tensor (or a number), got {what}"
         )
+
+
+def whole_loss(loss: Tensor | float | None) -> Tensor | float | None:
+    """The loss as one process has it: a ``DTensor`` loss (loss parallelism's, ``Replicate``) as its
+    full value; called on every rank at its ``step()``, since a ``Partial`` one's takes a collective."""
+    return loss.full_tensor() if is_dtensor(loss) else loss

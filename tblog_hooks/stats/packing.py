@@ -127,12 +127,22 @@ def pooled(entries: Iterable[Entry], values: np.ndarray) -> dict[tuple[Kind, str
             rows = [r[f.name] for r in read]
             if f.per_unit and any(e.part is not None for e in group):
                 fields[f.name] = _side_by_side(f, rows, [e.part or 0 for e in group])
-            elif len({row.size for row in rows}) > 1:  # calls with other channel counts: channels side by side
-                fields[f.name] = np.concatenate(rows)
+            elif len({row.size for row in rows}) > 1:  # tensors of other channel counts: channels side by side
+                fields[f.name] = _by_size(f, rows, counts)
             else:
                 fields[f.name] = f.pool.combine(np.stack(rows), counts)
         out[(kind, name)] = (fields, int(counts.sum()))
     return out
+
+
+def _by_size(f: Field, rows: list[np.ndarray], counts: np.ndarray) -> np.ndarray:
+    """A per-unit field of tensors with other unit counts (a block's input and its table of
+    angles): those of one count pooled, as the pieces or calls of one tensor; the counts side by
+    side, in first-seen order."""
+    sizes: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        sizes.setdefault(row.size, []).append(i)
+    return np.concatenate([f.pool.combine(np.stack([rows[i] for i in at]), counts[at]) for at in sizes.values()])
 
 
 def _side_by_side(f: Field, rows: list[np.ndarray], parts: list[int]) -> np.ndarray:

@@ -3,22 +3,30 @@ split over ranks, so that its statistics are combined with the other pieces' (``
 
 A ``DTensor`` says so itself. A module that ``parallelize_module`` gave a style returns, by
 default, a plain local tensor (``use_local_output=True``): its placements are the style's
-(``_compat.parallel_output``). Modules called on such a piece (an activation after a
-``ColwiseParallel`` layer) return pieces too: no collective ran in between. Pieces are known by
-identity, for the logged step only.
+(``_compat.parallel_output``), and ``PrepareModuleInput`` says how the input it hands a forward
+is placed (``_compat.prepared_input``). Between two of those boundaries no collective runs, so
+the data flowing through a module that has no style is placed as the latest boundary left it: a
+module's output as the latest style that returned within or before its call (the block's last
+``RowwiseParallel`` projection, the head's ``ColwiseParallel`` output of whole logits), its input
+as the latest boundary before its call. Which modules are watched changes nothing: the
+boundaries are followed on every logged step by hooks of their own (:meth:`TensorParallel.follow`).
+A tensor of another shape and size than the latest boundary's data (a table of rotary angles,
+a mask) is whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
-from .._compat import context_parallel, parallel_output, tree_flatten
+from .._compat import context_parallel, parallel_output, prepared_input, tree_flatten
 from .sharding import Split, is_dtensor, local, placed
 
 if TYPE_CHECKING:
@@ -40,32 +48,64 @@ UNKNOWN_STYLE = (
 
 
 class TensorParallel:
-    """The tensor-parallel styles of a model's modules, and the pieces seen in a logged step."""
+    """The tensor-parallel styles of a model's modules, and how the data of a logged step is placed."""
 
     def __init__(self, model: nn.Module) -> None:
         self._model = weakref.ref(model)
         self._styles: dict[int, tuple[DeviceMesh, tuple[Placement, ...] | None]] = {}  # id(module) -> its style
-        self._pieces: dict[int, tuple[weakref.ref[Tensor], Split]] = {}
+        self._prepared: dict[int, tuple[DeviceMesh, Placement]] = {}  # id(module) -> its prepared input
+        #: How the data the latest boundary left is placed, and its local shape; an error where
+        #: that cannot be told; ``None``: whole (no boundary yet in this forward).
+        self._flow: tuple[Split | None, torch.Size] | ValueError | None = None
+        self._following = False
+
+    def look_up(self) -> None:
+        """Look the styles up (modules parallelized after attaching count)."""
+        model = self._model()
+        modules = [] if model is None else list(model.modules())
+        self._styles = {id(m): style for m in modules if (style := parallel_output(m)) is not None}
+        self._prepared = {id(m): prepared for m in modules if (prepared := prepared_input(m)) is not None}
 
     def begin(self) -> None:
-        """A logged step begins: look the styles up (modules parallelized after attaching count)."""
-        model = self._model()
-        modules = [] if model is None else model.modules()
-        self._styles = {id(m): style for m in modules if (style := parallel_output(m)) is not None}
+        """A logged step begins: look the styles up, follow the data from the model's input on."""
+        self.look_up()
+        self._flow, self._following = None, True
 
     def end(self) -> None:
-        """A logged step ended: forget its pieces."""
-        self._pieces.clear()
+        """A logged step ended: stop following the data."""
+        self._flow, self._following = None, False
+
+    def follow(self, model: nn.Module) -> list[RemovableHandle]:
+        """Hooks that follow how the data is placed during logged steps: on ``model`` (its input
+        is whole), on each module with a style (what it returns) and on each that
+        ``PrepareModuleInput`` prepares (what its forward is handed). Registered before the
+        recording hooks, so that a module's own boundary is followed before it is recorded. None
+        for a model without styles."""
+        self.look_up()
+        if not self.styled:
+            return []
+        handles = [model.register_forward_pre_hook(self._enter_model)]
+        for module in model.modules():
+            if id(module) in self._prepared:
+                handles.append(module.register_forward_pre_hook(self._enter_prepared))
+            if id(module) in self._styles:
+                handles.append(module.register_forward_hook(self._leave_styled))
+        return handles
+
+    @property
+    def styled(self) -> bool:
+        """Whether a module has a tensor-parallel style (as of the latest :meth:`look_up`)."""
+        return bool(self._styles or self._prepared)
 
     def holds_split(self) -> bool:
         """Whether the model holds tensors split over ranks: ``DTensor`` parameters (FSDP2, tensor
-        parallelism) or modules with a tensor-parallel style (as of the latest :meth:`begin`)."""
+        parallelism) or modules with a tensor-parallel style (as of the latest :meth:`look_up`)."""
         model = self._model()
         return bool(self._styles) or (model is not None and any(is_dtensor(p) for p in model.parameters()))
 
     def first_of_groups(self) -> bool:
         """Whether this rank is the first of each tensor-parallel group of the styles found at the
-        latest :meth:`begin`: of the ranks of one group, which hold the same unsplit values, its
+        latest :meth:`look_up`: of the ranks of one group, which hold the same unsplit values, its
         values count once."""
         return all(mesh.get_local_rank(d) == 0 for mesh, _ in self._styles.values() for d in range(mesh.ndim))
 
@@ -75,29 +115,26 @@ class TensorParallel:
         (``CONTEXT_PARALLEL``)."""
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and context_parallel()
 
-    def outputs(self, module: nn.Module, args: object, tensors: Sequence[Tensor]) -> list[tuple[Tensor, Split | None]]:
-        """Each output tensor of ``module`` (called on ``args``) as this rank's piece and its split.
-        Raises ``ValueError`` for an output no piece can tell about (``Partial``, an unknown style)."""
+    def outputs(self, module: nn.Module, tensors: Sequence[Tensor]) -> list[tuple[Tensor, Split | None]]:
+        """Each output tensor of ``module`` as this rank's piece and its split. Raises
+        ``ValueError`` for an output no piece can tell about (``Partial``, an unknown style)."""
         style = self._styles.get(id(module))
-        source = None if style is not None else self._piece_among(args)
         out = []
         for t in tensors:
             if is_dtensor(t):
                 out.append(local(t))
-                continue
-            split = None
-            if style is not None:
+            elif style is not None:
                 mesh, placements = style
                 if placements is None:
                     raise ValueError(UNKNOWN_STYLE)
-                split = placed(mesh, placements, t.dim())
-            elif source is not None:  # computed from a piece alone: a piece of the same split
-                same = source[0].shape == t.shape
-                split = source[1] if same else dataclasses.replace(source[1], axis=None)
-            if split is not None:
-                self._pieces[id(t)] = (weakref.ref(t), split)
-            out.append((t, split))
+                out.append((t, placed(mesh, placements, t.dim())))
+            else:
+                out.append((t, self._placed_as_flow(t)))
         return out
+
+    def inputs(self, tensors: Sequence[Tensor]) -> list[tuple[Tensor, Split | None]]:
+        """Each input tensor (of the module whose forward is about to run) as this rank's piece and its split."""
+        return [local(t) if is_dtensor(t) else (t, self._placed_as_flow(t)) for t in tensors]
 
     def heads(self, module: nn.Module) -> Split | None:
         """How the attention heads of ``module`` are split over ranks: by its children whose
@@ -111,21 +148,52 @@ class TensorParallel:
                     return split
         return None
 
-    def inputs(self, tensors: Sequence[Tensor]) -> list[tuple[Tensor, Split | None]]:
-        """Each input tensor as this rank's piece and its split."""
-        return [local(t) if is_dtensor(t) else (t, self._split_of(t)) for t in tensors]
-
-    def _split_of(self, t: Tensor) -> Split | None:
-        known = self._pieces.get(id(t))
-        return known[1] if known is not None and known[0]() is t else None
-
-    def _piece_among(self, args: object) -> tuple[Tensor, Split] | None:
-        if not self._pieces:
+    def _placed_as_flow(self, t: Tensor) -> Split | None:
+        """The split of a plain tensor where the latest boundary left the data: that of the
+        data if ``t`` has its shape; along no known axis if only its size (a view of it, its
+        heads laid out otherwise); else whole."""
+        flow = self._flow
+        if isinstance(flow, ValueError):
+            raise flow
+        if flow is None or flow[0] is None or t.numel() != flow[1].numel():
             return None
-        for t in tree_flatten(args)[0]:
-            if isinstance(t, Tensor) and (split := self._split_of(t)) is not None:
-                return t, split
-        return None
+        return flow[0] if t.shape == flow[1] else dataclasses.replace(flow[0], axis=None)
+
+    def _enter_model(self, module: nn.Module, args: object) -> None:
+        if not torch.compiler.is_compiling() and self._following:
+            self._flow = None
+
+    def _enter_prepared(self, module: nn.Module, args: object) -> None:
+        """After ``PrepareModuleInput`` (registered before this hook): the first input as prepared."""
+        if torch.compiler.is_compiling() or not self._following:  # (compiled hooks record whole tensors)
+            return
+        first = next((t for t in tree_flatten(args)[0] if isinstance(t, Tensor)), None)
+        if first is not None:
+            mesh, placement = self._prepared[id(module)]
+            self._flow = self._boundary(first, lambda t: placed(mesh, (placement,), t.dim()))
+
+    def _leave_styled(self, module: nn.Module, args: object, output: object) -> None:
+        if torch.compiler.is_compiling() or not self._following:  # (compiled hooks record whole tensors)
+            return
+        first = next((t for t in tree_flatten(output)[0] if isinstance(t, Tensor)), None)
+        if first is not None:
+            mesh, placements = self._styles[id(module)]
+            self._flow = self._boundary(first, lambda t: placed(mesh, _known(placements), t.dim()))
+
+    @staticmethod
+    def _boundary(t: Tensor, split: Callable[[Tensor], Split | None]) -> tuple[Split | None, torch.Size] | ValueError:
+        """How ``t`` at a boundary is placed (a ``DTensor`` says itself), with its local shape."""
+        try:
+            piece, of = local(t) if is_dtensor(t) else (t, split(t))
+        except ValueError as error:  # (Partial, an unknown style: said by the modules that follow)
+            return ValueError(f"the data it takes follows a module whose output cannot be told about: {error}")
+        return of, piece.shape
+
+
+def _known(placements: tuple[Placement, ...] | None) -> tuple[Placement, ...]:
+    if placements is None:
+        raise ValueError(UNKNOWN_STYLE)
+    return placements
 
 
 def along_units(split: Split | None, units: int, ndim: int) -> Split | None:

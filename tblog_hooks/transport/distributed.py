@@ -87,7 +87,7 @@ class Ranks:
         the logger was created: what it recorded would be this rank's pieces only."""
         if self.world == 1 or self.split:
             return None
-        parallel.begin()  # (styles given since the logged step began count too)
+        parallel.look_up()  # (styles given since the logged step began count too)
         if not parallel.holds_split():
             return None
         return HookLoggerError(
