@@ -91,10 +91,13 @@ class StepBuffer:
         steps of compiled models only."""
         with self._keeping:
             try:
-                self.traced.sink.keep(_copied)
+                kept = self.traced.sink.keep(_copied)
             except Exception as error:  # (a graph's output overwritten already): the step goes without them
                 self.traced.sink.drain()
                 self.fail(COMPILED_RECORDS, error)
+                return
+        for item in kept:  # (the copies are on the stream the backward runs on)
+            self.streams.note(item.sample if isinstance(item, Sample) else item.values[0])
 
     def drain(self) -> tuple[list[Record], list[Sample]]:
         """Everything the hooks recorded this step, in the order they recorded it; empties the buffer."""
@@ -252,16 +255,17 @@ class _Sink(Generic[Item]):
     def append(self, item: Item) -> None:
         self._head = _Link(item, self._head)
 
-    def keep(self, copy: Callable[[list[Item]], list[Item]]) -> None:
-        """Replace the items appended since the last call by their ``copy``."""
+    def keep(self, copy: Callable[[list[Item]], list[Item]]) -> list[Item]:
+        """Replace the items appended since the last call by their ``copy``; returns the copies."""
         links, link = [], self._head
         while link is not self._kept and link.prev is not None:
             links.append(link)
             link = link.prev
-        if links:
-            for link, item in zip(links, copy([link.item for link in links])):  # type: ignore[misc]
-                link.item = item
+        copies = copy([link.item for link in links]) if links else []  # type: ignore[misc]
+        for link, item in zip(links, copies):
+            link.item = item
         self._kept = self._head
+        return copies
 
     def drain(self) -> list[Item]:
         """Everything appended, oldest first; empties the sink."""
