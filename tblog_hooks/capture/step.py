@@ -41,14 +41,13 @@ class Part(enum.Enum):
     ATTENTION = "attention"
     HISTOGRAMS = "histograms"
     MODULE_STATISTICS = "module statistics"
+    #: Copying compiled hooks' records out of their CUDA graph's memory.
+    COMPILED_RECORDS = "compiled hooks' records"
 
 
 Item = TypeVar("Item")
 Recorded = Union[Record, Sample]
 _NO_KINDS: frozenset[str] = frozenset()
-#: The part of the logging (see ``StepBuffer.disabled``) that a failure to bin a step's histograms stops.
-#: What a failure to copy compiled hooks' records out of their graph's memory is reported as.
-COMPILED_RECORDS = "compiled hooks' records"
 
 
 class StepBuffer:
@@ -103,10 +102,13 @@ class StepBuffer:
         steps of compiled models only."""
         with self._keeping:
             try:
-                self.traced.sink.keep(_copied)
+                kept = self.traced.sink.keep(_copied)
             except Exception as error:  # (a graph's output overwritten already): the step goes without them
                 self.traced.sink.drain()
-                self.fail(COMPILED_RECORDS, error)
+                self.fail(Part.COMPILED_RECORDS, error)
+                return
+        for item in kept:  # (the copies are on the stream the backward runs on)
+            self.streams.note(item.sample if isinstance(item, Sample) else item.values[0])
 
     def drain(self) -> tuple[list[Record], list[Sample]]:
         """Everything the hooks recorded this step, in the order they recorded it; empties the buffer."""
@@ -265,16 +267,17 @@ class _Sink(Generic[Item]):
     def append(self, item: Item) -> None:
         self._head = _Link(item, self._head)
 
-    def keep(self, copy: Callable[[list[Item]], list[Item]]) -> None:
-        """Replace the items appended since the last call by their ``copy``."""
+    def keep(self, copy: Callable[[list[Item]], list[Item]]) -> list[Item]:
+        """Replace the items appended since the last call by their ``copy``; returns the copies."""
         links, link = [], self._head
         while link is not self._kept and link.prev is not None:
             links.append(link)
             link = link.prev
-        if links:
-            for link, item in zip(links, copy([link.item for link in links])):  # type: ignore[misc]
-                link.item = item
+        copies = copy([link.item for link in links]) if links else []  # type: ignore[misc]
+        for link, item in zip(links, copies):
+            link.item = item
         self._kept = self._head
+        return copies
 
     def drain(self) -> list[Item]:
         """Everything appended, oldest first; empties the sink."""
