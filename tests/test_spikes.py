@@ -320,7 +320,10 @@ def test_spikes_off_by_default_writes_no_series(tmp_path) -> None:
 
 
 # -- framework callbacks -----------------------------------------------------------------------------
-def test_lightning_callback_passes_each_steps_loss(tmp_path) -> None:
+@pytest.mark.parametrize("accumulate", [1, 2, 3])
+def test_lightning_callback_passes_each_steps_loss(tmp_path, accumulate: int) -> None:
+    """The step's loss is the training_step loss (the mean over its micro-batches under accumulation:
+    Lightning hands on each divided by accumulate_grad_batches)."""
     pl = pytest.importorskip("lightning.pytorch")
     from models import lightning_trainer
 
@@ -342,18 +345,23 @@ def test_lightning_callback_passes_each_steps_loss(tmp_path) -> None:
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
     data = torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 1))
-    trainer = lightning_trainer(tmp_path, [HookLoggerCallback(spikes=True, every=4)])
+    callback = HookLoggerCallback(spikes=True, every=4)
+    trainer = lightning_trainer(tmp_path, [callback], accumulate_grad_batches=accumulate)
     trainer.fit(Net(), torch.utils.data.DataLoader(data, batch_size=2))
     run = read_run(trainer.logger.log_dir)
-    assert run.scalars["step/loss"] == pytest.approx(dict(enumerate(losses)), rel=1e-6)
-    assert sorted(run.scalars["step/grad_norm"]) == list(range(12))
+    steps = 12 // accumulate
+    means = {s: sum(losses[s * accumulate : (s + 1) * accumulate]) / accumulate for s in range(steps)}
+    assert run.scalars["step/loss"] == pytest.approx(means, rel=1e-6)
+    assert sorted(run.scalars["step/grad_norm"]) == list(range(steps))
 
 
-def test_transformers_callback_passes_each_steps_loss(tmp_path) -> None:
+@pytest.mark.parametrize(("accumulate", "loss_keywords"), [(1, False), (2, False), (3, True)])
+def test_transformers_callback_passes_the_trainers_own_loss(tmp_path, accumulate: int, loss_keywords: bool) -> None:
+    """step/loss is the Trainer's own train/loss (logging_steps=1), under gradient accumulation too:
+    the Trainer divides a model's loss by the micro-batches, unless the model takes loss keywords and
+    divides by the step's num_items_in_batch."""
     transformers = pytest.importorskip("transformers")
     from tblog_hooks.integrations.transformers import HookLoggerCallback
-
-    losses: list[float] = []
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -361,10 +369,13 @@ def test_transformers_callback_passes_each_steps_loss(tmp_path) -> None:
             self.net = mlp(4, 8, 1, act=nn.ReLU, seed=0)
 
         def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-            loss = (self.net(x) - labels).pow(2).mean()
-            if self.training:
-                losses.append(loss.item())
-            return {"loss": loss}
+            return {"loss": (self.net(x) - labels).pow(2).mean()}
+
+    class PerItem(Net):
+        def forward(self, x: torch.Tensor, labels: torch.Tensor, **kwargs: object) -> dict[str, torch.Tensor]:
+            items = kwargs.get("num_items_in_batch")
+            assert items is not None  # (the Trainer passes it to a model taking loss keywords)
+            return {"loss": (self.net(x) - labels).pow(2).sum() / items}
 
     class Samples(torch.utils.data.Dataset):
         def __init__(self) -> None:
@@ -379,14 +390,17 @@ def test_transformers_callback_passes_each_steps_loss(tmp_path) -> None:
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=2, num_train_epochs=1, learning_rate=0.05,
         save_strategy="no", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, report_to=["tensorboard"],
-        logging_steps=4,
+        logging_steps=1, gradient_accumulation_steps=accumulate,
     )  # fmt: skip
-    callback = HookLoggerCallback(spikes=True)
-    transformers.Trainer(model=Net(), args=args, train_dataset=Samples(), callbacks=[callback]).train()
+    callback = HookLoggerCallback(spikes=True, every=4)
+    model = PerItem() if loss_keywords else Net()
+    transformers.Trainer(model=model, args=args, train_dataset=Samples(), callbacks=[callback]).train()
     (run_dir,) = (tmp_path / "runs").iterdir()
     run = read_run(run_dir)
-    # The Trainer shows its optimizer steps at 1..12, as the callback does.
-    assert run.scalars["step/loss"] == pytest.approx({i + 1: v for i, v in enumerate(losses)}, rel=1e-6)
+    # The Trainer shows its optimizer steps at 1..steps, as the callback does.
+    own = run.scalars["train/loss"]
+    assert sorted(own) == list(range(1, 12 // accumulate + 1))
+    assert run.scalars["step/loss"] == pytest.approx(own, rel=1e-5)
     assert callback.hooks is None  # closed, its loss hook removed
 
 
