@@ -102,6 +102,73 @@ def test_report_lists_the_spikes_and_fails_on_them(tmp_path, capsys) -> None:
     assert "spike" not in capsys.readouterr().out
 
 
+def _nonfinite_run(log_dir: Path, *, at: int, inject: str, steps: int = 80, fused_scaler: bool = False) -> list:
+    """An MLP trained with AdamW (no GradScaler unless ``fused_scaler``); at step ``at``, an Inf in
+    the gradient of one weight (``inject="param"``: module 4's) or in the gradient flowing back into
+    module 4's output (``"backward"``: modules 4, 2 and 0 get non-finite gradients)."""
+    model = mlp(16, 32, 32, 32, 4, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=fused_scaler or None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0) if fused_scaler else None
+    with HookLogger(model, log_dir=log_dir, every=50, optimizer=opt, spikes=True, scaler=scaler) as hooks:
+        for step in range(steps):
+            x, y = _teacher()
+            out = model[:5](x)
+            if step == at and inject == "backward":
+                out.register_hook(lambda g: g * math.inf)
+            loss = nn.functional.cross_entropy(model[5:](out), y)
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            if step == at and inject == "param":
+                model[4].weight.grad[0, 0] = math.inf
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+            hooks.step(loss=loss)
+        return hooks.findings
+
+
+@pytest.mark.parametrize(("inject", "first"), [("param", "4"), ("backward", "0")])
+def test_nonfinite_gradient_between_logged_steps_is_found_at_its_step(
+    tmp_path, capsys, inject: str, first: str
+) -> None:
+    """No GradScaler: the Inf reaches the weights, which are NaN from then on. ``nonfinite`` starts at
+    the step of the Inf, naming the first module in forward order whose gradient is not finite; every
+    series goes on."""
+    findings = _nonfinite_run(tmp_path, at=37, inject=inject)
+    per_step = [f for f in findings if f.step <= 37]  # (the steps after it are logged in full: NaN outputs)
+    assert [(f.kind, f.step, f.module) for f in per_step] == [("nonfinite", 37, first)]
+    assert not math.isfinite(per_step[0].value)
+    if inject == "backward":
+        assert "(then 2, 4)" in per_step[0].message
+    run = read_run(tmp_path)
+    grad_norm, loss = run.scalars["step/grad_norm"], run.scalars["step/loss"]
+    assert sorted(grad_norm) == sorted(loss) == list(range(80))
+    assert all(math.isfinite(grad_norm[s]) for s in range(37)) and not any(
+        math.isfinite(grad_norm[s]) for s in range(37, 80)
+    )
+    assert math.isfinite(loss[37]) and math.isnan(loss[38])  # (the step after: the weights are NaN)
+    assert not math.isfinite(run.scalars[f"spike/grad_norm/{first}"][37])
+    assert math.isfinite(run.scalars["spike/grad_norm/6"][37])  # (the module after the Inf)
+    # The report replays the series: the same finding, at its step.
+    (loaded,) = report.load_all(tmp_path, "run")
+    replayed = [(f.kind, f.step, f.module, f.message) for f in report.findings(loaded) if f.step <= 37]
+    assert replayed == [(f.kind, f.step, f.module, f.message) for f in per_step]
+    assert main(["report", str(tmp_path), "--fail-on", "nonfinite"]) == 1
+    assert f"step 37: nonfinite [{first}]" in capsys.readouterr().out
+
+
+def test_a_step_the_scaler_skips_is_no_nonfinite_finding(tmp_path) -> None:
+    """A fused optimizer's step runs on the scaler's overflow (and skips itself): its inf gradients
+    are not read, the weights stay finite, nothing is found."""
+    findings = _nonfinite_run(tmp_path, at=37, inject="param", fused_scaler=True)
+    assert [f for f in findings if f.kind in (*SPIKE_KINDS, "nonfinite")] == []
+    grad_norm = read_run(tmp_path).scalars["step/grad_norm"]
+    assert sorted(grad_norm) == [s for s in range(80) if s != 37]
+    assert all(math.isfinite(v) for v in grad_norm.values())
+
+
 def test_loss_spike_without_optimizer_given(tmp_path) -> None:
     """The pre-hook fires for every torch.optim optimizer: norms are read without optimizer= too."""
     model = mlp(16, 32, 4, seed=0)

@@ -7,7 +7,9 @@ norms of the watched parameters' gradients that optimizer steps in one multi-ten
 adds their squares up per watched module on the device (a fixed handful of ops, whatever the
 number of parameters). At ``step()`` the per-module squares, their total and the loss go to a
 host ring of the last ``steps`` steps with one non-blocking copy; a row is read once its copy is
-complete: on the CPU at once, on CUDA when its event says so (at a later ``step()``).
+complete: on the CPU at once, on CUDA when its event says so (at a later ``step()``). A step whose
+gradients were not read (no optimizer stepped, or a fused optimizer's step the ``GradScaler``
+skipped) has negative squares, :data:`NOT_READ`; non-finite ones are the gradients' own.
 
 FSDP2 (and tensor-parallel) gradients are ``DTensor`` pieces: their squares are summed over the
 mesh dims each is sharded on (``transport.sharding.Split``), one ``all_reduce`` of ``modules``
@@ -37,6 +39,8 @@ from ..transport.sharding import is_dtensor, is_partial, local
 from .watched import Watched
 
 Groups = tuple[dist.ProcessGroup, ...]
+#: The squares of a step whose gradients were not read (squares are never negative).
+NOT_READ = -1.0
 
 
 class StepNorms:
@@ -55,8 +59,9 @@ class StepNorms:
         self._device = torch.device("cpu")  # of the squares
         self._after: set[int] = set()  # optimizers stepping with a closure: read after their step
         self._host: Tensor | None = None  # [steps, modules + 1] float32, pinned on CUDA
-        self._pending: deque[tuple[int, int, torch.cuda.Event | None]] = deque()  # (step, row, copy done)
-        self._done: list[tuple[int, np.ndarray]] = []
+        # (step, row, copy done, whether a loss was given)
+        self._pending: deque[tuple[int, int, torch.cuda.Event | None, bool]] = deque()
+        self._done: list[tuple[int, np.ndarray, bool]] = []
         self._next_row = 0
         self.failed = False
         self._partial_warned = False
@@ -100,7 +105,11 @@ class StepNorms:
             if partial:
                 self._say_partial(partial)
             if grads:
-                self._stepped[id(optimizer)] = self._squares(grads, tuple(slots), amp.grad_scale(optimizer))
+                scale = amp.grad_scale(optimizer)
+                squares = self._squares(grads, tuple(slots), scale)
+                if scale is not None:  # a step the scaler skips runs (on inf gradients): not read
+                    squares = squares.where(optimizer.found_inf.to(squares.device) == 0, NOT_READ)  # type: ignore[attr-defined]
+                self._stepped[id(optimizer)] = squares
         except Exception as error:  # the logger must never stop training
             self._fail(error)
 
@@ -141,9 +150,10 @@ class StepNorms:
             return None
         return None if self.failed or not stepped else rows.sum(0)
 
-    def take(self, *, wait: bool) -> list[tuple[int, np.ndarray]]:
-        """Rows whose copy is complete, in step order (with ``wait``: all), as ``(step, row)``:
-        ``[squared norm per module..., loss]``, NaN where not measured."""
+    def take(self, *, wait: bool) -> list[tuple[int, np.ndarray, bool]]:
+        """Rows whose copy is complete, in step order (with ``wait``: all), as ``(step, row, loss
+        given)``: ``[squared norm per module..., loss]``, :data:`NOT_READ` squares where the step's
+        gradients were not read, a NaN loss where none was given."""
         while self._pending and (wait or self._pending[0][2] is None or self._pending[0][2].query()):
             self._read_oldest()
         done, self._done = self._done, []
@@ -200,19 +210,19 @@ class StepNorms:
             elif sums is not None:
                 host[:-1].copy_(sums, non_blocking=True)
             else:
-                host[:-1] = float("nan")
+                host[:-1] = NOT_READ
             if isinstance(loss, Tensor) and (sums is None or loss.device != sums.device):
                 host[-1:].copy_(loss.reshape(1), non_blocking=True)
             elif not isinstance(loss, Tensor):
                 host[-1] = float("nan") if loss is None else float(loss)
         event = _event(sums if sums is not None else loss)
-        self._pending.append((step, row, event))
+        self._pending.append((step, row, event, loss is not None))
 
     def _read_oldest(self) -> None:
-        step, row, event = self._pending.popleft()
+        step, row, event, given = self._pending.popleft()
         if event is not None:
             event.synchronize()
-        self._done.append((step, self._host[row].numpy().copy()))  # type: ignore[index]
+        self._done.append((step, self._host[row].numpy().copy(), given))  # type: ignore[index]
 
     def _say_partial(self, partial: list[Tensor]) -> None:
         if self._partial_warned:

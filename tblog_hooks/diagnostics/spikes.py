@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -158,6 +158,22 @@ def gradient_finding(step: int, norm: float, ratio: float, median: float, rises:
     return Finding(FindingKind.GRADIENT_SPIKE.value, module, step, ratio, message)
 
 
+def nonfinite_finding(step: int, norm: float, norms: Mapping[str, float], order: Sequence[str]) -> Finding:
+    """The ``nonfinite`` finding of a step whose gradient norm is not finite: it names the first
+    module in forward order (``order``) whose own gradient norm is not, and the others."""
+    bad = [m for m in order if m in norms and not math.isfinite(norms[m])]
+    bad += sorted(m for m, v in norms.items() if not math.isfinite(v) and m not in bad)
+    module = bad[0] if bad else ""
+    message = f"the gradient norm is {norm:.3g} (not finite)"
+    if bad:
+        others = ", ".join(bad[1 : 1 + RUNNERS_UP]) + (", ..." if len(bad) > 1 + RUNNERS_UP else "")
+        message += (
+            f": the gradient of {module} is {norms[module]:.3g}, the first watched module in forward order whose "
+            f"gradient is not finite" + (f" (then {others})" if others else "")
+        )
+    return Finding(FindingKind.NONFINITE.value, module, step, norms.get(module, norm), message)
+
+
 def loss_finding(step: int, loss: float, ratio: float, median: float) -> Finding:
     message = f"loss {loss:.4g} is {ratio:.3g} times its median of recent steps ({median:.4g})"
     return Finding(FindingKind.LOSS_SPIKE.value, "", step, ratio, message)
@@ -165,10 +181,15 @@ def loss_finding(step: int, loss: float, ratio: float, median: float) -> Finding
 
 class SpikeWatch:
     """The host side: each step's row (per-module squared norms, the loss) judged in step order;
-    the findings and the series to write."""
+    the findings and the series to write. ``order`` gives the watched modules in forward order
+    (as far as known), for ``nonfinite``."""
 
-    def __init__(self, config: Spikes, modules: Sequence[str]) -> None:
+    def __init__(
+        self, config: Spikes, modules: Sequence[str], order: Callable[[], Sequence[str]] | None = None
+    ) -> None:
         self.config, self.modules = config, tuple(modules)
+        self._order = order or (lambda: self.modules)
+        self._nonfinite = False  # the latest step read had a non-finite gradient norm
         self._grad = Detector(config, config.grad_ratio)
         self._loss = Detector(config, config.loss_ratio)
         self._rows: deque[tuple[int, np.ndarray]] = deque(maxlen=config.steps)  # (step, per-module norms)
@@ -176,19 +197,28 @@ class SpikeWatch:
         self._window_until = -1  # the last step written as spike/grad_norm/*
         self._after_until = -1  # spike/grad_norm/* is written up to this step (the steps after a spike)
 
-    def feed(self, step: int, row: np.ndarray) -> list[Finding]:
-        """One step's row, ``[squared norm per module..., loss]`` (NaN: not measured); returns the
-        findings that start at ``step``. Values are judged as written (float32)."""
+    def feed(self, step: int, row: np.ndarray, loss_given: bool = True) -> list[Finding]:
+        """One step's row, ``[squared norm per module..., loss]`` (negative squares: not read;
+        a NaN loss and not ``loss_given``: none); returns the findings that start at ``step``.
+        Values are judged as written (float32), non-finite ones written too. A non-finite norm
+        starts ``nonfinite`` (once for steps in a row that have one)."""
         squares = row[: len(self.modules)].astype(np.float64)
-        norms = np.sqrt(squares).astype(np.float32).astype(np.float64)
-        total = float(np.float32(math.sqrt(squares.sum()))) if len(squares) and squares.sum() >= 0 else math.nan
+        read = len(squares) > 0 and not (squares < 0).any()
+        with np.errstate(invalid="ignore"):
+            norms = np.sqrt(squares).astype(np.float32).astype(np.float64)
+        total = float(np.float32(math.sqrt(squares.sum()))) if read else math.nan
         loss = float(np.float32(row[-1]))
         values = self.pending.setdefault(step, {})
-        if math.isfinite(total):
+        if read:
             values[GRAD_NORM_TAG] = total
-        if math.isfinite(loss):
+        if loss_given:
             values[LOSS_TAG] = loss
         found = []
+        if read:
+            if not math.isfinite(total) and not self._nonfinite:
+                now = {m: float(norms[i]) for i, m in enumerate(self.modules)}
+                found.append(nonfinite_finding(step, total, now, self._order()))
+            self._nonfinite = not math.isfinite(total)
         grad = self._grad.judge(total)
         if grad is not None:
             kept = [r for s, r in self._rows if s > step - self.config.steps]  # the steps the window writes
@@ -198,6 +228,8 @@ class SpikeWatch:
         loss_spike = self._loss.judge(loss)
         if loss_spike is not None:
             found.append(loss_finding(step, loss, *loss_spike))
+        if not read:
+            return found
         self._rows.append((step, norms))
         if found:
             self._window(step)
@@ -215,8 +247,7 @@ class SpikeWatch:
     def _add_norms(self, step: int, norms: np.ndarray) -> None:
         values = self.pending.setdefault(step, {})
         for m, v in zip(self.modules, norms.tolist()):
-            if math.isfinite(v):
-                values[tag(Root.SPIKE, Stat.GRAD_NORM, m)] = v
+            values[tag(Root.SPIKE, Stat.GRAD_NORM, m)] = v
         self._window_until = max(self._window_until, step)
 
     def take(self) -> dict[int, dict[str, float]]:
@@ -225,15 +256,23 @@ class SpikeWatch:
         return pending
 
 
-def replay(series: Mapping[int, Mapping[str, float]], config: Spikes | None = None) -> list[Finding]:
-    """The spike findings of written series (``{step: {tag: value}}``: ``step/grad_norm``,
-    ``step/loss``, ``spike/grad_norm/{module}``), judged as the logger judged them."""
+def replay(
+    series: Mapping[int, Mapping[str, float]], config: Spikes | None = None, order: Sequence[str] = ()
+) -> list[Finding]:
+    """The spike and ``nonfinite`` findings of written series (``{step: {tag: value}}``:
+    ``step/grad_norm``, ``step/loss``, ``spike/grad_norm/{module}``), judged as the logger judged
+    them (``order``: the watched modules in forward order)."""
     config = config or Spikes()
     grad, loss = Detector(config, config.grad_ratio), Detector(config, config.loss_ratio)
     found = []
+    nonfinite = False
     for step in sorted(series):
         values = series[step]
         norm = values.get(GRAD_NORM_TAG, math.nan)
+        if GRAD_NORM_TAG in values:
+            if not math.isfinite(norm) and not nonfinite:
+                found.append(nonfinite_finding(step, norm, by_name(values, Root.SPIKE, Stat.GRAD_NORM), order))
+            nonfinite = not math.isfinite(norm)
         if (judged := grad.judge(norm)) is not None:
             history: dict[str, list[float]] = {}
             for s in range(step - config.steps + 1, step):
@@ -265,15 +304,17 @@ class SpikeLog:
     def of(
         cls, config: Options, watched: Watched, modules: Sequence[str],
         handles: Handles, health: Health | None, destination: Destination | None, ranks: Ranks,
+        order: Callable[[], Sequence[str]] | None = None,
     ) -> SpikeLog | NoSpikes:  # fmt: skip
-        """The spike watch ``config`` asks for, its hooks kept in ``handles``."""
+        """The spike watch ``config`` asks for, its hooks kept in ``handles`` (``order``: the
+        watched modules in forward order, as far as known)."""
         spikes: Spikes | None = config.spikes  # type: ignore[assignment]  # (normalised by Options)
         if spikes is None or (destination is None and not any_split(watched)):
             return NoSpikes(off=spikes is None)
         norms = StepNorms(watched, modules, spikes.steps)
         handles.add(register_optimizer_step_pre_hook(norms.pre))
         handles.add(register_optimizer_step_post_hook(norms.post))
-        watch = None if destination is None else SpikeWatch(spikes, modules)
+        watch = None if destination is None else SpikeWatch(spikes, modules, order)
         # Under collectives in logged steps every rank must log the same steps: no extra ones then.
         return cls(norms, watch, health, destination, every=config.every, force=not ranks.needed)
 
@@ -303,8 +344,8 @@ class SpikeLog:
 
     def _judge(self, step: int, *, wait: bool) -> None:
         assert self.watch is not None
-        for at, row in self.norms.take(wait=wait):
-            found = self.watch.feed(at, row)
+        for at, row, loss_given in self.norms.take(wait=wait):
+            found = self.watch.feed(at, row, loss_given)
             if found:
                 self._log_until = max(self._log_until, step + self.watch.config.after)
                 if self.health is not None:
