@@ -39,9 +39,9 @@ def reference(q, k, mask=None, causal=False, scale=None):
         allowed &= torch.ones(logits.shape[-2:], dtype=torch.bool).tril()
     if mask is not None and mask.dtype == torch.bool:
         allowed &= mask
-    elif mask is not None:
-        added = added + mask.double()
-        allowed &= mask != -math.inf
+    elif mask is not None:  # -inf or the dtype's lowest value (Hugging Face's) mask a key out
+        allowed &= (mask != -math.inf) & (mask != torch.finfo(mask.dtype).min)
+        added = added + mask.double().masked_fill(~allowed, 0.0)
     heads = logits.shape[-3]
     by_head = lambda t: t.movedim(-3, 0).reshape(heads, -1)  # noqa: E731
     peak = by_head(logits.masked_fill(~allowed, -math.inf)).amax(1)
@@ -202,6 +202,83 @@ def test_bert_padding_mask(tmp_path) -> None:
     )
 
 
+def test_t5_padded_encoder_and_cross_attention(tmp_path) -> None:
+    """T5 masks padded keys with ``torch.finfo(dtype).min`` added to the logits (with its position
+    bias): they are masked, in the max logit too (its cross-attention sees the encoder's padding)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(
+        vocab_size=50, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2, decoder_start_token_id=0,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(config)
+    tokens, padding = _padded({0: 5, 2: 12})
+    labels = torch.randint(0, 50, (3, 7))
+    forward = lambda: model(tokens, attention_mask=padding, labels=labels).loss  # noqa: E731
+    check_model(tmp_path, model, r"(encoder|decoder)\.block\.\d+\.layer\.\d+\.(SelfAttention|EncDecAttention)", forward)
+
+
+class _Attend(nn.Module):
+    """One ``scaled_dot_product_attention`` call of ``x`` (times a learnt factor) with itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.factor = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q = x * self.factor
+        return nn.functional.scaled_dot_product_attention(q, x, x, attn_mask=mask)
+
+
+def _attended(tmp_path, x: torch.Tensor, mask: torch.Tensor | None = None, autocast=None) -> tuple[float, float]:
+    """``attention/max_logit`` and ``attention/entropy`` of one logged step of :class:`_Attend`."""
+    model = _Attend()
+    with HookLogger(model, log_dir=tmp_path, every=1, attention=True, histograms=False) as hooks:
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            out = model(x, mask)
+        out.float().sum().backward()
+        hooks.step()
+    run = read_run(tmp_path)
+    return run.scalar("attention/max_logit/root", 0), run.scalar("attention/entropy/root", 0)
+
+
+def test_a_lowest_value_float_mask_reads_as_the_bool_mask(tmp_path) -> None:
+    """Hugging Face's ``torch.finfo(dtype).min`` masks the keys a bool mask does: the same values."""
+    x = torch.randn(2, 2, 6, 8)
+    x[:, :, 4:] *= 10  # the masked keys have the largest logits
+    allowed = torch.ones(6, 6, dtype=torch.bool)
+    allowed[:, 4:] = False
+    for dtype in (torch.float32, torch.bfloat16):
+        lowest = torch.zeros(6, 6, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        with_bool = _attended(tmp_path / f"bool-{dtype}", x.to(dtype), allowed)
+        with_lowest = _attended(tmp_path / f"lowest-{dtype}", x.to(dtype), lowest)
+        assert with_lowest == pytest.approx(with_bool, rel=1e-6), dtype
+        peak, entropy, count = reference(x.to(dtype)[:, :, :, :], x.to(dtype), allowed)
+        assert with_bool == pytest.approx((float(peak.max()), float(entropy.sum() / count.sum())), rel=REL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_statistics_are_float32_under_autocast(tmp_path, dtype) -> None:
+    """Under autocast the logits are recomputed in float32 from the call's (low-precision) query and
+    key: equal to float64 from the same tensors; under fp16 an unscaled q·kᵀ of 74,000 does not overflow."""
+    big = 36.0 if dtype == torch.float16 else 3.0
+    x = (torch.randn(2, 2, 8, 64) * big).to(dtype)
+    got = _attended(tmp_path, x, autocast=dtype)
+    assert (x[0, 0].float() @ x[0, 0].float().T).abs().max() > 65504 or dtype != torch.float16
+    peak, entropy, count = reference(x, x)
+    assert got == pytest.approx((float(peak.max()), float(entropy.sum() / count.sum())), rel=REL, abs=1e-6)
+
+
+def test_gpt2_under_bf16_autocast(tmp_path) -> None:
+    model = models.gpt2(32, 50)
+    tokens, padding = _padded({1: 10})
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(tokens, attention_mask=padding, labels=tokens).loss
+
+    check_model(tmp_path, model, r"transformer\.h\.\d+\.attn", forward)
+
+
 def test_timm_vit(tmp_path) -> None:
     model = models.timm_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
     images = torch.randn(2, 3, 32, 32)
@@ -258,7 +335,7 @@ def test_multihead_attention_with_weights(tmp_path) -> None:
 
 # -- the statistics themselves ---------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "case", ["plain", "causal", "bool_mask", "float_mask", "gqa", "scale", "three_dims", "masked_row"]
+    "case", ["plain", "causal", "bool_mask", "float_mask", "lowest_mask", "gqa", "scale", "three_dims", "masked_row"]
 )
 def test_statistics_per_head(case) -> None:
     q, k = torch.randn(2, 4, 9, 8) * 3, torch.randn(2, 4, 11, 8) * 3
@@ -272,6 +349,9 @@ def test_statistics_per_head(case) -> None:
     elif case == "float_mask":
         mask = torch.randn(1, 4, 9, 11)
         mask[..., 5] = -math.inf
+    elif case == "lowest_mask":  # Hugging Face's, with a bias added (it stays the lowest value)
+        mask = torch.randn(1, 4, 9, 11).masked_fill(torch.rand(1, 4, 9, 11) > 0.6, torch.finfo(torch.float32).min)
+        mask = mask + torch.randn(1, 4, 9, 11)
     elif case == "gqa":
         k = torch.randn(2, 2, 11, 8)
     elif case == "scale":
