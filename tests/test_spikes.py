@@ -169,6 +169,55 @@ def test_a_step_the_scaler_skips_is_no_nonfinite_finding(tmp_path) -> None:
     assert all(math.isfinite(v) for v in grad_norm.values())
 
 
+def _gpt2(layers: int) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=layers, n_head=2)
+    return transformers.GPT2LMHeadModel(config)
+
+
+ONE_MODULE = {  # model, its loss, the parameters whose gradients are scaled, the factor, the module expected
+    "mlp-8-layers": (
+        lambda: mlp(1024, *[32] * 7, 4, seed=0),
+        lambda m: _teacher_loss(m, dim=1024, batch=256), ["8.weight", "8.bias"], 30.0, "8",
+    ),
+    "gpt2-4-layers": (
+        lambda: _gpt2(4),
+        lambda m: _language_loss(m), ["transformer.h.2.ln_2.weight", "transformer.h.2.ln_2.bias"], 50.0,
+        "transformer.h.2.ln_2",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ONE_MODULE)
+def test_a_spike_in_one_module_is_found_where_the_global_norm_barely_moves(tmp_path, case: str) -> None:
+    """Each watched module's own norm is judged against its own history (by a stricter bar): a
+    module whose gradient jumps 30-50x starts gradient_spike naming it, while the global norm rises
+    less than grad_ratio."""
+    build, loss_of, params, factor, expected = ONE_MODULE[case]
+    torch.manual_seed(0)
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    at, totals = 120, []
+    with HookLogger(model, log_dir=tmp_path, every=1000, optimizer=opt, spikes=True) as hooks:
+        for step in range(at + 10):
+            loss = loss_of(model)
+            loss.backward()
+            if step == at:
+                for name in params:
+                    model.get_parameter(name).grad.mul_(factor)
+            totals.append(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item())
+            opt.step()
+            opt.zero_grad()
+            hooks.step(loss=loss)
+        spikes = [f for f in hooks.findings if f.kind in SPIKE_KINDS]
+    assert totals[at] < 3 * sorted(totals[:at])[at // 2]  # the global norm stays under grad_ratio
+    assert [(f.kind, f.step, f.module) for f in spikes] == [("gradient_spike", at, expected)]
+    assert spikes[0].value > 10 and f"the gradient norm of {expected} is" in spikes[0].message
+    (run,) = report.load_all(tmp_path, "run")
+    replayed = [(f.kind, f.step, f.module) for f in report.findings(run) if f.kind in SPIKE_KINDS]
+    assert replayed == [("gradient_spike", at, expected)]
+
+
 def test_loss_spike_without_optimizer_given(tmp_path) -> None:
     """The pre-hook fires for every torch.optim optimizer: norms are read without optimizer= too."""
     model = mlp(16, 32, 4, seed=0)
@@ -243,8 +292,8 @@ def _language_loss(model: nn.Module) -> torch.Tensor:
     return model(input_ids=tokens, labels=tokens).loss  # type: ignore[no-any-return]
 
 
-def _teacher_loss(model: nn.Module) -> torch.Tensor:
-    x, y = _teacher()
+def _teacher_loss(model: nn.Module, dim: int = 16, batch: int = 32) -> torch.Tensor:
+    x, y = _teacher(dim, batch=batch)
     return nn.functional.cross_entropy(model(x), y)
 
 

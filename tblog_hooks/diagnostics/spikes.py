@@ -69,6 +69,10 @@ class Spikes:
     grad_ratio: float = 3.0
     #: ... or, for the loss, this many times its median (a non-positive loss is not judged).
     loss_ratio: float = 1.3
+    #: Each watched module's own gradient norm is judged too, ``threshold`` robust standard
+    #: deviations and, a stricter bar than ``grad_ratio`` (there are many modules), at least this
+    #: many times above its own median (``inf``: not judged).
+    module_ratio: float = 10.0
     #: Steps after a spike logged in full (activations, output gradients, every histogram).
     after: int = 3
 
@@ -83,6 +87,7 @@ class Spikes:
                 "threshold": (0, inf, False, False, False, "a finite number above 0"),
                 "grad_ratio": (1, inf, True, False, False, "a finite number >= 1"),
                 "loss_ratio": (1, inf, True, False, False, "a finite number >= 1"),
+                "module_ratio": (1, inf, True, True, False, "a number >= 1 (inf: off)"),
                 "after": (0, inf, True, False, True, "a whole number >= 0"),
             },
         )
@@ -134,6 +139,61 @@ class Detector:
         return found
 
 
+class ModuleDetectors:
+    """:class:`Detector` for each watched module's own norm, by the bar of ``threshold`` and
+    ``module_ratio``, vectorised over the modules (a ring of ``window`` log values per module: two
+    sorts of ``window x modules`` per step, whatever the number of parameters)."""
+
+    def __init__(self, config: Spikes, width: int) -> None:
+        self._config, self._log_ratio = config, math.log(config.module_ratio)
+        self._on = math.isfinite(config.module_ratio)
+        self._ring = np.full((config.window, width), np.inf)  # unfilled slots: +inf, sorted last
+        self._next = np.zeros(width, dtype=np.int64)  # each column's next slot
+        self._seen = np.zeros(width, dtype=np.int64)  # values in each column, up to window
+        self._in_spike = np.zeros(width, dtype=bool)
+
+    def reset(self) -> None:
+        """Forget every value (a gap in the series: the report's history around spikes)."""
+        self._ring.fill(np.inf)
+        self._next.fill(0)
+        self._seen.fill(0)
+        self._in_spike.fill(False)
+
+    def judge(self, norms: np.ndarray) -> list[tuple[int, float, float]]:
+        """Feed each module's next norm (non-finite and non-positive ones skipped); ``[(index,
+        norm / median, median)]`` of the modules whose spike starts with it, the largest rise first."""
+        if not self._on:
+            return []
+        valid = (norms > 0) & np.isfinite(norms)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            x = np.log(norms)
+        judged = valid & (self._seen >= self._config.warmup)
+        found = self._judged(x, judged) if judged.any() else []
+        columns = np.flatnonzero(valid)
+        self._ring[self._next[columns], columns] = x[columns]
+        self._next[columns] = (self._next[columns] + 1) % self._config.window
+        self._seen[columns] = np.minimum(self._seen[columns] + 1, self._config.window)
+        return sorted(found, key=lambda item: -item[1])
+
+    def _judged(self, x: np.ndarray, judged: np.ndarray) -> list[tuple[int, float, float]]:
+        with np.errstate(invalid="ignore"):  # (columns without values: inf - inf)
+            median = self._middle(np.sort(self._ring, axis=0))
+            deviation = np.sort(np.abs(self._ring - median), axis=0)
+        spread = np.maximum(_MAD_TO_STD * self._middle(deviation), _MIN_SPREAD)
+        rise = x - median
+        spiking = judged & (rise > self._log_ratio) & (rise > self._config.threshold * spread)
+        starts = np.flatnonzero(spiking & ~self._in_spike)
+        self._in_spike = np.where(judged, spiking, self._in_spike)
+        return [(int(i), math.exp(rise[i]), math.exp(median[i])) for i in starts]
+
+    def _middle(self, ordered: np.ndarray) -> np.ndarray:
+        """Each column's median of its ``seen`` values, from the column sorted (unfilled slots last)."""
+        seen = np.maximum(self._seen, 1)
+        cols = np.arange(ordered.shape[1])
+        with np.errstate(invalid="ignore"):
+            return (ordered[(seen - 1) // 2, cols] + ordered[seen // 2, cols]) / 2  # type: ignore[no-any-return]
+
+
 def attribute(now: Mapping[str, float], history: Mapping[str, Sequence[float]]) -> list[tuple[str, float]]:
     """Watched modules by how far their gradient norm ``now`` rose against the median of their own
     ``history`` (positive values only), the most first: ``[(module, now / median)]``. A module
@@ -174,6 +234,22 @@ def nonfinite_finding(step: int, norm: float, norms: Mapping[str, float], order:
     return Finding(FindingKind.NONFINITE.value, module, step, norms.get(module, norm), message)
 
 
+def module_finding(
+    step: int, norm: float, modules: Sequence[str], found: list[tuple[int, float, float]], norms: np.ndarray
+) -> Finding:
+    """The ``gradient_spike`` of ``step`` when only watched modules' own norms spiked (``found``,
+    the largest rise first): it names the first; ``norm`` is the global norm."""
+    index, ratio, median = found[0]
+    module = modules[index]
+    message = (
+        f"the gradient norm of {module} is {norms[index]:.3g}, {ratio:.3g} times its own median of recent steps "
+        f"({median:.3g}); the global gradient norm is {norm:.3g}"
+    )
+    others = ", ".join(f"{modules[i]} ({r:.3g}x)" for i, r, _ in found[1 : 1 + RUNNERS_UP])
+    message += f"; also {others}" if others else ""
+    return Finding(FindingKind.GRADIENT_SPIKE.value, module, step, ratio, message)
+
+
 def loss_finding(step: int, loss: float, ratio: float, median: float) -> Finding:
     message = f"loss {loss:.4g} is {ratio:.3g} times its median of recent steps ({median:.4g})"
     return Finding(FindingKind.LOSS_SPIKE.value, "", step, ratio, message)
@@ -192,6 +268,7 @@ class SpikeWatch:
         self._nonfinite = False  # the latest step read had a non-finite gradient norm
         self._grad = Detector(config, config.grad_ratio)
         self._loss = Detector(config, config.loss_ratio)
+        self._modules = ModuleDetectors(config, len(self.modules))
         self._rows: deque[tuple[int, np.ndarray]] = deque(maxlen=config.steps)  # (step, per-module norms)
         self.pending: dict[int, dict[str, float]] = {}  # {step: {tag: value}} not written yet
         self._window_until = -1  # the last step written as spike/grad_norm/*
@@ -220,11 +297,14 @@ class SpikeWatch:
                 found.append(nonfinite_finding(step, total, now, self._order()))
             self._nonfinite = not math.isfinite(total)
         grad = self._grad.judge(total)
+        own = self._modules.judge(norms) if read else []
         if grad is not None:
             kept = [r for s, r in self._rows if s > step - self.config.steps]  # the steps the window writes
             history = {m: [float(r[i]) for r in kept] for i, m in enumerate(self.modules)}
             now = {m: float(norms[i]) for i, m in enumerate(self.modules)}
             found.append(gradient_finding(step, total, *grad, attribute(now, history)))
+        elif own:
+            found.append(module_finding(step, total, self.modules, own, norms))
         loss_spike = self._loss.judge(loss)
         if loss_spike is not None:
             found.append(loss_finding(step, loss, *loss_spike))
@@ -261,25 +341,38 @@ def replay(
 ) -> list[Finding]:
     """The spike and ``nonfinite`` findings of written series (``{step: {tag: value}}``:
     ``step/grad_norm``, ``step/loss``, ``spike/grad_norm/{module}``), judged as the logger judged
-    them (``order``: the watched modules in forward order)."""
+    them (``order``: the watched modules in forward order). A module's own norm is written around
+    spikes only: it is judged on the steps written before it, from the start of each stretch."""
     config = config or Spikes()
     grad, loss = Detector(config, config.grad_ratio), Detector(config, config.loss_ratio)
+    named = {m for values in series.values() for m in by_name(values, Root.SPIKE, Stat.GRAD_NORM)}
+    modules = [m for m in order if m in named] + sorted(named - set(order))
+    own, last = ModuleDetectors(config, len(modules)), -2
     found = []
     nonfinite = False
     for step in sorted(series):
         values = series[step]
         norm = values.get(GRAD_NORM_TAG, math.nan)
+        now = by_name(values, Root.SPIKE, Stat.GRAD_NORM)
         if GRAD_NORM_TAG in values:
             if not math.isfinite(norm) and not nonfinite:
-                found.append(nonfinite_finding(step, norm, by_name(values, Root.SPIKE, Stat.GRAD_NORM), order))
+                found.append(nonfinite_finding(step, norm, now, order))
             nonfinite = not math.isfinite(norm)
+        spiked: list[tuple[int, float, float]] = []
+        if now:
+            if step != last + 1:
+                own.reset()
+            last = step
+            norms = np.array([now.get(m, math.nan) for m in modules])
+            spiked = own.judge(norms)
         if (judged := grad.judge(norm)) is not None:
             history: dict[str, list[float]] = {}
             for s in range(step - config.steps + 1, step):
                 for m, v in by_name(series.get(s, {}), Root.SPIKE, Stat.GRAD_NORM).items():
                     history.setdefault(m, []).append(v)
-            now = by_name(values, Root.SPIKE, Stat.GRAD_NORM)
             found.append(gradient_finding(step, norm, *judged, attribute(now, history)))
+        elif spiked:
+            found.append(module_finding(step, norm, modules, spiked, norms))
         value = values.get(LOSS_TAG, math.nan)
         if (judged := loss.judge(value)) is not None:
             found.append(loss_finding(step, value, *judged))
