@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tblog_hooks import HookLogger, HookLoggerError, Thresholds
+from tblog_hooks.cli import main, report
 from tblog_hooks.diagnostics.health import Health
 from tblog_hooks.stats.attention import attention_statistics
 
@@ -385,7 +386,7 @@ def test_chunks_bound_the_memory() -> None:
     """A small budget splits the queries: no temporary exceeds it, the values stay the same."""
     q, k = torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
     mask = torch.rand(1, 1, 300, 300) > 0.5
-    budget = 1 << 16  # a chunk of 2 x 300 keys x 4 bytes x 5 temporaries: 5 queries
+    budget = 1 << 16  # a chunk of 2 x 300 keys x 4 bytes x 3 temporaries: 9 queries
     sizes = Sizes()
     with sizes:
         got = attention_statistics(q, k, mask, True, budget=budget)
@@ -465,7 +466,7 @@ def _scale_query_key(model: nn.Module, block: int, factor: float) -> None:
         c_attn.bias[: 2 * width] *= factor
 
 
-def test_scaled_query_and_key_weights_are_found_in_their_block_only(tmp_path) -> None:
+def test_scaled_query_and_key_weights_are_found_in_their_block_only(tmp_path, capsys) -> None:
     model = models.gpt2(32, 50)
     _scale_query_key(model, 1, 30.0)
     tokens = torch.randint(0, 50, (4, 16))
@@ -480,6 +481,12 @@ def test_scaled_query_and_key_weights_are_found_in_their_block_only(tmp_path) ->
     assert run.scalar("health/attention_entropy_collapse", 0) == 1
     pictures = read_images(tmp_path, "health/attention_entropy")
     assert list(pictures) == [0]  # (their layout: tests/test_charts.py)
+    # The report replays them from the attention/* scalars (the module, not the head), and fails on them.
+    (loaded,) = report.load_all(tmp_path, "run")
+    replayed = [(f.kind, f.step, f.module) for f in report.findings(loaded) if f.kind in ATTENTION_FINDINGS]
+    assert sorted(replayed) == sorted((f.kind, f.step, f.module) for f in found)
+    assert main(["report", str(tmp_path), "--fail-on", "attention_logit_growth"]) == 1
+    assert "step 0: attention_logit_growth [transformer.h.1.attn]" in capsys.readouterr().out
 
 
 def _healthy(name: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:

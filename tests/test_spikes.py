@@ -218,6 +218,28 @@ def test_a_spike_in_one_module_is_found_where_the_global_norm_barely_moves(tmp_p
     assert replayed == [("gradient_spike", at, expected)]
 
 
+def test_report_of_a_resumed_run_leaves_out_what_tensorboard_purged(tmp_path) -> None:
+    """A run with a spike at 175 crashed at 200 and resumed at step 100 (start_step, a purge in
+    TensorBoard's terms) is now at 160: the report reads the run as TensorBoard shows it."""
+    findings, *_ = _spike_run(tmp_path, at=175, scale=100.0, param="4.weight", steps=200)
+    assert [(f.kind, f.step) for f in findings if f.kind in SPIKE_KINDS] == [("gradient_spike", 175)]
+    model = mlp(16, 32, 32, 32, 4, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    with HookLogger(model, log_dir=tmp_path, every=50, optimizer=opt, spikes=True, start_step=100) as hooks:
+        for _ in range(60):
+            loss = nn.functional.cross_entropy(model(_teacher()[0]), _teacher()[1])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step(loss=loss)
+    shown = read_run(tmp_path).scalars  # TensorBoard's EventAccumulator (purge_orphaned_data)
+    (run,) = report.load_all(tmp_path, "run")
+    assert sorted(run.series) == sorted(shown["step/grad_norm"]) == list(range(160))
+    assert list(run.scalars) == sorted(shown["param_grad/global_norm"]) == [0, 50, 100, 150]
+    assert [f for f in report.findings(run) if f.kind in SPIKE_KINDS] == []
+    assert main(["report", str(tmp_path), "--fail-on", "gradient_spike"]) == 0
+
+
 def test_loss_spike_without_optimizer_given(tmp_path) -> None:
     """The pre-hook fires for every torch.optim optimizer: norms are read without optimizer= too."""
     model = mlp(16, 32, 4, seed=0)
