@@ -166,6 +166,62 @@ def test_micro_batches_and_checkpointing_count_each_call_once(tmp_path) -> None:
     check_model(tmp_path, model, r"transformer\.h\.\d+\.attn", forward)
 
 
+def _encoder_stack() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True) for _ in range(2)])
+
+
+CHECKPOINTED = {
+    "checkpoint_sequential": lambda model, x: torch.utils.checkpoint.checkpoint_sequential(
+        model, 2, x, use_reentrant=False
+    ),
+    "checkpoint_sequential_reentrant": lambda model, x: torch.utils.checkpoint.checkpoint_sequential(
+        model, 2, x, use_reentrant=True
+    ),
+    "whole_model_reentrant": lambda model, x: torch.utils.checkpoint.checkpoint(model, x, use_reentrant=True),
+}
+
+
+@pytest.mark.parametrize("how", CHECKPOINTED)
+def test_calls_without_the_models_forward_and_reentrant_checkpoints_are_recorded(tmp_path, how) -> None:
+    """checkpoint_sequential calls the model's children, not its forward; a reentrant checkpoint
+    runs its first pass without gradients and recomputes it in backward: recorded once each."""
+    model = _encoder_stack()
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    run = CHECKPOINTED[how]
+    check_model(tmp_path, model, r"\d+\.self_attn", lambda: run(model, x).square().mean(), steps=2, capture=KernelCalls)
+
+
+def test_lightning_training_step_calling_submodules_is_recorded(tmp_path) -> None:
+    """A LightningModule whose training_step calls its submodules, never its own forward."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from tblog_hooks.integrations.lightning import HookLoggerCallback
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder, self.head = _encoder_stack(), nn.Linear(16, 1)
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return (self.head(self.encoder(batch[0])) - batch[1]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = torch.utils.data.TensorDataset(torch.randn(8, 6, 16), torch.randn(8, 6, 1))
+    net = Net()
+    calls = KernelCalls(net, r"encoder\.\d+\.self_attn")
+    trainer = models.lightning_trainer(tmp_path, [HookLoggerCallback(attention=True, every=1)], max_steps=1)
+    with calls:
+        trainer.fit(net, torch.utils.data.DataLoader(data, batch_size=4))
+    expected = calls.expected()
+    assert set(expected) == {"encoder.0.self_attn", "encoder.1.self_attn"}
+    run = read_run(trainer.logger.log_dir)
+    for name, (peak, entropy) in expected.items():
+        assert run.scalar(f"attention/max_logit/{name}", 0) == pytest.approx(peak, rel=REL), name
+        assert run.scalar(f"attention/entropy/{name}", 0) == pytest.approx(entropy, rel=REL), name
+
+
 def test_a_forward_that_raises_leaves_no_mode_behind(tmp_path) -> None:
     class Failing(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
