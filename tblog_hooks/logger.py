@@ -114,8 +114,8 @@ class HookLogger:
             scaled = self._recording.optimizer_hooks is None  # (see amp.unscale)
             self._outbox = Outbox(self._destination, self._diagnostics, param_grads_scaled=scaled)
         _warn_if_shared(model, self._destination)
-        diagnostics = self._diagnostics
-        spiking = (self._recording.handles, diagnostics.health, self._destination, self._ranks, diagnostics.order)
+        health, order = self._diagnostics.health, self._diagnostics.order
+        spiking = (self._recording.handles, health, self._destination, self._ranks, order, model)
         self._spikes = SpikeLog.of(config, Watched(model, selected, parameters=True), self._module_names, *spiking)
         # A rank that neither writes nor takes part in collectives is off from the start.
         self._state = _State.OFF if self._writer is None and not self._ranks.needed else _State.IDLE

@@ -240,6 +240,37 @@ def test_report_of_a_resumed_run_leaves_out_what_tensorboard_purged(tmp_path) ->
     assert main(["report", str(tmp_path), "--fail-on", "gradient_spike"]) == 0
 
 
+def test_a_one_sample_last_batch_is_not_judged(tmp_path) -> None:
+    """DataLoader(drop_last=False) over 65 samples in batches of 32: each epoch ends with a batch of
+    one sample, whose gradient is mostly noise. Such a step (under half the usual batch) is written
+    but not judged; a spike in a full batch is still found."""
+    x, y = _teacher(batch=65)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
+    torch.manual_seed(0)
+    model = mlp(16, 32, 32, 32, 4, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    step, spiked = 0, 0
+    with HookLogger(model, log_dir=tmp_path, every=1000, optimizer=opt, spikes=True) as hooks:
+        for _ in range(40):
+            for xb, yb in loader:
+                loss = nn.functional.cross_entropy(model(xb), yb)
+                loss.backward()
+                if step == 100:
+                    assert len(xb) == 32
+                    spiked = step
+                    model[2].weight.grad.mul_(100)
+                opt.step()
+                opt.zero_grad()
+                hooks.step(loss=loss)
+                step += 1
+        spikes = [(f.kind, f.step, f.module) for f in hooks.findings if f.kind in SPIKE_KINDS]
+    assert spikes == [("gradient_spike", spiked, "2")]
+    samples = read_run(tmp_path).scalars["step/samples"]
+    assert samples == {s: 1.0 if s % 3 == 2 else 32.0 for s in range(120)}
+    (run,) = report.load_all(tmp_path, "run")  # the report judges the steps the logger judged
+    assert [(f.kind, f.step, f.module) for f in report.findings(run) if f.kind in SPIKE_KINDS] == spikes
+
+
 def test_loss_spike_without_optimizer_given(tmp_path) -> None:
     """The pre-hook fires for every torch.optim optimizer: norms are read without optimizer= too."""
     model = mlp(16, 32, 4, seed=0)

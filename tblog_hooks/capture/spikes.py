@@ -28,14 +28,16 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from .._compat import in_backward
 from ..errors import HookLoggerError
 from ..stats.reductions import loggable, norms
 from ..transport import amp
 from ..transport.distributed import rank_and_world
 from ..transport.sharding import is_dtensor, is_partial, local
+from .hooks import _Hook
 from .watched import Watched
 
 Groups = tuple[dist.ProcessGroup, ...]
@@ -247,6 +249,29 @@ class StepNorms:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+class Samples(_Hook):
+    """The model's forward pre-hook: the samples of a step's training passes, the first dim of
+    each call's first tensor argument (shape metadata, nothing read from the device)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not (module.training and torch.is_grad_enabled()) or in_backward():
+            return
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+        if first is not None and first.dim() > 0:
+            self.count += first.shape[0]
+
+    def take(self) -> int | None:
+        """The step's samples (``None``: no training pass of the model seen), and start again."""
+        count, self.count = self.count, 0
+        return count or None
 
 
 def any_split(watched: Watched) -> bool:

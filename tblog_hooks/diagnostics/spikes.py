@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ..capture.spikes import StepNorms, any_split, check_loss
+from ..capture.spikes import Samples, StepNorms, any_split, check_loss
 from ..errors import HookLoggerError
 from ..stats.tags import Root, Stat, by_name, tag
 from .health import Finding, FindingKind, Health, check_fields
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
     from ..transport.distributed import Ranks
 
 GRAD_NORM_TAG, LOSS_TAG = tag(Root.STEP, Stat.GRAD_NORM), tag(Root.STEP, Stat.LOSS)
+SAMPLES_TAG = tag(Root.STEP, Stat.SAMPLES)
+#: A step with fewer samples than this fraction of the median of recent steps' (a small last batch
+#: of an epoch, ``DataLoader(drop_last=False)``) is not judged: its gradient is mostly noise.
+SMALL_BATCH = 0.5
 #: Runners-up named in a ``gradient_spike`` message.
 RUNNERS_UP = 3
 #: The median absolute deviation of a normal distribution is this fraction of its standard deviation.
@@ -255,6 +260,22 @@ def loss_finding(step: int, loss: float, ratio: float, median: float) -> Finding
     return Finding(FindingKind.LOSS_SPIKE.value, "", step, ratio, message)
 
 
+class BatchSizes:
+    """The samples of recent steps: whether a step's batch is small against them."""
+
+    def __init__(self, window: int) -> None:
+        self._sizes: deque[int] = deque(maxlen=window)
+
+    def small(self, samples: float | None) -> bool:
+        """Whether ``samples`` (``None``: not counted) is under :data:`SMALL_BATCH` times the
+        median of the recent steps' (judged from the third step counted); then remember it."""
+        if samples is None or not math.isfinite(samples):
+            return False
+        small = len(self._sizes) >= 2 and samples < SMALL_BATCH * float(np.median(self._sizes))
+        self._sizes.append(int(samples))
+        return small
+
+
 class SpikeWatch:
     """The host side: each step's row (per-module squared norms, the loss) judged in step order;
     the findings and the series to write. ``order`` gives the watched modules in forward order
@@ -269,16 +290,18 @@ class SpikeWatch:
         self._grad = Detector(config, config.grad_ratio)
         self._loss = Detector(config, config.loss_ratio)
         self._modules = ModuleDetectors(config, len(self.modules))
+        self._batches = BatchSizes(config.window)
         self._rows: deque[tuple[int, np.ndarray]] = deque(maxlen=config.steps)  # (step, per-module norms)
         self.pending: dict[int, dict[str, float]] = {}  # {step: {tag: value}} not written yet
         self._window_until = -1  # the last step written as spike/grad_norm/*
         self._after_until = -1  # spike/grad_norm/* is written up to this step (the steps after a spike)
 
-    def feed(self, step: int, row: np.ndarray, loss_given: bool = True) -> list[Finding]:
+    def feed(self, step: int, row: np.ndarray, loss_given: bool = True, samples: int | None = None) -> list[Finding]:
         """One step's row, ``[squared norm per module..., loss]`` (negative squares: not read;
-        a NaN loss and not ``loss_given``: none); returns the findings that start at ``step``.
-        Values are judged as written (float32), non-finite ones written too. A non-finite norm
-        starts ``nonfinite`` (once for steps in a row that have one)."""
+        a NaN loss and not ``loss_given``: none) and its ``samples``; returns the findings that
+        start at ``step``. Values are judged as written (float32), non-finite ones written too. A
+        non-finite norm starts ``nonfinite`` (once for steps in a row that have one); a step of a
+        small batch is not judged for spikes."""
         squares = row[: len(self.modules)].astype(np.float64)
         read = len(squares) > 0 and not (squares < 0).any()
         with np.errstate(invalid="ignore"):
@@ -290,24 +313,16 @@ class SpikeWatch:
             values[GRAD_NORM_TAG] = total
         if loss_given:
             values[LOSS_TAG] = loss
+        if samples is not None:
+            values[SAMPLES_TAG] = float(samples)
         found = []
         if read:
             if not math.isfinite(total) and not self._nonfinite:
                 now = {m: float(norms[i]) for i, m in enumerate(self.modules)}
                 found.append(nonfinite_finding(step, total, now, self._order()))
             self._nonfinite = not math.isfinite(total)
-        grad = self._grad.judge(total)
-        own = self._modules.judge(norms) if read else []
-        if grad is not None:
-            kept = [r for s, r in self._rows if s > step - self.config.steps]  # the steps the window writes
-            history = {m: [float(r[i]) for r in kept] for i, m in enumerate(self.modules)}
-            now = {m: float(norms[i]) for i, m in enumerate(self.modules)}
-            found.append(gradient_finding(step, total, *grad, attribute(now, history)))
-        elif own:
-            found.append(module_finding(step, total, self.modules, own, norms))
-        loss_spike = self._loss.judge(loss)
-        if loss_spike is not None:
-            found.append(loss_finding(step, loss, *loss_spike))
+        if not self._batches.small(samples):
+            found += self._spikes(step, total, norms if read else None, loss)
         if not read:
             return found
         self._rows.append((step, norms))
@@ -315,6 +330,23 @@ class SpikeWatch:
             self._window(step)
         elif step <= self._after_until:
             self._add_norms(step, norms)
+        return found
+
+    def _spikes(self, step: int, total: float, norms: np.ndarray | None, loss: float) -> list[Finding]:
+        """The spikes that start at ``step`` (``norms``: per module, ``None`` if not read)."""
+        found = []
+        grad = self._grad.judge(total)
+        own = self._modules.judge(norms) if norms is not None else []
+        if grad is not None and norms is not None:
+            kept = [r for s, r in self._rows if s > step - self.config.steps]  # the steps the window writes
+            history = {m: [float(r[i]) for r in kept] for i, m in enumerate(self.modules)}
+            now = {m: float(norms[i]) for i, m in enumerate(self.modules)}
+            found.append(gradient_finding(step, total, *grad, attribute(now, history)))
+        elif own and norms is not None:
+            found.append(module_finding(step, total, self.modules, own, norms))
+        loss_spike = self._loss.judge(loss)
+        if loss_spike is not None:
+            found.append(loss_finding(step, loss, *loss_spike))
         return found
 
     def _window(self, step: int) -> None:
@@ -347,7 +379,7 @@ def replay(
     grad, loss = Detector(config, config.grad_ratio), Detector(config, config.loss_ratio)
     named = {m for values in series.values() for m in by_name(values, Root.SPIKE, Stat.GRAD_NORM)}
     modules = [m for m in order if m in named] + sorted(named - set(order))
-    own, last = ModuleDetectors(config, len(modules)), -2
+    own, last, batches = ModuleDetectors(config, len(modules)), -2, BatchSizes(config.window)
     found = []
     nonfinite = False
     for step in sorted(series):
@@ -358,6 +390,8 @@ def replay(
             if not math.isfinite(norm) and not nonfinite:
                 found.append(nonfinite_finding(step, norm, now, order))
             nonfinite = not math.isfinite(norm)
+        if batches.small(values.get(SAMPLES_TAG)):
+            continue
         spiked: list[tuple[int, float, float]] = []
         if now:
             if step != last + 1:
@@ -392,15 +426,18 @@ class SpikeLog:
         self._every, self._force = every, force
         self._log_until = -1  # steps up to this one are logged in full
         self._failed = False
+        self.samples = Samples()
+        self._samples: dict[int, int | None] = {}  # {step: its samples} of the rows not judged yet
 
     @classmethod
     def of(
         cls, config: Options, watched: Watched, modules: Sequence[str],
         handles: Handles, health: Health | None, destination: Destination | None, ranks: Ranks,
-        order: Callable[[], Sequence[str]] | None = None,
+        order: Callable[[], Sequence[str]] | None = None, model: nn.Module | None = None,
     ) -> SpikeLog | NoSpikes:  # fmt: skip
         """The spike watch ``config`` asks for, its hooks kept in ``handles`` (``order``: the
-        watched modules in forward order, as far as known)."""
+        watched modules in forward order, as far as known; ``model``'s forward pre-hook counts
+        each step's samples)."""
         spikes: Spikes | None = config.spikes  # type: ignore[assignment]  # (normalised by Options)
         if spikes is None or (destination is None and not any_split(watched)):
             return NoSpikes(off=spikes is None)
@@ -408,8 +445,11 @@ class SpikeLog:
         handles.add(register_optimizer_step_pre_hook(norms.pre))
         handles.add(register_optimizer_step_post_hook(norms.post))
         watch = None if destination is None else SpikeWatch(spikes, modules, order)
+        log = cls(norms, watch, health, destination, every=config.every, force=not ranks.needed)
+        if model is not None and watch is not None:
+            handles.add(model.register_forward_pre_hook(log.samples, with_kwargs=True))
         # Under collectives in logged steps every rank must log the same steps: no extra ones then.
-        return cls(norms, watch, health, destination, every=config.every, force=not ranks.needed)
+        return log
 
     def step(self, step: int, loss: object) -> bool:
         """The end of step ``step`` (``loss``: its loss, checked here); whether step ``step + 1``
@@ -421,6 +461,7 @@ class SpikeLog:
                 self.norms.refresh()
             return False
         self.norms.end_step(step, loss)  # type: ignore[arg-type]  # (checked)
+        self._samples[step] = self.samples.take()
         if self._failed:
             return False
         self._judge(step, wait=False)
@@ -438,7 +479,7 @@ class SpikeLog:
     def _judge(self, step: int, *, wait: bool) -> None:
         assert self.watch is not None
         for at, row, loss_given in self.norms.take(wait=wait):
-            found = self.watch.feed(at, row, loss_given)
+            found = self.watch.feed(at, row, loss_given, self._samples.pop(at, None))
             if found:
                 self._log_until = max(self._log_until, step + self.watch.config.after)
                 if self.health is not None:

@@ -45,6 +45,7 @@ class Stat(enum.StrEnum):
     ENTROPY = "entropy"
     GRAD_NORM = "grad_norm"
     LOSS = "loss"
+    SAMPLES = "samples"
 
 
 @functools.lru_cache(maxsize=1 << 16)  # the same tags recur every logged step
