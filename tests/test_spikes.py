@@ -4,9 +4,10 @@ attributed to a module, the steps after them logged in full, at a fixed handful 
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import OpCounter, read_run, spawn_ranks
@@ -573,6 +574,35 @@ def test_transformers_callback_passes_the_trainers_own_loss(tmp_path, accumulate
     assert callback.hooks is None  # closed, its loss hook removed
 
 
+class _LateRows:
+    """Per-step rows that reach the host two steps late, as a CUDA copy's may (``StepNorms``' part
+    that ``SpikeLog`` uses)."""
+
+    def __init__(self, rows: dict[int, list[float]]) -> None:
+        self.rows, self.queue = rows, deque()
+
+    def end_step(self, step: int, loss: object) -> None:
+        self.queue.append((step, np.array(self.rows[step], dtype=np.float32), True))
+
+    def take(self, *, wait: bool) -> list:
+        return [self.queue.popleft() for _ in range(len(self.queue) - (0 if wait else 2))] if self.queue else []
+
+    def refresh(self) -> None:
+        pass
+
+
+def test_the_steps_after_a_spike_read_late_are_counted_from_the_spike() -> None:
+    """A spike at step 40 whose row is read at step 42: the steps logged in full are those up to
+    40 + after that are still to come (43), not three more from the step that read it."""
+    from tblog_hooks.diagnostics.spikes import SpikeLog, SpikeWatch
+
+    noise = np.random.default_rng(0).lognormal(0.0, 0.05, 60)
+    rows = {s: [float(noise[s] * (100.0 if s == 40 else 1.0)) ** 2, 1.0] for s in range(60)}
+    log = SpikeLog(_LateRows(rows), SpikeWatch(Spikes(), ["a"]), None, None, every=1000, force=True)  # type: ignore[arg-type]
+    full = [s + 1 for s in range(60) if log.step(s, None)]
+    assert full == [43]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_norms_reach_the_host_without_a_sync(tmp_path) -> None:
     device = torch.device("cuda")
@@ -596,3 +626,44 @@ def test_cuda_norms_reach_the_host_without_a_sync(tmp_path) -> None:
     run = read_run(tmp_path)
     assert run.scalars["step/grad_norm"] == pytest.approx(dict(enumerate(torch.stack(truths).tolist())), rel=1e-4)
     assert run.scalars["step/loss"] == pytest.approx(dict(enumerate(torch.stack(losses).tolist())), rel=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_ring_is_pinned_when_the_first_step_has_no_optimizer_step(tmp_path) -> None:
+    """A first step without an optimizer step (a number for its loss) has no CUDA tensor: the
+    ring is pinned once one comes, so that the copies stay non-blocking."""
+    device = torch.device("cuda")
+    model = mlp(16, 32, 4, seed=0).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with HookLogger(model, log_dir=tmp_path, every=1000, optimizer=opt, spikes=True) as hooks:
+        hooks.step(loss=1.0)
+        for _ in range(3):
+            loss = model(torch.randn(8, 16, device=device)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step(loss=loss)
+        assert hooks._spikes.norms._host.is_pinned()  # type: ignore[union-attr]
+    assert sorted(read_run(tmp_path).scalars["step/grad_norm"]) == [1, 2, 3]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_model_over_two_gpus_and_its_loss_on_the_second(tmp_path) -> None:
+    """The norms of parameters on two GPUs are added up on the first; the loss, on the second, is
+    read once its own copy is done."""
+    first, second = mlp(16, 32, seed=0).to("cuda:0"), mlp(32, 4, seed=1).to("cuda:1")
+    model = nn.Sequential(first, second)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    truths, losses = [], []
+    with HookLogger(model, log_dir=tmp_path, every=1000, optimizer=opt, spikes=True) as hooks:
+        for _ in range(20):
+            loss = second(first(torch.randn(8, 16, device="cuda:0")).to("cuda:1")).square().mean()
+            loss.backward()
+            truths.append(math.sqrt(sum(p.grad.double().square().sum().item() for p in model.parameters())))
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+            hooks.step(loss=loss)
+    run = read_run(tmp_path)
+    assert run.scalars["step/grad_norm"] == pytest.approx(dict(enumerate(truths)), rel=1e-4)
+    assert run.scalars["step/loss"] == pytest.approx(dict(enumerate(losses)), rel=1e-6)

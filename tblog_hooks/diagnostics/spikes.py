@@ -464,7 +464,7 @@ class SpikeLog:
         self._samples[step] = self.samples.take()
         if self._failed:
             return False
-        self._judge(step, wait=False)
+        self._judge(wait=False)
         if (step + 1) % self._every == 0 or len(self.watch.pending) >= _MAX_PENDING:
             self.norms.refresh()  # as a logged step looks the parameters up again
             self._flush()
@@ -473,15 +473,15 @@ class SpikeLog:
     def close(self) -> None:
         """Judge and write every row still on its way."""
         if self.watch is not None and not self._failed:
-            self._judge(-1, wait=True)
+            self._judge(wait=True)
             self._flush()
 
-    def _judge(self, step: int, *, wait: bool) -> None:
+    def _judge(self, *, wait: bool) -> None:
         assert self.watch is not None
         for at, row, loss_given in self.norms.take(wait=wait):
             found = self.watch.feed(at, row, loss_given, self._samples.pop(at, None))
-            if found:
-                self._log_until = max(self._log_until, step + self.watch.config.after)
+            if found:  # (on CUDA a row is read a step or more after its own: the window is the spike's)
+                self._log_until = max(self._log_until, at + self.watch.config.after)
                 if self.health is not None:
                     self.health.spiked(found)
 
