@@ -4,6 +4,7 @@ autograd with a ``TorchDispatchMode``, independently of the logger's own capture
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from collections.abc import Callable
@@ -614,3 +615,26 @@ def test_compiled_model_warns_once_and_logs_no_attention(tmp_path) -> None:
     tags = read_tags(tmp_path)["scalars"]
     assert "activation/mean/layers.0.linear1" in tags
     assert not [t for t in tags if t.startswith("attention/")]
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch.compiler.set_stance: torch 2.6 and later")
+def test_compiled_model_whose_logged_steps_run_eagerly_logs_the_eager_values(tmp_path) -> None:
+    """The recipe of docs/attention.md: the logged steps' forward under set_stance("force_eager")."""
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 5, 16)
+    with HookLogger(twin, log_dir=tmp_path / "eager", every=2, attention=True, histograms=False) as hooks:
+        models.train(hooks, (twin(x).square().mean() for _ in range(3)))
+    with HookLogger(model, log_dir=tmp_path / "compiled", every=2, attention=True, histograms=False) as hooks:
+        compiled = torch.compile(model, backend="aot_eager")
+        for _ in range(3):
+            logged = hooks.global_step % hooks.every == 0
+            with torch.compiler.set_stance("force_eager" if logged else "default"):
+                loss = compiled(x).square().mean()
+            loss.backward()
+            hooks.step()
+    eager, got = read_run(tmp_path / "eager").scalars, read_run(tmp_path / "compiled").scalars
+    attention = {t: v for t, v in eager.items() if t.startswith("attention/")}
+    assert len(attention) == 2 and all(sorted(v) == [0, 2] for v in attention.values())
+    assert {t: v for t, v in got.items() if t.startswith("attention/")} == attention

@@ -118,7 +118,8 @@ class AttentionRecorder:
             self._compile_warned = True
             warnings.warn(
                 "tblog_hooks: attention= records nothing inside torch.compile'd code, so attention/* is not logged "
-                "for the compiled model; run the logged steps' forward eagerly to get it (docs: attention.md)",
+                "for the compiled model; run the logged steps' forward eagerly to get it, e.g. under "
+                "torch.compiler.set_stance('force_eager') (docs: attention.md#torchcompile)",
                 RuntimeWarning,
                 stacklevel=4,
             )
