@@ -27,6 +27,8 @@ its background thread does not steal the next configuration's time.
     python scripts/bench.py --workload w2 --steps 120 --json bench.json
     python scripts/bench.py --device cuda --batch 256
     python scripts/bench.py --attention            # the cost of attention=True on GPT-2 and a ViT
+    python scripts/bench.py --attention --attention-workloads seq256,seq1024,seq2048,seq4096
+                                                   # ... on one sequence of 256 to 4,096 tokens
 """
 
 from __future__ import annotations
@@ -379,9 +381,18 @@ def ops_added(workload: str, args: argparse.Namespace, device: torch.device) -> 
 
 # -- attention= --------------------------------------------------------------------------------
 def attention_workload(name: str, device: torch.device) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
-    """GPT-2 (4 layers, width 256, 4 heads) on 8 x 256 tokens, or torchvision's ViT (4 layers,
-    width 256, 4 heads) on 16 x 3 x 64 x 64 images (65 tokens); returns the model and its loss."""
+    """GPT-2 (4 layers, width 256, 4 heads) on 8 x 256 tokens, torchvision's ViT (4 layers,
+    width 256, 4 heads) on 16 x 3 x 64 x 64 images (65 tokens), or ``seqN``: GPT-2 (2 layers,
+    width 256, 4 heads) on one sequence of N tokens; returns the model and its loss."""
     torch.manual_seed(0)
+    if name.startswith("seq") and name[3:].isdigit():
+        import transformers
+
+        length = int(name[3:])
+        config = transformers.GPT2Config(vocab_size=1000, n_positions=length, n_embd=256, n_layer=2, n_head=4)
+        gpt = transformers.GPT2LMHeadModel(config).to(device)
+        tokens = torch.randint(0, 1000, (1, length), device=device)
+        return gpt, lambda: gpt(tokens, labels=tokens).loss
     if name == "gpt2":
         import transformers
 
@@ -395,7 +406,7 @@ def attention_workload(name: str, device: torch.device) -> tuple[nn.Module, Call
         ).to(device)
         images, labels = torch.randn(16, 3, 64, 64, device=device), torch.randint(0, 10, (16,), device=device)
         return vit, lambda: nn.functional.cross_entropy(vit(images), labels)
-    raise SystemExit(f"unknown attention workload {name!r}; use gpt2 or vit")
+    raise SystemExit(f"unknown attention workload {name!r}; use gpt2, vit or seqN (N tokens)")
 
 
 def attention_cost(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
@@ -432,15 +443,48 @@ def attention_cost(name: str, args: argparse.Namespace, device: torch.device) ->
     }
 
 
+def attention_peak_child(name: str, attention: bool, device: torch.device) -> dict[str, float]:
+    """In a fresh process: the peak RSS three logged steps (``attention=`` as given) add to a
+    step without the logger."""
+    model, loss_of = attention_workload(name, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def train() -> None:
+        loss_of().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    train()
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        HookLogger(model, log_dir=tmp, every=1, histograms=False, attention=attention) as hooks,
+    ):
+        for _ in range(3):
+            train()
+            hooks.step()
+    return {"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base}
+
+
+def attention_peak(name: str, args: argparse.Namespace) -> float:
+    """The peak RSS ``attention=True`` adds to a logged step, MB (fresh processes)."""
+    peaks = []
+    for attention in (False, True):
+        cmd = [sys.executable, __file__, "--attention-peak-child", f"{name}:{int(attention)}", "--device", args.device]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        peaks.append(json.loads(out.strip().splitlines()[-1])["peak_mb"])
+    return peaks[1] - peaks[0]
+
+
 def attention_table(results: dict[str, dict[str, float]]) -> str:
     rows = [
-        "| workload | logged step | with attention=True | ratio | aten ops added |",
-        "|---|---|---|---|---|",
+        "| workload | logged step | with attention=True | ratio | aten ops added | peak RSS added |",
+        "|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         rows.append(
             f"| {name} | {r['logged_ms']:.1f} ms | {r['logged_attention_ms']:.1f} ms | {r['ratio']:.2f}x "
-            f"| {r['ops_added']:.0f} |"
+            f"| {r['ops_added']:.0f} | {r['peak_added_mb']:+.0f} MB |"
         )
     return "\n".join(rows)
 
@@ -530,8 +574,18 @@ def main() -> None:
     parser.add_argument(
         "--attention", action="store_true", help="only the cost of attention=True on a logged step (GPT-2, ViT)"
     )
+    parser.add_argument(
+        "--attention-workloads", default="gpt2,vit", help="with --attention: gpt2, vit and seqN (one sequence of N)"
+    )
+    parser.add_argument("--attention-peak-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     device = pick_device(args.device)
+
+    if args.attention_peak_child:
+        name, attention = args.attention_peak_child.split(":")
+        with quiet_warnings():
+            print(json.dumps(attention_peak_child(name, attention == "1", device)))
+        return
 
     if args.rss_child:
         workload, name = args.rss_child.split(":")
@@ -541,7 +595,9 @@ def main() -> None:
 
     if args.attention:
         with quiet_warnings():
-            costs = {name: attention_cost(name, args, device) for name in ("gpt2", "vit")}
+            costs = {name: attention_cost(name, args, device) for name in args.attention_workloads.split(",")}
+        for name, cost in costs.items():
+            cost["peak_added_mb"] = attention_peak(name, args)
         print(f"\n{environment(device)}; {args.steps} timed logged steps per configuration\n")
         print(attention_table(costs))
         if args.json:

@@ -114,7 +114,8 @@ class HookLogger:
         self._detach = weakref.finalize(self, _detach, self._recording, self._destination, owns_writer, restore)
         self._outbox = _outbox(self._destination, self._diagnostics, self._recording)
         _warn_if_shared(model, self._destination)
-        spiking = (self._recording.handles, self._diagnostics.health, self._destination, self._ranks)
+        health, order = self._diagnostics.health, self._diagnostics.order
+        spiking = (self._recording.handles, health, self._destination, self._ranks, order, model)
         self._spikes = SpikeLog.of(config, self._watched, self._module_names, *spiking)
         # A rank that neither writes nor takes part in collectives is off from the start.
         self._state = _State.OFF if self._writer is None and not self._ranks.needed else _State.IDLE

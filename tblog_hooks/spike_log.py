@@ -5,12 +5,13 @@ as series; and whether the next steps are logged in full."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .capture.spikes import StepNorms, any_split, check_loss, whole_loss
+from .capture.spikes import Samples, StepNorms, any_split, check_loss, whole_loss
 from .diagnostics.spikes import SpikeWatch
 
 if TYPE_CHECKING:
@@ -35,22 +36,30 @@ class SpikeLog:
         self._every, self._force = every, force
         self._log_until = -1  # steps up to this one are logged in full
         self._failed = False
+        self.samples = Samples()
+        self._samples: dict[int, int | None] = {}  # {step: its samples} of the rows not judged yet
 
     @classmethod
     def of(
         cls, config: Options, watched: Watched, modules: Sequence[str],
         handles: Handles, health: Health | None, destination: Destination | None, ranks: Ranks,
+        order: Callable[[], Sequence[str]] | None = None, model: nn.Module | None = None,
     ) -> SpikeLog | NoSpikes:  # fmt: skip
-        """The spike watch ``config`` asks for, its hooks kept in ``handles``."""
+        """The spike watch ``config`` asks for, its hooks kept in ``handles`` (``order``: the
+        watched modules in forward order, as far as known; ``model``'s forward pre-hook counts
+        each step's samples)."""
         spikes = config.spike_config
         if spikes is None or (destination is None and not any_split(watched)):
             return NoSpikes(off=spikes is None)
         norms = StepNorms(watched, modules, spikes.steps)
         handles.add(register_optimizer_step_pre_hook(norms.pre))
         handles.add(register_optimizer_step_post_hook(norms.post))
-        watch = None if destination is None else SpikeWatch(spikes, modules)
+        watch = None if destination is None else SpikeWatch(spikes, modules, order)
+        log = cls(norms, watch, health, destination, every=config.every, force=not ranks.needed)
+        if model is not None and watch is not None:
+            handles.add(model.register_forward_pre_hook(log.samples, with_kwargs=True))
         # Under collectives in logged steps every rank must log the same steps: no extra ones then.
-        return cls(norms, watch, health, destination, every=config.every, force=not ranks.needed)
+        return log
 
     def step(self, step: int, loss: object) -> bool:
         """The end of step ``step`` (``loss``: its loss, checked here); whether step ``step + 1``
@@ -63,9 +72,10 @@ class SpikeLog:
                 self.norms.refresh()
             return False
         self.norms.end_step(step, loss)
+        self._samples[step] = self.samples.take()
         if self._failed:
             return False
-        self._judge(step, wait=False)
+        self._judge(wait=False)
         if (step + 1) % self._every == 0 or len(self.watch.pending) >= _MAX_PENDING:
             self.norms.refresh()  # as a logged step looks the parameters up again
             self._flush()
@@ -74,15 +84,15 @@ class SpikeLog:
     def close(self) -> None:
         """Judge and write every row still on its way."""
         if self.watch is not None and not self._failed:
-            self._judge(-1, wait=True)
+            self._judge(wait=True)
             self._flush()
 
-    def _judge(self, step: int, *, wait: bool) -> None:
+    def _judge(self, *, wait: bool) -> None:
         assert self.watch is not None
-        for at, row in self.norms.take(wait=wait):
-            found = self.watch.feed(at, row)
-            if found:
-                self._log_until = max(self._log_until, step + self.watch.config.after)
+        for at, row, loss_given in self.norms.take(wait=wait):
+            found = self.watch.feed(at, row, loss_given, self._samples.pop(at, None))
+            if found:  # (on CUDA a row is read a step or more after its own: the window is the spike's)
+                self._log_until = max(self._log_until, at + self.watch.config.after)
                 if self.health is not None:
                     self.health.spiked(found)
 

@@ -4,6 +4,7 @@ autograd with a ``TorchDispatchMode``, independently of the logger's own capture
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tblog_hooks import HookLogger, HookLoggerError, Thresholds
 from tblog_hooks._compat import full_float32_matmul
+from tblog_hooks.cli import main, report
 from tblog_hooks.diagnostics.health import default_health
 from tblog_hooks.stats.attention import attention_statistics
 
@@ -40,9 +42,9 @@ def reference(q, k, mask=None, causal=False, scale=None):
         allowed &= torch.ones(logits.shape[-2:], dtype=torch.bool).tril()
     if mask is not None and mask.dtype == torch.bool:
         allowed &= mask
-    elif mask is not None:
-        added = added + mask.double()
-        allowed &= mask != -math.inf
+    elif mask is not None:  # -inf or the dtype's lowest value (Hugging Face's) mask a key out
+        allowed &= (mask != -math.inf) & (mask != torch.finfo(mask.dtype).min)
+        added = added + mask.double().masked_fill(~allowed, 0.0)
     heads = logits.shape[-3]
     by_head = lambda t: t.movedim(-3, 0).reshape(heads, -1)  # noqa: E731
     peak = by_head(logits.masked_fill(~allowed, -math.inf)).amax(1)
@@ -166,6 +168,62 @@ def test_micro_batches_and_checkpointing_count_each_call_once(tmp_path) -> None:
     check_model(tmp_path, model, r"transformer\.h\.\d+\.attn", forward)
 
 
+def _encoder_stack() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True) for _ in range(2)])
+
+
+CHECKPOINTED = {
+    "checkpoint_sequential": lambda model, x: torch.utils.checkpoint.checkpoint_sequential(
+        model, 2, x, use_reentrant=False
+    ),
+    "checkpoint_sequential_reentrant": lambda model, x: torch.utils.checkpoint.checkpoint_sequential(
+        model, 2, x, use_reentrant=True
+    ),
+    "whole_model_reentrant": lambda model, x: torch.utils.checkpoint.checkpoint(model, x, use_reentrant=True),
+}
+
+
+@pytest.mark.parametrize("how", CHECKPOINTED)
+def test_calls_without_the_models_forward_and_reentrant_checkpoints_are_recorded(tmp_path, how) -> None:
+    """checkpoint_sequential calls the model's children, not its forward; a reentrant checkpoint
+    runs its first pass without gradients and recomputes it in backward: recorded once each."""
+    model = _encoder_stack()
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    run = CHECKPOINTED[how]
+    check_model(tmp_path, model, r"\d+\.self_attn", lambda: run(model, x).square().mean(), steps=2, capture=KernelCalls)
+
+
+def test_lightning_training_step_calling_submodules_is_recorded(tmp_path) -> None:
+    """A LightningModule whose training_step calls its submodules, never its own forward."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from tblog_hooks.integrations.lightning import HookLoggerCallback
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder, self.head = _encoder_stack(), nn.Linear(16, 1)
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return (self.head(self.encoder(batch[0])) - batch[1]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = torch.utils.data.TensorDataset(torch.randn(8, 6, 16), torch.randn(8, 6, 1))
+    net = Net()
+    calls = KernelCalls(net, r"encoder\.\d+\.self_attn")
+    trainer = models.lightning_trainer(tmp_path, [HookLoggerCallback(attention=True, every=1)], max_steps=1)
+    with calls:
+        trainer.fit(net, torch.utils.data.DataLoader(data, batch_size=4))
+    expected = calls.expected()
+    assert set(expected) == {"encoder.0.self_attn", "encoder.1.self_attn"}
+    run = read_run(trainer.logger.log_dir)
+    for name, (peak, entropy) in expected.items():
+        assert run.scalar(f"attention/max_logit/{name}", 0) == pytest.approx(peak, rel=REL), name
+        assert run.scalar(f"attention/entropy/{name}", 0) == pytest.approx(entropy, rel=REL), name
+
+
 def test_a_forward_that_raises_leaves_no_mode_behind(tmp_path) -> None:
     class Failing(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,6 +259,83 @@ def test_bert_padding_mask(tmp_path) -> None:
         r"bert\.encoder\.layer\.\d+\.attention\.self",
         lambda: model(tokens, attention_mask=padding, labels=tokens).loss,
     )
+
+
+def test_t5_padded_encoder_and_cross_attention(tmp_path) -> None:
+    """T5 masks padded keys with ``torch.finfo(dtype).min`` added to the logits (with its position
+    bias): they are masked, in the max logit too (its cross-attention sees the encoder's padding)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(
+        vocab_size=50, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2, decoder_start_token_id=0,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(config)
+    tokens, padding = _padded({0: 5, 2: 12})
+    labels = torch.randint(0, 50, (3, 7))
+    forward = lambda: model(tokens, attention_mask=padding, labels=labels).loss  # noqa: E731
+    check_model(tmp_path, model, r"(encoder|decoder)\.block\.\d+\.layer\.\d+\.(SelfAttention|EncDecAttention)", forward)
+
+
+class _Attend(nn.Module):
+    """One ``scaled_dot_product_attention`` call of ``x`` (times a learnt factor) with itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.factor = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q = x * self.factor
+        return nn.functional.scaled_dot_product_attention(q, x, x, attn_mask=mask)
+
+
+def _attended(tmp_path, x: torch.Tensor, mask: torch.Tensor | None = None, autocast=None) -> tuple[float, float]:
+    """``attention/max_logit`` and ``attention/entropy`` of one logged step of :class:`_Attend`."""
+    model = _Attend()
+    with HookLogger(model, log_dir=tmp_path, every=1, attention=True, histograms=False) as hooks:
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            out = model(x, mask)
+        out.float().sum().backward()
+        hooks.step()
+    run = read_run(tmp_path)
+    return run.scalar("attention/max_logit/root", 0), run.scalar("attention/entropy/root", 0)
+
+
+def test_a_lowest_value_float_mask_reads_as_the_bool_mask(tmp_path) -> None:
+    """Hugging Face's ``torch.finfo(dtype).min`` masks the keys a bool mask does: the same values."""
+    x = torch.randn(2, 2, 6, 8)
+    x[:, :, 4:] *= 10  # the masked keys have the largest logits
+    allowed = torch.ones(6, 6, dtype=torch.bool)
+    allowed[:, 4:] = False
+    for dtype in (torch.float32, torch.bfloat16):
+        lowest = torch.zeros(6, 6, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        with_bool = _attended(tmp_path / f"bool-{dtype}", x.to(dtype), allowed)
+        with_lowest = _attended(tmp_path / f"lowest-{dtype}", x.to(dtype), lowest)
+        assert with_lowest == pytest.approx(with_bool, rel=1e-6), dtype
+        peak, entropy, count = reference(x.to(dtype)[:, :, :, :], x.to(dtype), allowed)
+        assert with_bool == pytest.approx((float(peak.max()), float(entropy.sum() / count.sum())), rel=REL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_statistics_are_float32_under_autocast(tmp_path, dtype) -> None:
+    """Under autocast the logits are recomputed in float32 from the call's (low-precision) query and
+    key: equal to float64 from the same tensors; under fp16 an unscaled q·kᵀ of 74,000 does not overflow."""
+    big = 36.0 if dtype == torch.float16 else 3.0
+    x = (torch.randn(2, 2, 8, 64) * big).to(dtype)
+    got = _attended(tmp_path, x, autocast=dtype)
+    assert (x[0, 0].float() @ x[0, 0].float().T).abs().max() > 65504 or dtype != torch.float16
+    peak, entropy, count = reference(x, x)
+    assert got == pytest.approx((float(peak.max()), float(entropy.sum() / count.sum())), rel=REL, abs=1e-6)
+
+
+def test_gpt2_under_bf16_autocast(tmp_path) -> None:
+    model = models.gpt2(32, 50)
+    tokens, padding = _padded({1: 10})
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(tokens, attention_mask=padding, labels=tokens).loss
+
+    check_model(tmp_path, model, r"transformer\.h\.\d+\.attn", forward)
 
 
 def test_timm_vit(tmp_path) -> None:
@@ -259,7 +394,7 @@ def test_multihead_attention_with_weights(tmp_path) -> None:
 
 # -- the statistics themselves ---------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "case", ["plain", "causal", "bool_mask", "float_mask", "gqa", "scale", "three_dims", "masked_row"]
+    "case", ["plain", "causal", "bool_mask", "float_mask", "lowest_mask", "gqa", "scale", "three_dims", "masked_row"]
 )
 def test_statistics_per_head(case) -> None:
     q, k = torch.randn(2, 4, 9, 8) * 3, torch.randn(2, 4, 11, 8) * 3
@@ -273,6 +408,9 @@ def test_statistics_per_head(case) -> None:
     elif case == "float_mask":
         mask = torch.randn(1, 4, 9, 11)
         mask[..., 5] = -math.inf
+    elif case == "lowest_mask":  # Hugging Face's, with a bias added (it stays the lowest value)
+        mask = torch.randn(1, 4, 9, 11).masked_fill(torch.rand(1, 4, 9, 11) > 0.6, torch.finfo(torch.float32).min)
+        mask = mask + torch.randn(1, 4, 9, 11)
     elif case == "gqa":
         k = torch.randn(2, 2, 11, 8)
     elif case == "scale":
@@ -346,7 +484,7 @@ def test_chunks_bound_the_memory() -> None:
     """A small budget splits the queries: no temporary exceeds it, the values stay the same."""
     q, k = torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
     mask = torch.rand(1, 1, 300, 300) > 0.5
-    budget = 1 << 16  # a chunk of 2 x 300 keys x 4 bytes x 5 temporaries: 5 queries
+    budget = 1 << 16  # a chunk of 2 x 300 keys x 4 bytes x 3 temporaries: 9 queries
     sizes = Sizes()
     with sizes:
         got = attention_statistics(q, k, mask, True, budget=budget)
@@ -426,7 +564,7 @@ def _scale_query_key(model: nn.Module, block: int, factor: float) -> None:
         c_attn.bias[: 2 * width] *= factor
 
 
-def test_scaled_query_and_key_weights_are_found_in_their_block_only(tmp_path) -> None:
+def test_scaled_query_and_key_weights_are_found_in_their_block_only(tmp_path, capsys) -> None:
     model = models.gpt2(32, 50)
     _scale_query_key(model, 1, 30.0)
     tokens = torch.randint(0, 50, (4, 16))
@@ -441,6 +579,12 @@ def test_scaled_query_and_key_weights_are_found_in_their_block_only(tmp_path) ->
     assert run.scalar("health/attention_entropy_collapse", 0) == 1
     pictures = read_images(tmp_path, "health/attention_entropy")
     assert list(pictures) == [0]  # (their layout: tests/test_charts.py)
+    # The report replays them from the attention/* scalars (the module, not the head), and fails on them.
+    (loaded,) = report.load_all(tmp_path, "run")
+    replayed = [(f.kind, f.step, f.module) for f in report.findings(loaded) if f.kind in ATTENTION_FINDINGS]
+    assert sorted(replayed) == sorted((f.kind, f.step, f.module) for f in found)
+    assert main(["report", str(tmp_path), "--fail-on", "attention_logit_growth"]) == 1
+    assert "step 0: attention_logit_growth [transformer.h.1.attn]" in capsys.readouterr().out
 
 
 def _healthy(name: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
@@ -512,3 +656,26 @@ def test_compiled_model_warns_once_and_logs_no_attention(tmp_path) -> None:
     tags = read_tags(tmp_path)["scalars"]
     assert "activation/mean/layers.0.linear1" in tags
     assert not [t for t in tags if t.startswith("attention/")]
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch.compiler.set_stance: torch 2.6 and later")
+def test_compiled_model_whose_logged_steps_run_eagerly_logs_the_eager_values(tmp_path) -> None:
+    """The recipe of docs/attention.md: the logged steps' forward under set_stance("force_eager")."""
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 5, 16)
+    with HookLogger(twin, log_dir=tmp_path / "eager", every=2, attention=True, histograms=False) as hooks:
+        models.train(hooks, (twin(x).square().mean() for _ in range(3)))
+    with HookLogger(model, log_dir=tmp_path / "compiled", every=2, attention=True, histograms=False) as hooks:
+        compiled = torch.compile(model, backend="aot_eager")
+        for _ in range(3):
+            logged = hooks.global_step % hooks.every == 0
+            with torch.compiler.set_stance("force_eager" if logged else "default"):
+                loss = compiled(x).square().mean()
+            loss.backward()
+            hooks.step()
+    eager, got = read_run(tmp_path / "eager").scalars, read_run(tmp_path / "compiled").scalars
+    attention = {t: v for t, v in eager.items() if t.startswith("attention/")}
+    assert len(attention) == 2 and all(sorted(v) == [0, 2] for v in attention.values())
+    assert {t: v for t, v in got.items() if t.startswith("attention/")} == attention

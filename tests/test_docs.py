@@ -123,6 +123,7 @@ def declared_tags() -> dict[str, set[str]]:
     scalars |= {SCALE_TAG, SKIPPED_TAG}
     scalars |= {f"{Root.HEALTH}/{kind}" for kind in FINDING_KINDS}
     scalars |= {f"{Root.STEP}/{Stat.GRAD_NORM}", f"{Root.STEP}/{Stat.LOSS}", f"{Root.SPIKE}/{Stat.GRAD_NORM}/{MODULE}"}
+    scalars.add(f"{Root.STEP}/{Stat.SAMPLES}")
     histograms = {f"{root}/{PARAM if root in (Root.PARAM_GRAD, Root.PARAM) else MODULE}" for root in HISTOGRAM_KINDS}
     return {
         "scalar": scalars,

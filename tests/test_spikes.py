@@ -4,9 +4,10 @@ attributed to a module, the steps after them logged in full, at a fixed handful 
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import OpCounter, needs_cuda, read_run, spawn_ranks
@@ -102,6 +103,175 @@ def test_report_lists_the_spikes_and_fails_on_them(tmp_path, capsys) -> None:
     assert "spike" not in capsys.readouterr().out
 
 
+def _nonfinite_run(log_dir: Path, *, at: int, inject: str, steps: int = 80, fused_scaler: bool = False) -> list:
+    """An MLP trained with AdamW (no GradScaler unless ``fused_scaler``); at step ``at``, an Inf in
+    the gradient of one weight (``inject="param"``: module 4's) or in the gradient flowing back into
+    module 4's output (``"backward"``: modules 4, 2 and 0 get non-finite gradients)."""
+    model = mlp(16, 32, 32, 32, 4, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=fused_scaler or None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0) if fused_scaler else None
+    with HookLogger(model, log_dir=log_dir, every=50, optimizer=opt, spikes=True, scaler=scaler) as hooks:
+        for step in range(steps):
+            x, y = _teacher()
+            out = model[:5](x)
+            if step == at and inject == "backward":
+                out.register_hook(lambda g: g * math.inf)
+            loss = nn.functional.cross_entropy(model[5:](out), y)
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            if step == at and inject == "param":
+                model[4].weight.grad[0, 0] = math.inf
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+            hooks.step(loss=loss)
+        return hooks.findings
+
+
+@pytest.mark.parametrize(("inject", "first"), [("param", "4"), ("backward", "0")])
+def test_nonfinite_gradient_between_logged_steps_is_found_at_its_step(
+    tmp_path, capsys, inject: str, first: str
+) -> None:
+    """No GradScaler: the Inf reaches the weights, which are NaN from then on. ``nonfinite`` starts at
+    the step of the Inf, naming the first module in forward order whose gradient is not finite; every
+    series goes on."""
+    findings = _nonfinite_run(tmp_path, at=37, inject=inject)
+    per_step = [f for f in findings if f.step <= 37]  # (the steps after it are logged in full: NaN outputs)
+    assert [(f.kind, f.step, f.module) for f in per_step] == [("nonfinite", 37, first)]
+    assert not math.isfinite(per_step[0].value)
+    if inject == "backward":
+        assert "(then 2, 4)" in per_step[0].message
+    run = read_run(tmp_path)
+    grad_norm, loss = run.scalars["step/grad_norm"], run.scalars["step/loss"]
+    assert sorted(grad_norm) == sorted(loss) == list(range(80))
+    assert all(math.isfinite(grad_norm[s]) for s in range(37)) and not any(
+        math.isfinite(grad_norm[s]) for s in range(37, 80)
+    )
+    assert math.isfinite(loss[37]) and math.isnan(loss[38])  # (the step after: the weights are NaN)
+    assert not math.isfinite(run.scalars[f"spike/grad_norm/{first}"][37])
+    assert math.isfinite(run.scalars["spike/grad_norm/6"][37])  # (the module after the Inf)
+    # The report replays the series: the same finding, at its step.
+    (loaded,) = report.load_all(tmp_path, "run")
+    replayed = [(f.kind, f.step, f.module, f.message) for f in report.findings(loaded) if f.step <= 37]
+    assert replayed == [(f.kind, f.step, f.module, f.message) for f in per_step]
+    assert main(["report", str(tmp_path), "--fail-on", "nonfinite"]) == 1
+    assert f"step 37: nonfinite [{first}]" in capsys.readouterr().out
+
+
+def test_a_step_the_scaler_skips_is_no_nonfinite_finding(tmp_path) -> None:
+    """A fused optimizer's step runs on the scaler's overflow (and skips itself): its inf gradients
+    are not read, the weights stay finite, nothing is found."""
+    findings = _nonfinite_run(tmp_path, at=37, inject="param", fused_scaler=True)
+    assert [f for f in findings if f.kind in (*SPIKE_KINDS, "nonfinite")] == []
+    grad_norm = read_run(tmp_path).scalars["step/grad_norm"]
+    assert sorted(grad_norm) == [s for s in range(80) if s != 37]
+    assert all(math.isfinite(v) for v in grad_norm.values())
+
+
+def _gpt2(layers: int) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=layers, n_head=2)
+    return transformers.GPT2LMHeadModel(config)
+
+
+ONE_MODULE = {  # model, its loss, the parameters whose gradients are scaled, the factor, the module expected
+    "mlp-8-layers": (
+        lambda: mlp(1024, *[32] * 7, 4, seed=0),
+        lambda m: _teacher_loss(m, dim=1024, batch=256), ["8.weight", "8.bias"], 30.0, "8",
+    ),
+    "gpt2-4-layers": (
+        lambda: _gpt2(4),
+        lambda m: _language_loss(m), ["transformer.h.2.ln_2.weight", "transformer.h.2.ln_2.bias"], 50.0,
+        "transformer.h.2.ln_2",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ONE_MODULE)
+def test_a_spike_in_one_module_is_found_where_the_global_norm_barely_moves(tmp_path, case: str) -> None:
+    """Each watched module's own norm is judged against its own history (by a stricter bar): a
+    module whose gradient jumps 30-50x starts gradient_spike naming it, while the global norm rises
+    less than grad_ratio."""
+    build, loss_of, params, factor, expected = ONE_MODULE[case]
+    torch.manual_seed(0)
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    at, totals = 120, []
+    with HookLogger(model, log_dir=tmp_path, every=1000, optimizer=opt, spikes=True) as hooks:
+        for step in range(at + 10):
+            loss = loss_of(model)
+            loss.backward()
+            if step == at:
+                for name in params:
+                    model.get_parameter(name).grad.mul_(factor)
+            totals.append(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item())
+            opt.step()
+            opt.zero_grad()
+            hooks.step(loss=loss)
+        spikes = [f for f in hooks.findings if f.kind in SPIKE_KINDS]
+    assert totals[at] < 3 * sorted(totals[:at])[at // 2]  # the global norm stays under grad_ratio
+    assert [(f.kind, f.step, f.module) for f in spikes] == [("gradient_spike", at, expected)]
+    assert spikes[0].value > 10 and f"the gradient norm of {expected} is" in spikes[0].message
+    (run,) = report.load_all(tmp_path, "run")
+    replayed = [(f.kind, f.step, f.module) for f in report.findings(run) if f.kind in SPIKE_KINDS]
+    assert replayed == [("gradient_spike", at, expected)]
+
+
+def test_report_of_a_resumed_run_leaves_out_what_tensorboard_purged(tmp_path) -> None:
+    """A run with a spike at 175 crashed at 200 and resumed at step 100 (start_step, a purge in
+    TensorBoard's terms) is now at 160: the report reads the run as TensorBoard shows it."""
+    findings, *_ = _spike_run(tmp_path, at=175, scale=100.0, param="4.weight", steps=200)
+    assert [(f.kind, f.step) for f in findings if f.kind in SPIKE_KINDS] == [("gradient_spike", 175)]
+    model = mlp(16, 32, 32, 32, 4, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    with HookLogger(model, log_dir=tmp_path, every=50, optimizer=opt, spikes=True, start_step=100) as hooks:
+        for _ in range(60):
+            loss = nn.functional.cross_entropy(model(_teacher()[0]), _teacher()[1])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step(loss=loss)
+    shown = read_run(tmp_path).scalars  # TensorBoard's EventAccumulator (purge_orphaned_data)
+    (run,) = report.load_all(tmp_path, "run")
+    assert sorted(run.series) == sorted(shown["step/grad_norm"]) == list(range(160))
+    assert list(run.scalars) == sorted(shown["param_grad/global_norm"]) == [0, 50, 100, 150]
+    assert [f for f in report.findings(run) if f.kind in SPIKE_KINDS] == []
+    assert main(["report", str(tmp_path), "--fail-on", "gradient_spike"]) == 0
+
+
+def test_a_one_sample_last_batch_is_not_judged(tmp_path) -> None:
+    """DataLoader(drop_last=False) over 65 samples in batches of 32: each epoch ends with a batch of
+    one sample, whose gradient is mostly noise. Such a step (under half the usual batch) is written
+    but not judged; a spike in a full batch is still found."""
+    x, y = _teacher(batch=65)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
+    torch.manual_seed(0)
+    model = mlp(16, 32, 32, 32, 4, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    step, spiked = 0, 0
+    with HookLogger(model, log_dir=tmp_path, every=1000, optimizer=opt, spikes=True) as hooks:
+        for _ in range(40):
+            for xb, yb in loader:
+                loss = nn.functional.cross_entropy(model(xb), yb)
+                loss.backward()
+                if step == 100:
+                    assert len(xb) == 32
+                    spiked = step
+                    model[2].weight.grad.mul_(100)
+                opt.step()
+                opt.zero_grad()
+                hooks.step(loss=loss)
+                step += 1
+        spikes = [(f.kind, f.step, f.module) for f in hooks.findings if f.kind in SPIKE_KINDS]
+    assert spikes == [("gradient_spike", spiked, "2")]
+    samples = read_run(tmp_path).scalars["step/samples"]
+    assert samples == {s: 1.0 if s % 3 == 2 else 32.0 for s in range(120)}
+    (run,) = report.load_all(tmp_path, "run")  # the report judges the steps the logger judged
+    assert [(f.kind, f.step, f.module) for f in report.findings(run) if f.kind in SPIKE_KINDS] == spikes
+
+
 def test_loss_spike_without_optimizer_given(tmp_path) -> None:
     """The pre-hook fires for every torch.optim optimizer: norms are read without optimizer= too."""
     model = mlp(16, 32, 4, seed=0)
@@ -176,8 +346,8 @@ def _language_loss(model: nn.Module) -> torch.Tensor:
     return model(input_ids=tokens, labels=tokens).loss  # type: ignore[no-any-return]
 
 
-def _teacher_loss(model: nn.Module) -> torch.Tensor:
-    x, y = _teacher()
+def _teacher_loss(model: nn.Module, dim: int = 16, batch: int = 32) -> torch.Tensor:
+    x, y = _teacher(dim, batch=batch)
     return nn.functional.cross_entropy(model(x), y)
 
 
@@ -320,7 +490,10 @@ def test_spikes_off_by_default_writes_no_series(tmp_path) -> None:
 
 
 # -- framework callbacks -----------------------------------------------------------------------------
-def test_lightning_callback_passes_each_steps_loss(tmp_path) -> None:
+@pytest.mark.parametrize("accumulate", [1, 2, 3])
+def test_lightning_callback_passes_each_steps_loss(tmp_path, accumulate: int) -> None:
+    """The step's loss is the training_step loss (the mean over its micro-batches under accumulation:
+    Lightning hands on each divided by accumulate_grad_batches)."""
     pl = pytest.importorskip("lightning.pytorch")
     from models import lightning_trainer
 
@@ -342,18 +515,23 @@ def test_lightning_callback_passes_each_steps_loss(tmp_path) -> None:
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
     data = torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 1))
-    trainer = lightning_trainer(tmp_path, [HookLoggerCallback(spikes=True, every=4)])
+    callback = HookLoggerCallback(spikes=True, every=4)
+    trainer = lightning_trainer(tmp_path, [callback], accumulate_grad_batches=accumulate)
     trainer.fit(Net(), torch.utils.data.DataLoader(data, batch_size=2))
     run = read_run(trainer.logger.log_dir)
-    assert run.scalars["step/loss"] == pytest.approx(dict(enumerate(losses)), rel=1e-6)
-    assert sorted(run.scalars["step/grad_norm"]) == list(range(12))
+    steps = 12 // accumulate
+    means = {s: sum(losses[s * accumulate : (s + 1) * accumulate]) / accumulate for s in range(steps)}
+    assert run.scalars["step/loss"] == pytest.approx(means, rel=1e-6)
+    assert sorted(run.scalars["step/grad_norm"]) == list(range(steps))
 
 
-def test_transformers_callback_passes_each_steps_loss(tmp_path) -> None:
+@pytest.mark.parametrize(("accumulate", "loss_keywords"), [(1, False), (2, False), (3, True)])
+def test_transformers_callback_passes_the_trainers_own_loss(tmp_path, accumulate: int, loss_keywords: bool) -> None:
+    """step/loss is the Trainer's own train/loss (logging_steps=1), under gradient accumulation too:
+    the Trainer divides a model's loss by the micro-batches, unless the model takes loss keywords and
+    divides by the step's num_items_in_batch."""
     transformers = pytest.importorskip("transformers")
     from tblog_hooks.integrations.transformers import HookLoggerCallback
-
-    losses: list[float] = []
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -361,10 +539,13 @@ def test_transformers_callback_passes_each_steps_loss(tmp_path) -> None:
             self.net = mlp(4, 8, 1, act=nn.ReLU, seed=0)
 
         def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-            loss = (self.net(x) - labels).pow(2).mean()
-            if self.training:
-                losses.append(loss.item())
-            return {"loss": loss}
+            return {"loss": (self.net(x) - labels).pow(2).mean()}
+
+    class PerItem(Net):
+        def forward(self, x: torch.Tensor, labels: torch.Tensor, **kwargs: object) -> dict[str, torch.Tensor]:
+            items = kwargs.get("num_items_in_batch")
+            assert items is not None  # (the Trainer passes it to a model taking loss keywords)
+            return {"loss": (self.net(x) - labels).pow(2).sum() / items}
 
     class Samples(torch.utils.data.Dataset):
         def __init__(self) -> None:
@@ -379,15 +560,48 @@ def test_transformers_callback_passes_each_steps_loss(tmp_path) -> None:
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=2, num_train_epochs=1, learning_rate=0.05,
         save_strategy="no", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, report_to=["tensorboard"],
-        logging_steps=4,
+        logging_steps=1, gradient_accumulation_steps=accumulate,
     )  # fmt: skip
-    callback = HookLoggerCallback(spikes=True)
-    transformers.Trainer(model=Net(), args=args, train_dataset=Samples(), callbacks=[callback]).train()
+    callback = HookLoggerCallback(spikes=True, every=4)
+    model = PerItem() if loss_keywords else Net()
+    transformers.Trainer(model=model, args=args, train_dataset=Samples(), callbacks=[callback]).train()
     (run_dir,) = (tmp_path / "runs").iterdir()
     run = read_run(run_dir)
-    # The Trainer shows its optimizer steps at 1..12, as the callback does.
-    assert run.scalars["step/loss"] == pytest.approx({i + 1: v for i, v in enumerate(losses)}, rel=1e-6)
+    # The Trainer shows its optimizer steps at 1..steps, as the callback does.
+    own = run.scalars["train/loss"]
+    assert sorted(own) == list(range(1, 12 // accumulate + 1))
+    assert run.scalars["step/loss"] == pytest.approx(own, rel=1e-5)
     assert callback.hooks is None  # closed, its loss hook removed
+
+
+class _LateRows:
+    """Per-step rows that reach the host two steps late, as a CUDA copy's may (``StepNorms``' part
+    that ``SpikeLog`` uses)."""
+
+    def __init__(self, rows: dict[int, list[float]]) -> None:
+        self.rows, self.queue = rows, deque()
+
+    def end_step(self, step: int, loss: object) -> None:
+        self.queue.append((step, np.array(self.rows[step], dtype=np.float32), True))
+
+    def take(self, *, wait: bool) -> list:
+        return [self.queue.popleft() for _ in range(len(self.queue) - (0 if wait else 2))] if self.queue else []
+
+    def refresh(self) -> None:
+        pass
+
+
+def test_the_steps_after_a_spike_read_late_are_counted_from_the_spike() -> None:
+    """A spike at step 40 whose row is read at step 42: the steps logged in full are those up to
+    40 + after that are still to come (43), not three more from the step that read it."""
+    from tblog_hooks.diagnostics.spikes import SpikeWatch
+    from tblog_hooks.spike_log import SpikeLog
+
+    noise = np.random.default_rng(0).lognormal(0.0, 0.05, 60)
+    rows = {s: [float(noise[s] * (100.0 if s == 40 else 1.0)) ** 2, 1.0] for s in range(60)}
+    log = SpikeLog(_LateRows(rows), SpikeWatch(Spikes(), ["a"]), None, None, every=1000, force=True)  # type: ignore[arg-type]
+    full = [s + 1 for s in range(60) if log.step(s, None)]
+    assert full == [43]
 
 
 @needs_cuda
@@ -413,3 +627,44 @@ def test_cuda_norms_reach_the_host_without_a_sync(tmp_path) -> None:
     run = read_run(tmp_path)
     assert run.scalars["step/grad_norm"] == pytest.approx(dict(enumerate(torch.stack(truths).tolist())), rel=1e-4)
     assert run.scalars["step/loss"] == pytest.approx(dict(enumerate(torch.stack(losses).tolist())), rel=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_ring_is_pinned_when_the_first_step_has_no_optimizer_step(tmp_path) -> None:
+    """A first step without an optimizer step (a number for its loss) has no CUDA tensor: the
+    ring is pinned once one comes, so that the copies stay non-blocking."""
+    device = torch.device("cuda")
+    model = mlp(16, 32, 4, seed=0).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with HookLogger(model, log_dir=tmp_path, every=1000, optimizer=opt, spikes=True) as hooks:
+        hooks.step(loss=1.0)
+        for _ in range(3):
+            loss = model(torch.randn(8, 16, device=device)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step(loss=loss)
+        assert hooks._spikes.norms._host.is_pinned()  # type: ignore[union-attr]
+    assert sorted(read_run(tmp_path).scalars["step/grad_norm"]) == [1, 2, 3]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_model_over_two_gpus_and_its_loss_on_the_second(tmp_path) -> None:
+    """The norms of parameters on two GPUs are added up on the first; the loss, on the second, is
+    read once its own copy is done."""
+    first, second = mlp(16, 32, seed=0).to("cuda:0"), mlp(32, 4, seed=1).to("cuda:1")
+    model = nn.Sequential(first, second)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    truths, losses = [], []
+    with HookLogger(model, log_dir=tmp_path, every=1000, optimizer=opt, spikes=True) as hooks:
+        for _ in range(20):
+            loss = second(first(torch.randn(8, 16, device="cuda:0")).to("cuda:1")).square().mean()
+            loss.backward()
+            truths.append(math.sqrt(sum(p.grad.double().square().sum().item() for p in model.parameters())))
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+            hooks.step(loss=loss)
+    run = read_run(tmp_path)
+    assert run.scalars["step/grad_norm"] == pytest.approx(dict(enumerate(truths)), rel=1e-4)
+    assert run.scalars["step/loss"] == pytest.approx(dict(enumerate(losses)), rel=1e-6)

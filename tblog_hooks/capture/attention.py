@@ -1,9 +1,13 @@
 """Attention statistics of every ``scaled_dot_product_attention`` call a logged forward pass makes,
 seen without patching the function or the model.
 
-A forward pre-hook on the model enters a ``TorchFunctionMode`` when a counted forward pass of a
-logged step begins, and the model's forward hook (``always_call``: also when the forward raises)
-leaves it; on other steps both return at once and no mode is active. While it is active, the
+A forward pre-hook on the model, and on each of its children (a training step may call them
+without the model's own forward: Lightning's ``training_step``, ``checkpoint_sequential``),
+enters a ``TorchFunctionMode`` when a counted forward pass of a logged step begins (the first of
+them: calls nested in it only count), and its forward hook (``always_call``: also when the forward
+raises) leaves it; on other steps they return at once and no mode is active. Which passes count is
+decided as for the activations (``passes.py``): a reentrant checkpoint's first pass runs under
+``no_grad``, so its recompute inside backward is the pass recorded. While it is active, the
 mode passes every torch function through unchanged and, after each
 ``F.scaled_dot_product_attention`` or ``F.multi_head_attention_forward`` call (whose own SDPA
 call a mode cannot see), recomputes the logits from the call's detached query and key
@@ -31,6 +35,7 @@ from ..stats.kinds import ATTENTION
 from ..stats.packing import Record
 from ..topology.parallel import TensorParallel
 from .hooks import _Hook
+from .passes import PassFilter
 from .selection import ROOT_NAME, Selector, named_modules, select_modules
 from .step import Part, StepBuffer
 
@@ -61,16 +66,24 @@ class AttentionRecorder:
             except HookLoggerError as error:
                 raise HookLoggerError(f"attention= (True, or the same selectors as modules=): {error}") from None
         self._mode = _Capture(self)
+        self._passes = PassFilter(eval_passes=eval_passes)
         self._depth = 0  # nested calls of the model inside the forward pass that entered the mode
         self._compiled = self._compile_warned = False
 
     def hooks(self) -> tuple[Callable[..., None], Callable[..., None]]:
-        """The model's forward pre-hook and forward hook (register the latter with ``always_call=True``)."""
+        """The forward pre-hook and forward hook of the :meth:`entries` (register the latter with
+        ``always_call=True``)."""
         return _Enter(self), _Leave(self)
 
+    @staticmethod
+    def entries(model: nn.Module) -> list[nn.Module]:
+        """The modules whose forward starts a capture: the model and its children."""
+        return [model, *model.children()]
+
     def enter(self, module: nn.Module) -> None:
-        """The model's forward begins: capture its attention calls if it is a counted pass of a
-        logged step (training, or any with ``eval_passes``; not a checkpoint recompute)."""
+        """An entry's forward begins: capture its attention calls if it is a counted pass of a
+        logged step (training, or any with ``eval_passes``; a checkpoint's recompute only where
+        its first pass ran without gradients)."""
         if self._depth:
             self._depth += 1
             return
@@ -80,8 +93,8 @@ class AttentionRecorder:
         if mode is not None and mode.compiled:
             self._compiled = True
             return
-        counted = self.eval_passes or (module.training and torch.is_grad_enabled())
-        if not counted or mode is None or mode.in_backward():
+        name = self._names.get(module, ROOT_NAME)
+        if mode is None or not self._passes.classify(name, module.training, mode.in_backward()).activations:
             return
         self._mode.__enter__()
         self._depth = 1
@@ -99,11 +112,13 @@ class AttentionRecorder:
         if self._depth:
             self._depth = 0
             self._pop()
+        self._passes.reset()
         if self._compiled and not self._compile_warned:
             self._compile_warned = True
             warnings.warn(
                 "tblog_hooks: attention= records nothing inside torch.compile'd code, so attention/* is not logged "
-                "for the compiled model; run the logged steps' forward eagerly to get it (docs: attention.md)",
+                "for the compiled model; run the logged steps' forward eagerly to get it, e.g. under "
+                "torch.compiler.set_stance('force_eager') (docs: attention.md#torchcompile)",
                 RuntimeWarning,
                 stacklevel=4,
             )

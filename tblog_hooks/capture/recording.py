@@ -94,8 +94,9 @@ class Recording:
             self.gradients.place_probes(model, modules)
         if self.attention is not None:
             enter, leave = self.attention.hooks()
-            self.handles.add(model.register_forward_pre_hook(enter))
-            self.handles.add(model.register_forward_hook(leave, always_call=True))
+            for entry in self.attention.entries(model):
+                self.handles.add(entry.register_forward_pre_hook(enter))
+                self.handles.add(entry.register_forward_hook(leave, always_call=True))
         if self.optimizer_hooks is not None:
             self.handles.add(register_optimizer_step_pre_hook(self.optimizer_hooks.pre))
             self.handles.add(register_optimizer_step_post_hook(self.optimizer_hooks.post))

@@ -7,7 +7,9 @@ norms of the watched parameters' gradients that optimizer steps in one multi-ten
 adds their squares up per watched module on the device (a fixed handful of ops, whatever the
 number of parameters). At ``step()`` the per-module squares, their total and the loss go to a
 host ring of the last ``steps`` steps with one non-blocking copy; a row is read once its copy is
-complete: on the CPU at once, on CUDA when its event says so (at a later ``step()``).
+complete: on the CPU at once, on CUDA when its event says so (at a later ``step()``). A step whose
+gradients were not read (no optimizer stepped, or a fused optimizer's step the ``GradScaler``
+skipped) has negative squares, :data:`NOT_READ`; non-finite ones are the gradients' own.
 
 FSDP2 (and tensor-parallel) gradients are ``DTensor`` pieces: their squares are summed over the
 mesh dims each gradient is sharded on (``topology.sharding.Split``; a ``RowwiseParallel``
@@ -27,18 +29,21 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from .._compat import step_closure
+from .._compat import in_backward, step_closure
 from ..errors import HookLoggerError
 from ..stats.reductions import loggable, norms
 from ..topology.sharding import is_dtensor, is_partial, local
 from ..transport import amp
 from ..transport.distributed import rank_and_world
+from .hooks import _Hook
 from .watched import Watched
 
 Groups = tuple[dist.ProcessGroup, ...]
+#: The squares of a step whose gradients were not read (squares are never negative).
+NOT_READ = -1.0
 
 
 class StepNorms:
@@ -57,8 +62,10 @@ class StepNorms:
         self._device = torch.device("cpu")  # of the squares
         self._after: set[int] = set()  # optimizers stepping with a closure: read after their step
         self._host: Tensor | None = None  # [steps, modules + 1] float32, pinned on CUDA
-        self._pending: deque[tuple[int, int, torch.cuda.Event | None]] = deque()  # (step, row, copy done)
-        self._done: list[tuple[int, np.ndarray]] = []
+        self._pinned = False
+        # (step, row, the copies' events (none on the CPU), whether a loss was given)
+        self._pending: deque[tuple[int, int, tuple[torch.cuda.Event, ...], bool]] = deque()
+        self._done: list[tuple[int, np.ndarray, bool]] = []
         self._next_row = 0
         self.failed = False
         self._partial_warned = False
@@ -105,7 +112,11 @@ class StepNorms:
             if partial:
                 self._say_partial(partial)
             if grads:
-                self._stepped[id(optimizer)] = self._squares(grads, tuple(slots), amp.grad_scale(optimizer))
+                scale = amp.grad_scale(optimizer)
+                squares = self._squares(grads, tuple(slots), scale)
+                if scale is not None:  # a step the scaler skips runs (on inf gradients): not read
+                    squares = squares.where(optimizer.found_inf.to(squares.device) == 0, NOT_READ)  # type: ignore[attr-defined]
+                self._stepped[id(optimizer)] = squares
         except Exception as error:  # the logger must never stop training
             self._fail(error)
 
@@ -130,11 +141,13 @@ class StepNorms:
         at each step once the watched parameters are known to be sharded, whatever it read."""
         stepped, self._stepped = list(self._stepped.values()), {}
         if not self._group_sets:
-            return None if not stepped else stepped[0] if len(stepped) == 1 else torch.stack(stepped).sum(0)
+            return (
+                None if not stepped else stepped[0] if len(stepped) == 1 else torch.stack(on_one_device(stepped)).sum(0)
+            )
         blocks = 1 + len(self._group_sets)
         try:
             if stepped:
-                rows = torch.stack(stepped).sum(0).view(blocks, len(self.modules))
+                rows = torch.stack(on_one_device(stepped)).sum(0).view(blocks, len(self.modules))
             else:  # (this rank stepped nothing it watches, or stopped watching: it joins with zeros)
                 rows = torch.zeros(blocks, len(self.modules), device=self._device)
             for block, groups in enumerate(self._group_sets.values(), 1):
@@ -146,10 +159,11 @@ class StepNorms:
             return None
         return None if self.failed or not stepped else rows.sum(0)
 
-    def take(self, *, wait: bool) -> list[tuple[int, np.ndarray]]:
-        """Rows whose copy is complete, in step order (with ``wait``: all), as ``(step, row)``:
-        ``[squared norm per module..., loss]``, NaN where not measured."""
-        while self._pending and (wait or self._pending[0][2] is None or self._pending[0][2].query()):
+    def take(self, *, wait: bool) -> list[tuple[int, np.ndarray, bool]]:
+        """Rows whose copy is complete, in step order (with ``wait``: all), as ``(step, row, loss
+        given)``: ``[squared norm per module..., loss]``, :data:`NOT_READ` squares where the step's
+        gradients were not read, a NaN loss where none was given."""
+        while self._pending and (wait or all(event.query() for event in self._pending[0][2])):
             self._read_oldest()
         done, self._done = self._done, []
         return done
@@ -192,7 +206,7 @@ class StepNorms:
     def _squares(self, grads: list[Tensor], slots: tuple[int, ...], scale: Tensor | None) -> Tensor:
         """Per-module sums of the squared gradient norms (over the shard groups too), on the device."""
         with torch.no_grad():
-            squares = torch.stack(norms(grads)).float().square()
+            squares = torch.stack(on_one_device(norms(grads))).float().square()
             device = squares.device
             index = self._indices.get(slots)
             if index is None:
@@ -205,10 +219,15 @@ class StepNorms:
 
     def _copy(self, step: int, sums: Tensor | None, loss: Tensor | float | None) -> None:
         width = len(self.modules) + 1
-        if self._host is None:
-            device = sums.device if sums is not None else loss.device if isinstance(loss, Tensor) else None
-            cuda = device is not None and device.type == "cuda"
-            self._host = torch.empty((self.steps, width), dtype=torch.float32, pin_memory=cuda)
+        device = sums.device if sums is not None else loss.device if isinstance(loss, Tensor) else None
+        cuda = device is not None and device.type == "cuda"
+        if self._host is None or (cuda and not self._pinned):
+            # Pinned once a CUDA tensor comes (a first step without an optimizer step has none):
+            # a copy into pageable memory blocks.
+            ring = torch.empty((self.steps, width), dtype=torch.float32, pin_memory=cuda)
+            if self._host is not None:
+                ring.copy_(self._host)  # (rows of CPU values: their copies are done)
+            self._host, self._pinned = ring, cuda
         if len(self._pending) == self.steps:
             self._read_oldest()  # a row still in flight after `steps` steps: wait for it
         row, self._next_row = self._next_row, (self._next_row + 1) % self.steps
@@ -219,19 +238,18 @@ class StepNorms:
             elif sums is not None:
                 host[:-1].copy_(sums, non_blocking=True)
             else:
-                host[:-1] = float("nan")
+                host[:-1] = NOT_READ
             if isinstance(loss, Tensor) and (sums is None or loss.device != sums.device):
                 host[-1:].copy_(loss.reshape(1), non_blocking=True)
             elif not isinstance(loss, Tensor):
                 host[-1] = float("nan") if loss is None else float(loss)
-        event = _event(sums if sums is not None else loss)
-        self._pending.append((step, row, event))
+        self._pending.append((step, row, _events(sums, loss), loss is not None))
 
     def _read_oldest(self) -> None:
-        step, row, event = self._pending.popleft()
-        if event is not None:
+        step, row, events, given = self._pending.popleft()
+        for event in events:
             event.synchronize()
-        self._done.append((step, self._host[row].numpy().copy()))  # type: ignore[index]
+        self._done.append((step, self._host[row].numpy().copy(), given))  # type: ignore[index]
 
     def _say_partial(self, partial: list[Tensor]) -> None:
         if self._partial_warned:
@@ -258,18 +276,54 @@ class StepNorms:
         )
 
 
+class Samples(_Hook):
+    """The model's forward pre-hook: the samples of a step's training passes, the first dim of
+    each call's first tensor argument (shape metadata, nothing read from the device)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not (module.training and torch.is_grad_enabled()) or in_backward():
+            return
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+        if first is not None and first.dim() > 0:
+            self.count += first.shape[0]
+
+    def take(self) -> int | None:
+        """The step's samples (``None``: no training pass of the model seen), and start again."""
+        count, self.count = self.count, 0
+        return count or None
+
+
+def on_one_device(tensors: list[Tensor]) -> list[Tensor]:
+    """``tensors`` on the first one's device (a model over several GPUs has its norms on each),
+    copied without a sync; the list itself when they are all there."""
+    device = tensors[0].device
+    if all(t.device == device for t in tensors):
+        return tensors
+    return [t.to(device, non_blocking=True) for t in tensors]
+
+
 def any_split(watched: Watched) -> bool:
     """Whether a watched parameter is a ``DTensor`` of several ranks (its norm needs a collective)."""
     return rank_and_world()[1] > 1 and any(is_dtensor(p) for _, p in watched.params())
 
 
-def _event(t: Tensor | float | None) -> torch.cuda.Event | None:
-    """An event after the copy just queued from ``t`` (``None`` on the CPU: that copy is done)."""
-    if not isinstance(t, Tensor) or t.device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(t.device))
-    return event
+def _events(*tensors: Tensor | float | None) -> tuple[torch.cuda.Event, ...]:
+    """An event after the copies just queued from ``tensors``, one per CUDA device they are on
+    (a loss on another GPU than the norms is copied on that GPU's stream); none on the CPU,
+    where those copies are done."""
+    devices = {t.device for t in tensors if isinstance(t, Tensor) and t.device.type == "cuda"}
+    events = []
+    for device in sorted(devices, key=str):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return tuple(events)
 
 
 def check_loss(loss: object) -> None:

@@ -64,12 +64,19 @@ def load_all(run_dir: Path, label: str) -> list[Run]:
     logged step of tblog_hooks. Raises :class:`ReportError` for a damaged event file.
 
     Event files are read in the order they were started (their first event's wall time), each
-    in file order; when a logger's steps go back, the later ones replace the earlier from the
-    step they restart at (as ``SummaryWriter(purge_step=...)`` would)."""
+    in file order. As TensorBoard does (``purge_orphaned_data``), a file that starts with a
+    ``SessionLog.START`` at step ``N`` (``SummaryWriter(purge_step=N)``, a logger's
+    ``start_step=N``) drops every value of the files before it from step ``N`` on. When a logger's
+    steps go back without one, the later ones replace the earlier from the step they restart at
+    (as ``purge_step`` would)."""
     files = [_read_file(p) for p in run_dir.glob(_EVENT_FILES) if p.is_file()]
     runs: dict[str, Run] = {}
     orders: dict[str, list[str]] = {}
     for file in sorted(files, key=lambda f: f.start):
+        for purge in file.purges:
+            for run in runs.values():
+                run.scalars = {s: v for s, v in run.scalars.items() if s < purge}
+                run.series = {s: v for s, v in run.series.items() if s < purge}
         orders |= file.orders
         for step, prefix, scalars in file.series:
             runs.setdefault(prefix, Run(label, prefix, {}, [])).series.setdefault(step, {}).update(scalars)
@@ -91,6 +98,7 @@ class _EventFile:
     steps: list[tuple[int, str, dict[str, float]]]  # (step, prefix, scalars) of each logged step, in file order
     orders: dict[str, list[str]]  # the latest forward order of each prefix
     series: list[tuple[int, str, dict[str, float]]] = field(default_factory=list)  # (step, prefix, values)
+    purges: list[int] = field(default_factory=list)  # the steps of its SessionLog.START events (before its values)
 
 
 def _read_file(path: Path) -> _EventFile:
@@ -100,6 +108,8 @@ def _read_file(path: Path) -> _EventFile:
         for record in read_records(path):
             event = event_pb2.Event.FromString(record)
             file.start = min(file.start, (event.wall_time, path.name))
+            if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
+                file.purges.append(event.step)
             by_prefix: dict[str, dict[str, float]] = {}
             for value in event.summary.value:
                 if value.HasField("simple_value") and (split := split_prefix(value.tag)):

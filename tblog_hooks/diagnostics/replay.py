@@ -71,7 +71,7 @@ def findings(run: Run, thresholds: Thresholds | None = None) -> list[Finding]:
             judge.update(step, scalars, run.order)
     finally:
         log.disabled = False
-    return sorted(judge.started + replay(run.series), key=lambda f: f.step)
+    return sorted(judge.started + replay(run.series, order=run.order), key=lambda f: f.step)
 
 
 def module_rows(run: Run) -> list[dict[str, object]]:

@@ -8,6 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from .._compat import event_file_writer, writer_closed
 from ..errors import HookLoggerError
 from ..logger import HookLogger
@@ -28,7 +31,9 @@ class HookLoggerCallback(pl.Callback):
     ``start_step``, which come from the Trainer: the experiment of its ``TensorBoardLogger`` (else a
     writer in ``trainer.log_dir``), its one optimizer, the precision plugin's ``GradScaler`` and
     ``trainer.global_step``. ``every`` defaults to ``trainer.log_every_n_steps``. With ``spikes=``,
-    each step's loss is the ``training_step`` output's (the tensor, or its ``"loss"``). Attaches when
+    each step's loss is the ``training_step`` output's (the tensor, or its ``"loss"``); under
+    ``accumulate_grad_batches``, the mean of those of the step's micro-batches (the loss whose
+    gradient the optimizer applies). Attaches when
     training starts (after a checkpoint is restored, so a resumed run continues its step numbers),
     closes at fit end and on exceptions. A ``fit`` after another stage on the same Trainer
     (``validate``, ``lr_find``, an earlier ``fit``) writes into the same run: Lightning closes its
@@ -48,6 +53,7 @@ class HookLoggerCallback(pl.Callback):
         check_options(options, "Lightning's Trainer")
         self.options = options
         self.hooks: HookLogger | None = None
+        self._losses: list[Tensor] = []  # the training_step losses of the micro-batches since the last step
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if len(trainer.optimizers) != 1:
@@ -78,9 +84,16 @@ class HookLoggerCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         # Called for every batch; under accumulate_grad_batches only some of them step the optimizer.
-        if self.hooks is not None:
-            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-            advance(self.hooks, trainer.global_step, loss if self.options.get("spikes") else None)
+        if self.hooks is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if self.options.get("spikes") and isinstance(loss, Tensor):
+            # Lightning hands on the training_step loss divided by accumulate_grad_batches.
+            self._losses.append(loss.detach() * trainer.accumulate_grad_batches)
+        if trainer.global_step > self.hooks.global_step:  # this batch stepped the optimizer
+            losses, self._losses = self._losses, []
+            mean = None if not losses else losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+            advance(self.hooks, trainer.global_step, mean)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.close()
@@ -93,6 +106,7 @@ class HookLoggerCallback(pl.Callback):
         if self.hooks is not None:
             self.hooks.close()
             self.hooks = None
+        self._losses = []
 
 
 def _opened(logger: TensorBoardLogger) -> Any:

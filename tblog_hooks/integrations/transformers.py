@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -30,9 +31,11 @@ class HookLoggerCallback(TrainerCallback):
     Takes every ``HookLogger`` option except ``writer``, ``log_dir``, ``optimizer``, ``scaler`` and
     ``start_step``, which come from the Trainer: the run directory of its ``TensorBoardCallback``,
     its optimizer, accelerate's ``GradScaler`` and its step count. ``every`` defaults to
-    ``logging_steps``. With ``spikes=``, each step's loss is the ``loss`` of the model's output in its
-    last training forward pass (the last micro-batch's, before the Trainer divides it for gradient
-    accumulation). Attaches at train begin, closes at train end (or, after an exception, at the
+    ``logging_steps``. With ``spikes=``, each step's loss is the Trainer's own (its ``train/loss``
+    with ``logging_steps=1``), from the ``loss`` of the model's outputs in the step's training
+    forward passes: under gradient accumulation their mean, or their sum when the Trainer passed the
+    model ``num_items_in_batch`` (a model taking loss keywords divides by the items of the whole
+    step). Attaches at train begin, closes at train end (or, after an exception, at the
     next train begin or :meth:`close`).
 
     Args:
@@ -48,7 +51,10 @@ class HookLoggerCallback(TrainerCallback):
         check_options(options, "the Hugging Face Trainer")
         self.options = options
         self.hooks: HookLogger | None = None
-        self._loss: Tensor | None = None  # of the latest training forward pass (spikes=)
+        # The model's output losses of the step's training forward passes, and whether the Trainer
+        # passed num_items_in_batch (spikes=).
+        self._losses: list[Tensor] = []
+        self._per_item = False
         self._loss_hook: RemovableHandle | None = None
 
     def on_train_begin(
@@ -65,19 +71,28 @@ class HookLoggerCallback(TrainerCallback):
             **{"every": int(state.logging_steps), **self.options},  # a float when given as one
         )
         if self.options.get("spikes"):  # a callback is not given the loss: the model's output holds it
-            self._loss_hook = kwargs["model"].register_forward_hook(self._keep_loss)
+            self._loss_hook = kwargs["model"].register_forward_hook(self._keep_loss, with_kwargs=True)
         # The Trainer shows an optimizer step at the global_step it ends with: the first is step 1.
         advance(self.hooks, state.global_step + 1)
 
-    def _keep_loss(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _keep_loss(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         loss = output.get("loss") if isinstance(output, Mapping) else None
-        if module.training and isinstance(loss, Tensor):
-            self._loss = loss.detach()
+        if module.training and torch.is_grad_enabled() and isinstance(loss, Tensor):
+            self._losses.append(loss.detach())
+            self._per_item = kwargs.get("num_items_in_batch") is not None
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.hooks is not None:
-            loss, self._loss = self._loss, None
-            advance(self.hooks, state.global_step + 1, loss)
+            advance(self.hooks, state.global_step + 1, self._step_loss())
+
+    def _step_loss(self) -> Tensor | None:
+        """The step's loss as the Trainer adds it up for ``train/loss``: each micro-batch's loss
+        divided by their count, unless the model divided it by the step's ``num_items_in_batch``."""
+        losses, self._losses = self._losses, []
+        if len(losses) < 2:
+            return losses[0] if losses else None
+        total = torch.stack(losses).sum()
+        return total if self._per_item else total / len(losses)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -88,7 +103,8 @@ class HookLoggerCallback(TrainerCallback):
         """Write what is pending and remove every hook (done at train end; safe to call again)."""
         if self._loss_hook is not None:
             self._loss_hook.remove()
-            self._loss_hook = self._loss = None
+            self._loss_hook = None
+        self._losses = []
         if self.hooks is not None:
             self.hooks.close()
             self.hooks = None

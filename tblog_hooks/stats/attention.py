@@ -2,10 +2,14 @@
 call: per head, the largest unmasked logit ``q·kᵀ·scale`` and the entropy of the attention
 distribution ``softmax(q·kᵀ·scale + mask)``.
 
-The logits are recomputed in chunks of queries, so the extra memory is bounded by a byte budget
-whatever the sequence length; every shape is known on the host, so nothing is read from the
-device. The logits are in full float32 whatever ``torch.set_float32_matmul_precision`` allows.
-Call under ``torch.no_grad()``.
+The logits are recomputed in float32 (autocast off: under fp16 autocast an unscaled ``q·kᵀ``
+overflows) in chunks of queries, so the extra memory is bounded by a byte budget whatever the
+sequence length. Each row of logits is read a fixed few times: its max, then the exponentials
+``e = exp(s - max)``, their sum ``Z`` and ``Σ e·log e``, which give the entropy
+``log Z - Σ e·log e / Z`` without a softmax or a log-softmax of its own. Every shape is known on the
+host, so nothing is read from the device. The matmul is in full float32 whatever
+``torch.set_float32_matmul_precision`` allows (TF32 moves the largest logit by ~1e-3). Call under
+``torch.no_grad()``.
 """
 
 from __future__ import annotations
@@ -21,11 +25,18 @@ from torch import Tensor
 
 from .._compat import full_float32_matmul
 
-#: Bytes the float32 temporaries of one chunk of logits may take (their count: :data:`TEMPORARIES`).
+#: Bytes the temporaries of one chunk of logits may take (their count: :data:`TEMPORARIES`).
 BUDGET = 64 << 20
-#: Tensors of a chunk's logits' size alive at once: the logits, the masked logits, their
-#: log-softmax, its exponential and their product.
-TEMPORARIES = 5
+#: Float32 tensors of a chunk's logits' size alive at once: the logits (exponentiated in place)
+#: and ``e·log e``; the masks (one byte an element) count as one more.
+TEMPORARIES = 3
+
+
+def masked(mask: Tensor) -> Tensor:
+    """Where a float ``mask`` masks a key out: ``-inf``, or at most half its dtype's lowest value
+    (``torch.finfo(dtype).min``, which Hugging Face adds for masked keys; it gives them a weight
+    of exactly 0, as ``-inf`` does)."""
+    return mask <= torch.finfo(mask.dtype).min / 2
 
 
 def attention_statistics(
@@ -46,11 +57,18 @@ def attention_statistics(
         key: ``(..., heads_k, S, E)``; fewer heads than ``query`` (grouped-query attention):
             each key head serves ``heads // heads_k`` consecutive query heads.
         attn_mask: broadcastable to ``(..., heads, L, S)``: bool (``False``: masked out) or
-            float, added to the logits (``-inf``: masked out).
+            float, added to the logits (``-inf`` or ``torch.finfo(dtype).min``: masked out).
         is_causal: query ``i`` sees keys ``j <= i`` (top-left aligned, as SDPA does).
         scale: the logits' factor; default ``1 / sqrt(E)``.
         budget: bytes the temporaries of one chunk of queries may take.
     """
+    with torch.autocast(query.device.type, enabled=False):
+        return _statistics(query, key, attn_mask, is_causal, scale, budget)
+
+
+def _statistics(
+    query: Tensor, key: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float | None, budget: int
+) -> tuple[Tensor, Tensor, Tensor]:
     q, k = _by_heads(query), _by_heads(key)
     batch, heads, length, dim = q.shape
     keys = k.shape[-2]
@@ -66,7 +84,7 @@ def attention_statistics(
     for start in range(0, length, chunk):
         stop = min(length, start + chunk)
         with full_float32_matmul(q.device):  # not TF32: its 10-bit mantissa moves the largest logit by ~1e-3
-            logits = torch.matmul(q[:, :, start:stop].to(dtype), keys_t).mul_(factor)
+            logits = torch.matmul(q[:, :, start:stop].to(dtype) * factor, keys_t)
         part = None if mask is None else mask[..., start:stop, :].reshape(-1, heads, stop - start, keys)
         peak, entropy, count = _chunk(logits, part, (start, stop) if is_causal else None)
         peaks.append(peak)
@@ -79,36 +97,31 @@ def attention_statistics(
 
 def _chunk(logits: Tensor, mask: Tensor | None, causal: tuple[int, int] | None) -> tuple[Tensor, Tensor, Tensor]:
     """Per head: the largest allowed logit, the summed entropy and the count of queries with an
-    allowed key, of one chunk of queries (``logits``: ``(N, heads, c, S)``)."""
-    batch, heads, length, keys = logits.shape
-    allowed = None
+    allowed key, of one chunk of queries (``logits``: ``(N, heads, c, S)``, overwritten)."""
+    keys = logits.shape[-1]
+    blocked = None  # masked out, as a bool mask
     additive = None
     if mask is not None and mask.dtype == torch.bool:
-        allowed = mask
+        blocked = ~mask
     elif mask is not None:
+        blocked = masked(mask)
         additive = mask.to(logits.dtype)
-        allowed = additive != -math.inf
     if causal is not None:
         rows = torch.arange(causal[0], causal[1], device=logits.device)[:, None]
-        lower = rows >= torch.arange(keys, device=logits.device)
-        allowed = lower if allowed is None else allowed & lower
-    if allowed is None:
-        peak = logits.amax(dim=(0, 2, 3))
-        entropy = _entropy(logits).sum(dim=(0, 2))
-        count = torch.full((heads,), float(batch * length), device=logits.device)
-        return peak, entropy, count
-    peak = logits.masked_fill(~allowed, -math.inf).amax(dim=(0, 2, 3))
-    scores = logits if additive is None else logits + additive
-    rows_ok = allowed.any(-1).expand(batch, heads, length)
-    entropy = _entropy(scores.masked_fill_(~allowed, -math.inf)).masked_fill(~rows_ok, 0.0).sum(dim=(0, 2))
-    return peak, entropy, rows_ok.sum(dim=(0, 2), dtype=logits.dtype)
-
-
-def _entropy(scores: Tensor) -> Tensor:
-    """Entropy in nats of ``softmax(scores)`` along the last dim (keys of weight 0 add nothing)."""
-    logp = torch.log_softmax(scores, dim=-1)
-    p = logp.exp()
-    return -torch.where(p > 0, p * logp, 0.0).sum(-1)
+        above = rows < torch.arange(keys, device=logits.device)
+        blocked = above if blocked is None else blocked | above
+    scores = logits if blocked is None else logits.masked_fill_(blocked, -math.inf)
+    top = scores.amax(-1, keepdim=True)  # per query: its largest allowed logit ...
+    if additive is not None:
+        scores = scores.add_(additive)  # (keys masked out stay at -inf)
+        top_scores = scores.amax(-1, keepdim=True)  # ... and, with a float mask added, its largest score
+    else:
+        top_scores = top
+    seen = top_scores > -math.inf  # queries with an allowed key
+    e = scores.sub_(top_scores.where(seen, 0.0)).exp_()
+    z = e.sum(-1, keepdim=True)
+    entropy = (z.log() + torch.special.entr(e).sum(-1, keepdim=True) / z).where(seen, 0.0)
+    return top.amax(dim=(0, 2, 3)), entropy.sum(dim=(0, 2, 3)), seen.sum(dim=(0, 2, 3), dtype=logits.dtype)
 
 
 def _by_heads(t: Tensor) -> Tensor:

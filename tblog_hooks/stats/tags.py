@@ -46,6 +46,7 @@ class Stat(enum.StrEnum):
     ENTROPY = "entropy"
     GRAD_NORM = "grad_norm"
     LOSS = "loss"
+    SAMPLES = "samples"
 
 
 @functools.lru_cache(maxsize=1 << 16)  # the same tags recur every logged step
@@ -108,8 +109,9 @@ def unescape(part: str) -> str:
 
 #: The ``GradScaler``'s loss scale of a logged step's backward, and whether the scaler skipped it.
 SCALE_TAG, SKIPPED_TAG = tag(Root.AMP, Stat.LOSS_SCALE), tag(Root.AMP, Stat.SKIPPED_STEP)
-#: Every step's gradient norm and loss (``spikes=``).
+#: Every step's gradient norm, loss and samples (``spikes=``).
 GRAD_NORM_TAG, LOSS_TAG = tag(Root.STEP, Stat.GRAD_NORM), tag(Root.STEP, Stat.LOSS)
+SAMPLES_TAG = tag(Root.STEP, Stat.SAMPLES)
 #: The text summary listing the watched modules in forward order (see :func:`order_markdown`).
 ORDER_TAG = tag(Root.HEALTH, "forward_order")
 
