@@ -49,7 +49,7 @@ def _plan() -> dict[str, object]:
 def _train(model: nn.Module, log_dir: str, batches: Callable[[int], list[torch.Tensor]], **options: object) -> None:
     """``STEPS`` SGD steps, each the mean of the losses of ``batches(step)``."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with HookLogger(model, log_dir=log_dir, optimizer=opt, **OPTIONS, **options) as hooks:  # type: ignore[arg-type]
+    with HookLogger(model, log_dir=log_dir, optimizer=opt, **{**OPTIONS, **options}) as hooks:  # type: ignore[arg-type]
         for step in range(STEPS):
             xs = batches(step)
             (sum(model(x).square().mean() for x in xs) / len(xs)).backward()  # type: ignore[union-attr]
@@ -62,8 +62,9 @@ def _tensor_parallel(rank: int, root: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    model = parallelize_module(_model(), init_device_mesh("cpu", (2,)), _plan())
-    _train(model, f"{root}/tp", lambda step: [_batch(0, step)])
+    for name, watched in (("tp", WATCHED), ("relu", ["1"])):  # ["1"]: the pieces' ReLU alone
+        model = parallelize_module(_model(), init_device_mesh("cpu", (2,)), _plan())
+        _train(model, f"{root}/{name}", lambda step: [_batch(0, step)], modules=watched)
 
 
 def _fsdp_and_tensor_parallel(rank: int, root: str) -> None:
@@ -90,6 +91,8 @@ def test_tensor_parallel_logs_what_one_process_logs(tmp_path: Path) -> None:
     run = read_run(tmp_path / "tp")
     assert "step/grad_norm" in run.scalars and "activation/dead_frac/1" in run.scalars
     assert_same_run(run, read_run(tmp_path / "one"), range(STEPS), ACTIVATIONS + PARAMETERS)
+    _train(_model(), str(tmp_path / "one_relu"), lambda step: [_batch(0, step)], modules=["1"])
+    assert_same_run(read_run(tmp_path / "relu"), read_run(tmp_path / "one_relu"), range(STEPS), ACTIVATIONS)
 
 
 def test_fsdp2_with_tensor_parallel_on_a_2d_mesh(tmp_path: Path) -> None:

@@ -1,9 +1,10 @@
 """A Llama sharded as torchtitan's ``parallelize_llama`` shards it (``models.parallelize_llama``:
 sequence-parallel norms, ``PrepareModuleInput`` parents, a ``RowwiseParallel`` embedding, a
 ``ColwiseParallel`` output with and without loss parallelism), on CPU processes with gloo, in
-float64: every scalar and histogram is the one a single process gives on the same data, whichever
-modules are watched, at TP 2, TP 4 and under FSDP2 on a dp 2 x tp 2 mesh (with torchtitan's
-activation checkpointing: tags named as the model's modules, without the wrapper's attribute)."""
+float64: every scalar and histogram (and with ``attention=True`` every head's attention
+statistics) is the one a single process gives on the same data, whichever modules are watched,
+at TP 2, TP 4 and under FSDP2 on a dp 2 x tp 2 mesh (with torchtitan's activation checkpointing:
+tags named as the model's modules, without the wrapper's attribute)."""
 
 from __future__ import annotations
 
@@ -48,13 +49,20 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _train(
-    model: nn.Module, log_dir: str, modules: list[str], replicas: list[int], *, loss_parallel: bool = False
+    model: nn.Module,
+    log_dir: str,
+    modules: list[str],
+    replicas: list[int],
+    *,
+    loss_parallel: bool = False,
+    **options: object,
 ) -> None:
     """``STEPS`` SGD steps on the mean loss over the batches of ``replicas``; ``step(loss=...)``."""
     from torch.distributed.tensor.parallel import loss_parallel as parallel_loss
 
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    with HookLogger(model, log_dir=log_dir, optimizer=opt, modules=modules, **OPTIONS) as hooks:  # type: ignore[arg-type]
+    config = {**OPTIONS, **options}
+    with HookLogger(model, log_dir=log_dir, optimizer=opt, modules=modules, **config) as hooks:  # type: ignore[arg-type]
         for step in range(STEPS):
             with parallel_loss() if loss_parallel else contextlib.nullcontext():
                 losses = [_loss(model(tokens), targets) for tokens, targets in map(_tokens, replicas, [step] * 9)]
@@ -69,8 +77,8 @@ def _tensor_parallel(rank: int, root: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,))
-    for name, modules in (("all", EVERYTHING), ("blocks", BLOCKS)):
-        _train(parallelize_llama(Llama(), mesh), f"{root}/tp2_{name}", modules, [0])
+    _train(parallelize_llama(Llama(), mesh), f"{root}/tp2_all", EVERYTHING, [0])
+    _train(parallelize_llama(Llama(), mesh), f"{root}/tp2_blocks", BLOCKS, [0], attention=True)
     lp = parallelize_llama(Llama(), mesh, loss_parallel=True)
     _train(lp, f"{root}/loss_parallel", EVERYTHING, [0], loss_parallel=True)
     _train(_parallel_embedding(mesh), f"{root}/embedding", ["0", "1"], [0])
@@ -96,18 +104,21 @@ def _parallel_embedding(mesh: object) -> nn.Module:
     return parallelize_module(_embedding(), mesh, {"0": RowwiseParallel(input_layouts=Replicate())})  # type: ignore[arg-type]
 
 
-def _one_process(root: Path, modules: list[str], replicas: list[int]) -> Path:
-    log_dir = root / f"one_{len(modules)}_{len(replicas)}"
+def _one_process(root: Path, modules: list[str], replicas: list[int], **options: object) -> Path:
+    log_dir = root / f"one_{len(modules)}_{len(replicas)}{''.join(options)}"
     if not log_dir.exists():
-        _train(Llama(), str(log_dir), modules, replicas)
+        _train(Llama(), str(log_dir), modules, replicas, **options)
     return log_dir
 
 
 def test_torchtitan_tensor_parallel_llama_logs_what_one_process_logs(tmp_path: Path) -> None:
     spawn_ranks(_tensor_parallel, tmp_path, 2)
-    for run, modules in (("tp2_all", EVERYTHING), ("tp2_blocks", BLOCKS), ("loss_parallel", EVERYTHING)):
+    for run, modules in (("tp2_all", EVERYTHING), ("loss_parallel", EVERYTHING)):
         one = read_run(_one_process(tmp_path, modules, [0]))
         assert_same_run(read_run(tmp_path / run), one, range(STEPS), ACTIVATIONS + PARAMETERS)
+    # The blocks alone, with attention=True: each rank attends over its own heads.
+    one = read_run(_one_process(tmp_path, BLOCKS, [0], attention=True))
+    assert_same_run(read_run(tmp_path / "tp2_blocks"), one, range(STEPS), (*ACTIVATIONS, *PARAMETERS, "attention/"))
     # Every step's gradient norm counts the embedding's Replicate gradient once, not once a rank.
     _train(_embedding(), str(tmp_path / "one_embedding"), ["0", "1"], [0])
     run, one = read_run(tmp_path / "embedding"), read_run(tmp_path / "one_embedding")

@@ -61,6 +61,7 @@ class _Fsdp1Style(nn.Module):
     ids=["checkpoint_wrapper", "compile", "fsdp1_and_checkpoint"],
 )
 def test_wrapped_blocks_log_what_the_plain_model_logs_under_its_names(tmp_path: Path, wrap: object) -> None:
+    torch._dynamo.reset()  # (code compiled for the block's class by another test would ignore the hooks)
     plain, wrapped = _train(Llama(), tmp_path / "plain"), _train(_blocks_wrapped(wrap), tmp_path / "wrapped")
     assert not [t for t in [*wrapped.scalars, *wrapped.histograms] if any(w in t for w in WRAPPED)]
     assert_same_run(wrapped, plain, range(2), ROOTS)
@@ -83,6 +84,7 @@ def test_selectors_take_the_names_with_or_without_the_wrappers(tmp_path: Path) -
 
 
 def test_watching_inside_a_compiled_block_that_already_ran_is_refused(tmp_path: Path) -> None:
+    torch._dynamo.reset()
     model = _blocks_wrapped(lambda block: torch.compile(block, backend="eager"))
     model(torch.randint(32, (2, 8)))  # its compiled code now ignores hooks added later
     with pytest.raises(HookLoggerError, match=r"'layers\.0' is compiled .* already ran.*create the HookLogger before"):

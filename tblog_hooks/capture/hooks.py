@@ -118,6 +118,19 @@ class KeepTraced(_Hook):
         self.buffer.keep_traced()
 
 
+class PlacementHook(_Hook):
+    """A module hook that follows how tensor-parallel data is placed (``topology/parallel.py``)."""
+
+    __slots__ = ("follow",)
+
+    def __init__(self, follow: Callable[..., None]) -> None:
+        super().__init__()
+        self.follow = follow
+
+    def __call__(self, *args: Any) -> None:
+        self.follow(*args)
+
+
 class Handles:
     """Every handle the logger made, and every entry deep copies made of its hooks, removed
     in one place; ``remove_all`` is idempotent. Holds no hook dict, only weak references."""

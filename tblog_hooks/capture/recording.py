@@ -17,7 +17,7 @@ from ..topology.parallel import TensorParallel
 from ..topology.sharding import Pending
 from .activations import ActivationRecorder
 from .attention import AttentionRecorder
-from .hooks import ForwardHook, ForwardPreHook, Handles, KeepTraced, ParamGradHook
+from .hooks import ForwardHook, ForwardPreHook, Handles, KeepTraced, ParamGradHook, PlacementHook
 from .output_gradients import OutputGradientRecorder
 from .parameters import OptimizerHooks, ParameterRecorder
 from .step import Part, StepBuffer
@@ -84,8 +84,9 @@ class Recording:
 
     def attach(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
         """Register the module hooks (and the optimizer hooks, with ``optimizer=``)."""
-        for handle in self.parallel.follow(model):
-            self.handles.add(handle)
+        for module, pre, follow in self.parallel.boundaries(model):
+            hook = PlacementHook(follow)
+            self.handles.add(module.register_forward_pre_hook(hook) if pre else module.register_forward_hook(hook))
         for name, module in modules.items():
             self.activations.units[name] = units_dim(module)
             self.handles.add(module.register_forward_pre_hook(ForwardPreHook(self.activations, name), with_kwargs=True))

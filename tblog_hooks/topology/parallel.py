@@ -9,7 +9,7 @@ the data flowing through a module that has no style is placed as the latest boun
 module's output as the latest style that returned within or before its call (the block's last
 ``RowwiseParallel`` projection, the head's ``ColwiseParallel`` output of whole logits), its input
 as the latest boundary before its call. Which modules are watched changes nothing: the
-boundaries are followed on every logged step by hooks of their own (:meth:`TensorParallel.follow`).
+boundaries are followed on every logged step by hooks of their own (:meth:`TensorParallel.boundaries`).
 A tensor of another shape and size than the latest boundary's data (a table of rotary angles,
 a mask) is whole.
 """
@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from .._compat import context_parallel, parallel_output, prepared_input, tree_flatten
 from .sharding import Split, is_dtensor, local, placed
@@ -75,22 +74,22 @@ class TensorParallel:
         """A logged step ended: stop following the data."""
         self._flow, self._following = None, False
 
-    def follow(self, model: nn.Module) -> list[RemovableHandle]:
-        """Hooks that follow how the data is placed during logged steps: on ``model`` (its input
-        is whole), on each module with a style (what it returns) and on each that
-        ``PrepareModuleInput`` prepares (what its forward is handed). Registered before the
-        recording hooks, so that a module's own boundary is followed before it is recorded. None
-        for a model without styles."""
+    def boundaries(self, model: nn.Module) -> list[tuple[nn.Module, bool, Callable[..., None]]]:
+        """The hooks that follow how the data is placed during logged steps, as ``(module,
+        whether a forward pre-hook, hook)``: on ``model`` (its input is whole), on each module
+        that ``PrepareModuleInput`` prepares (what its forward is handed) and on each with a style
+        (what it returns); none for a model without styles. Register them before the recording
+        hooks, so that a module's own boundary is followed before it is recorded."""
         self.look_up()
         if not self.styled:
             return []
-        handles = [model.register_forward_pre_hook(self._enter_model)]
+        hooks: list[tuple[nn.Module, bool, Callable[..., None]]] = [(model, True, self._enter_model)]
         for module in model.modules():
             if id(module) in self._prepared:
-                handles.append(module.register_forward_pre_hook(self._enter_prepared))
+                hooks.append((module, True, self._enter_prepared))
             if id(module) in self._styles:
-                handles.append(module.register_forward_hook(self._leave_styled))
-        return handles
+                hooks.append((module, False, self._leave_styled))
+        return hooks
 
     @property
     def styled(self) -> bool:
