@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 
 
 # -- autograd ----------------------------------------------------------------------------------
+#: ``(major, minor)`` of the installed torch.
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
+
+
 def in_backward() -> bool:
     """Whether the caller runs inside a backward pass (a checkpoint recompute). No public API
     tells; ``torch._C._current_graph_task_id`` is -1 outside backward."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar, Union
 import torch
 from torch import Tensor
 
-from .._compat import in_backward, in_functorch_transform
+from .._compat import TORCH_VERSION, in_backward, in_functorch_transform
 from ..stats import sampling
 from ..stats.binning import Sample
 from ..stats.kinds import SCALAR, Kind
@@ -45,6 +45,8 @@ class Part(enum.Enum):
     COMPILED_RECORDS = "compiled hooks' records"
 
 
+#: The oldest torch whose ``torch.compile`` the compiled hooks (``Traced``) are tested on.
+COMPILE_VERIFIED = (2, 14)
 Item = TypeVar("Item")
 Recorded = Union[Record, Sample]
 _NO_KINDS: frozenset[str] = frozenset()
@@ -59,6 +61,7 @@ class StepBuffer:
         self.active = False
         #: Modules (by name) and parts whose logging failed or ended.
         self.disabled: set[str | Part] = set()
+        self._old_compile_warned = False
         self.indices = IndexCache()  # sample and histogram-row indices, made once per size
         self._schedule = histograms
         self.kinds = _NO_KINDS  # histogram kinds of the current logged step
@@ -114,7 +117,17 @@ class StepBuffer:
         """Everything the hooks recorded this step, in the order they recorded it; empties the buffer."""
         records, samples = self._records, self._samples
         self._records, self._samples = [], []
-        for item in self.traced.sink.drain():
+        traced = self.traced.sink.drain()
+        if traced and TORCH_VERSION < COMPILE_VERIFIED and not self._old_compile_warned:
+            self._old_compile_warned = True
+            warnings.warn(
+                f"tblog_hooks: a torch.compile'd model is logged on torch {torch.__version__}; the compiled hooks "
+                f"are verified on torch >= {'.'.join(map(str, COMPILE_VERIFIED))} only (on 2.4 and 2.6 records "
+                "were missing and graphs recompiled), so check the numbers against an eager step or upgrade torch",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        for item in traced:
             (samples if isinstance(item, Sample) else records).append(item)  # type: ignore[arg-type]
         return records, samples
 
