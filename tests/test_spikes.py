@@ -629,7 +629,7 @@ def test_cuda_norms_reach_the_host_without_a_sync(tmp_path) -> None:
     assert run.scalars["step/loss"] == pytest.approx(dict(enumerate(torch.stack(losses).tolist())), rel=1e-6)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_cuda
 def test_cuda_ring_is_pinned_when_the_first_step_has_no_optimizer_step(tmp_path) -> None:
     """A first step without an optimizer step (a number for its loss) has no CUDA tensor: the
     ring is pinned once one comes, so that the copies stay non-blocking."""
@@ -648,6 +648,7 @@ def test_cuda_ring_is_pinned_when_the_first_step_has_no_optimizer_step(tmp_path)
     assert sorted(read_run(tmp_path).scalars["step/grad_norm"]) == [1, 2, 3]
 
 
+@pytest.mark.cuda  # (in the GPU check, which skips it on one GPU)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_a_model_over_two_gpus_and_its_loss_on_the_second(tmp_path) -> None:
     """The norms of parameters on two GPUs are added up on the first; the loss, on the second, is
