@@ -25,7 +25,7 @@ from ..stats.kinds import SCALAR, Kind
 from ..stats.packing import Record
 from ..stats.sampling import IndexCache
 from ..stats.schedule import Histograms
-from ..stats.tags import Root
+from ..stats.tags import Root, Stat
 from ..transport.streams import Streams
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ class Part(enum.Enum):
     own statistics are switched off by its name. Not strings: a module may be named like a part."""
 
     PARAMETERS = "parameters"
-    UPDATE_RATIO = "update_ratio"
+    UPDATE_RATIO = Stat.UPDATE_RATIO.value
     ATTENTION = "attention"
     HISTOGRAMS = "histograms"
     MODULE_STATISTICS = "module statistics"

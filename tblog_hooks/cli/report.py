@@ -19,7 +19,7 @@ from ..diagnostics.per_step import gradient_flow_image, gradient_norms
 from ..diagnostics.replay import Run, findings, forward_order, is_logged_step, is_series, module_rows
 from ..output.event_files import DamagedFile, read_records
 from ..output.events import png
-from ..stats.tags import ORDER_TAG, parse_order, split_prefix
+from ..stats.tags import ORDER_TAG, Stat, parse_order, split_prefix
 
 
 class ReportError(Exception):
@@ -149,7 +149,7 @@ def as_text(run: Run) -> str:
             _number(r["grad_norm_latest"]),
             _number(r["grad_norm_min"]),
             _number(r["grad_norm_trend"]),
-            _number(r["dead_frac"]),
+            _number(r[Stat.DEAD_FRAC]),
             f"{r['nonfinite']:.0f}",
         )
         for r in module_rows(run)

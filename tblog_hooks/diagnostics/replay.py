@@ -91,7 +91,7 @@ def module_rows(run: Run) -> list[dict[str, object]]:
             "grad_norm_latest": norms[-1] if norms else None,
             "grad_norm_min": min(norms) if norms else None,
             "grad_norm_trend": norms[-1] / norms[0] if norms and norms[0] > 0 else None,
-            "dead_frac": dead[-1] if dead else None,
+            Stat.DEAD_FRAC: dead[-1] if dead else None,
             "nonfinite": bad,
         })  # fmt: skip
     return rows
