@@ -11,8 +11,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..diagnostics.findings import FINDING_KINDS, FindingKind
+from ..diagnostics.replay import owner
 from ..stats.tags import GRAD_NORM_TAG, LOSS_TAG, NAMED_ROOTS, Root, Stat, tag, unescape
-from .source import Analysis, Model, in_forward_order, names_of, owner
+from .source import Analysis, Model, in_forward_order, names_of
 
 #: The statistics the page offers first, in this order (then the others a run holds, sorted).
 FIRST_ROOTS = (

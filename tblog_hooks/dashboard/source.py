@@ -8,7 +8,6 @@ scalars=N`` says otherwise); every value it kept is read, never fewer.
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from typing import Any
 from tensorboard.data import provider
 
 from ..cli.report import as_json
-from ..diagnostics.replay import Run, forward_order, is_logged_step
+from ..diagnostics.replay import Run, forward_key, forward_order, is_logged_step
 from ..stats.tags import GRAD_NORM_TAG, NAMED_ROOTS, ORDER_TAG, Root, parse_order, split_prefix, unescape
 
 _SCALARS, _TEXT = "scalars", "text"
@@ -148,32 +147,10 @@ class Source:
         return analysis
 
 
-def owner(name: str, order: list[str]) -> str | None:
-    """The watched module a tag's name belongs to: the module itself, or for a parameter
-    (``{module}.{param}``) the innermost module whose name starts it; ``None`` when none does."""
-    if name in order:
-        return name
-    return max((m for m in order if name.startswith(f"{m}.")), key=len, default=None)
-
-
 def in_forward_order(names: Iterable[str], order: list[str]) -> list[str]:
-    """``names`` (of modules or parameters) in forward order: a parameter right after its module,
-    an unwatched module (one that ``attention=`` names) right before its first watched submodule,
-    names no watched module explains last, in natural order (``h.2`` before ``h.10``)."""
-    position = {m: i for i, m in enumerate(order)}
-
-    def key(name: str) -> tuple[float, int, tuple[tuple[int, str], ...]]:
-        module = owner(name, order)
-        if module is not None:
-            return position[module], int(module != name), ()
-        inside = [position[m] for m in order if m.startswith(f"{name}.")]
-        return (min(inside) - 0.5, 0, ()) if inside else (len(order), 0, _natural(name))
-
-    return sorted(names, key=key)
-
-
-def _natural(name: str) -> tuple[tuple[int, str], ...]:
-    return tuple((int(part), "") if part.isdigit() else (-1, part) for part in re.split(r"(\d+)", name))
+    """``names`` (of modules or parameters) in forward order (see
+    :func:`~tblog_hooks.diagnostics.replay.forward_key`)."""
+    return sorted(names, key=forward_key(order))
 
 
 def names_of(model: Model, root: str) -> dict[str, str]:

@@ -8,7 +8,9 @@ the live logger, with the default :class:`~tblog_hooks.Thresholds`, and the per-
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..stats.tags import Root, Stat, tag, unescape
@@ -63,15 +65,63 @@ def forward_order(written: Sequence[str], scalars: Mapping[int, Mapping[str, flo
 
 
 def findings(run: Run, thresholds: Thresholds | None = None) -> list[Finding]:
-    """Every finding that starts in the run, in step order (spikes of its per-step series too)."""
+    """Every finding that starts in the run, in step order (spikes of its per-step series too).
+
+    Each step's scalars are judged in one order, whatever order they were read in (an event
+    file's, TensorBoard's): by tag root and statistic, then by name in forward order (see
+    :func:`forward_key`), so that where values tie, the same module is named."""
     judge = default_health(thresholds or Thresholds())
+    key = _tag_key(run.order)
     log.disabled = True  # the report prints them itself
     try:
         for step, scalars in run.scalars.items():
-            judge.update(step, scalars, run.order)
+            judge.update(step, dict(sorted(scalars.items(), key=key)), run.order)
     finally:
         log.disabled = False
-    return sorted(judge.started + replay(run.series), key=lambda f: f.step)
+    series = {step: dict(sorted(values.items(), key=key)) for step, values in run.series.items()}
+    return sorted(judge.started + replay(series), key=lambda f: f.step)
+
+
+def forward_key(order: Sequence[str]) -> Callable[[str], tuple[float, int, tuple[tuple[int, str], ...]]]:
+    """A sort key putting names of modules or parameters in forward order: a parameter
+    (``{module}.{param}``) right after its module (the innermost whose name starts it), an unwatched
+    module (one ``attention=`` names) right before its first watched submodule, names no watched
+    module explains last, in natural order (``h.2`` before ``h.10``)."""
+    position = {m: i for i, m in enumerate(order)}
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def key(name: str) -> tuple[float, int, tuple[tuple[int, str], ...]]:
+        module = owner(name, order)
+        if module is not None:
+            return position[module], int(module != name), _natural(name)
+        inside = [position[m] for m in order if m.startswith(f"{name}.")]
+        return (min(inside) - 0.5, 0, ()) if inside else (len(order), 0, _natural(name))
+
+    return key
+
+
+def owner(name: str, order: Sequence[str]) -> str | None:
+    """The watched module a name belongs to: the module itself, or for a parameter
+    (``{module}.{param}``) the innermost module whose name starts it; ``None`` when none does."""
+    if name in order:
+        return name
+    return max((m for m in order if name.startswith(f"{m}.")), key=len, default=None)
+
+
+def _natural(name: str) -> tuple[tuple[int, str], ...]:
+    return tuple((int(part), "") if part.isdigit() else (-1, part) for part in re.split(r"(\d+)", name))
+
+
+def _tag_key(order: Sequence[str]) -> Callable[[tuple[str, float]], tuple[str, tuple[object, ...]]]:
+    """The order :func:`findings` judges a step's ``(tag, value)`` items in."""
+    by_name = forward_key(order)
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def key(full: str) -> tuple[str, tuple[object, ...]]:
+        head, _, name = full.rpartition("/")
+        return (head, by_name(unescape(name))) if head.count("/") == 1 else (full, ())
+
+    return lambda item: key(item[0])
 
 
 def module_rows(run: Run) -> list[dict[str, object]]:
