@@ -1,12 +1,14 @@
 """The JSON documents the dashboard's routes serve, built from what :mod:`.source` read.
 
 Module and parameter names are given unescaped, as the model names them. Values are TensorBoard's
-float32 scalars as Python floats; TensorBoard's JSON writer turns NaN and infinities into the
-strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``, and ``null`` means "no value at that step".
+float32 scalars as Python floats, NaN and infinities as the strings ``"NaN"``, ``"Infinity"`` and
+``"-Infinity"`` (as TensorBoard's own JSON gives them), and ``None`` (``null``) means "no value at
+that step": every document is valid JSON as built (``json.dumps(..., allow_nan=False)``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,6 +43,13 @@ assert set(SEVERITY) == set(FINDING_KINDS), "every finding kind has a severity"
 _SPIKE_KINDS = (FindingKind.GRADIENT_SPIKE, FindingKind.LOSS_SPIKE)
 
 
+def number(value: float | None) -> float | str | None:
+    """A value as the documents give it: NaN and infinities as TensorBoard's JSON strings."""
+    if value is None or math.isfinite(value):
+        return value
+    return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+
+
 def roots(model: Model) -> list[str]:
     """The per-module statistics (``root/stat``) the model holds, those the page offers first first."""
     held = model.roots()
@@ -67,7 +76,7 @@ def heatmap(model: Model, root: str, values: Mapping[str, Mapping[int, float]], 
     rows = in_forward_order(names.values(), order)
     tag_of = {name: t for t, name in names.items()}
     steps = sorted({step for t in names for step in values.get(t, {})})
-    table = [[values.get(tag_of[name], {}).get(step) for step in steps] for name in rows]
+    table = [[number(values.get(tag_of[name], {}).get(step)) for step in steps] for name in rows]
     return {"run": model.run, "prefix": model.prefix, "tag": root, "modules": rows, "steps": steps, "values": table}
 
 
@@ -79,11 +88,11 @@ def module_table(analysis: Analysis) -> dict[str, Any]:
     latest: dict[str, float] = {}
     for scalars in run.scalars.values():
         latest.update(scalars)
-    values: dict[str, dict[str, float]] = {m: {} for m in run.order}
+    values: dict[str, dict[str, float | str | None]] = {m: {} for m in run.order}
     for full, value in latest.items():
         root, stat, name = _parts(full)
         if name is not None and root in _MODULE_ROOTS:
-            values.setdefault(unescape(name), {})[f"{root}/{stat}"] = value
+            values.setdefault(unescape(name), {})[f"{root}/{stat}"] = number(value)
     modules = in_forward_order(values, run.order)
     found: dict[str, list[str]] = {m: [] for m in modules}
     for finding in analysis.findings:
@@ -119,14 +128,14 @@ def module_series(analysis: Analysis, module: str) -> dict[str, Any]:
     over the logged steps, one entry per tag."""
     run = analysis.run
     steps = list(run.scalars)
-    found: dict[tuple[str, str], list[float | None]] = {}
+    found: dict[tuple[str, str], list[float | str | None]] = {}
     for i, scalars in enumerate(run.scalars.values()):
         for full, value in scalars.items():
             root, stat, name = _parts(full)
             if name is None or root not in NAMED_ROOTS:
                 continue
             if (named := unescape(name)) == module or owner(named, run.order) == module:
-                found.setdefault((f"{root}/{stat}", named), [None] * len(steps))[i] = value
+                found.setdefault((f"{root}/{stat}", named), [None] * len(steps))[i] = number(value)
     ordered = sorted(found, key=lambda k: (_root_rank(k[0]), k[1]))
     series = [{"stat": stat, "name": name, "values": found[stat, name]} for stat, name in ordered]
     return {"module": module, "steps": steps, "series": series}
@@ -143,7 +152,7 @@ def spikes(analysis: Analysis) -> dict[str, Any]:
 
     def line(name: str) -> dict[str, list[Any]]:
         points = [(step, values[name]) for step, values in series.items() if name in values]
-        return {"steps": [s for s, _ in points], "values": [v for _, v in points]}
+        return {"steps": [s for s, _ in points], "values": [number(v) for _, v in points]}
 
     marked = [f for f in analysis.findings if f["kind"] in _SPIKE_KINDS]
     return {"grad_norm": line(GRAD_NORM_TAG), "loss": line(LOSS_TAG), "spikes": marked}

@@ -98,6 +98,11 @@ class Source:
 
     def read(self, ctx: Any, experiment_id: str, model: Model, tags: list[str]) -> dict[str, dict[int, float]]:
         """``{tag: {step: value}}`` of the model's ``tags`` (as TensorBoard names them)."""
+        return {tag: {d.step: d.value for d in points} for tag, points in self._points(ctx, experiment_id, model, tags)}
+
+    def _points(
+        self, ctx: Any, experiment_id: str, model: Model, tags: list[str]
+    ) -> Iterable[tuple[str, list[provider.ScalarDatum]]]:
         data = self._provider.read_scalars(
             ctx,
             experiment_id=experiment_id,
@@ -105,7 +110,7 @@ class Source:
             downsample=ALL_VALUES,
             run_tag_filter=provider.RunTagFilter(runs=[model.run], tags=tags),
         )
-        return {tag: {d.step: d.value for d in points} for tag, points in data.get(model.run, {}).items()}
+        return data.get(model.run, {}).items()  # type: ignore[no-any-return]
 
     def order(self, ctx: Any, experiment_id: str, model: Model) -> list[str]:
         """The forward order the logger wrote last (``health/forward_order``); empty without one."""
@@ -130,14 +135,13 @@ class Source:
             cached = self._runs.get(key)
         if cached is not None and cached[0] == model.version:
             return cached[1]
-        values = self.read(ctx, experiment_id, model, list(model.tags))
         by_step: dict[int, dict[str, float]] = {}
         series: dict[int, dict[str, float]] = {}
-        for full, points in values.items():
+        for full, points in self._points(ctx, experiment_id, model, list(model.tags)):
             own = model.own(full)
             into = series if own.startswith(_SERIES) else by_step
-            for step, value in points.items():
-                into.setdefault(step, {})[own] = value
+            for d in points:
+                into.setdefault(d.step, {})[own] = d.value
         scalars = {step: by_step[step] for step in sorted(by_step) if is_logged_step(by_step[step])}
         run = Run(model.run, model.prefix, scalars, [], series={s: series[s] for s in sorted(series)})
         run.order = forward_order(self.order(ctx, experiment_id, model), scalars)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..stats.tags import Root, Stat, tag, unescape
@@ -74,12 +74,24 @@ def findings(run: Run, thresholds: Thresholds | None = None) -> list[Finding]:
     key = _tag_key(run.order)
     log.disabled = True  # the report prints them itself
     try:
-        for step, scalars in run.scalars.items():
-            judge.update(step, dict(sorted(scalars.items(), key=key)), run.order)
+        for step, scalars in _in_order(run.scalars, key):
+            judge.update(step, scalars, run.order)
     finally:
         log.disabled = False
-    series = {step: dict(sorted(values.items(), key=key)) for step, values in run.series.items()}
-    return sorted(judge.started + replay(series), key=lambda f: f.step)
+    return sorted(judge.started + replay(dict(_in_order(run.series, key))), key=lambda f: f.step)
+
+
+def _in_order(
+    steps: Mapping[int, Mapping[str, float]], key: Callable[[str], object]
+) -> Iterator[tuple[int, dict[str, float]]]:
+    """Each step's values with their tags in ``key`` order (sorted again only where a step's tags
+    differ from the step's before: most steps hold the same)."""
+    tags: list[str] = []
+    held: set[str] = set()
+    for step, values in steps.items():
+        if values.keys() != held:
+            held, tags = set(values), sorted(values, key=key)  # type: ignore[arg-type]
+        yield step, {t: values[t] for t in tags}
 
 
 def forward_key(order: Sequence[str]) -> Callable[[str], tuple[float, int, tuple[tuple[int, str], ...]]]:
@@ -112,16 +124,15 @@ def _natural(name: str) -> tuple[tuple[int, str], ...]:
     return tuple((int(part), "") if part.isdigit() else (-1, part) for part in re.split(r"(\d+)", name))
 
 
-def _tag_key(order: Sequence[str]) -> Callable[[tuple[str, float]], tuple[str, tuple[object, ...]]]:
-    """The order :func:`findings` judges a step's ``(tag, value)`` items in."""
+def _tag_key(order: Sequence[str]) -> Callable[[str], tuple[str, tuple[object, ...]]]:
+    """The order :func:`findings` judges a step's tags in."""
     by_name = forward_key(order)
 
-    @functools.lru_cache(maxsize=1 << 16)
     def key(full: str) -> tuple[str, tuple[object, ...]]:
         head, _, name = full.rpartition("/")
         return (head, by_name(unescape(name))) if head.count("/") == 1 else (full, ())
 
-    return lambda item: key(item[0])
+    return key
 
 
 def module_rows(run: Run) -> list[dict[str, object]]:

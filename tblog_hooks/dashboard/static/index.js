@@ -393,7 +393,7 @@ function lineChart({ steps, values, width = 300, height = 130, log = false, mark
     for (const t of [0, 0.5, 1]) {
       const y = lo + t * (hi - lo);
       ctx.beginPath(); ctx.moveTo(pad.l, Y(y)); ctx.lineTo(width - pad.r, Y(y)); ctx.stroke();
-      ctx.fillText(log ? `1e${y.toFixed(1)}` : format(y), pad.l - 4, Y(y));
+      ctx.fillText(format(log ? 10 ** y : y), pad.l - 4, Y(y));
     }
     ctx.textAlign = 'center';
     ctx.textBaseline = 'top';
@@ -498,12 +498,11 @@ class Page {
     this.seriesTitle.textContent = 'Module';
     this.seriesBox.replaceChildren(el('div', { class: 'empty' }, 'Click a row of the heatmap to see that module\'s statistics.'));
     this.analysis = null;
-    const heatmap = this.drawHeatmap();
+    await this.drawHeatmap();  // first: the rest reads the whole run, which takes the server longer
     const [findings, table, spikes] = await Promise.all([
       fetchJson('findings', this.query()), fetchJson('modules', this.query()), model.spikes ? fetchJson('spikes', this.query()) : null]);
     if (this.model !== model) return;
     this.analysis = { findings, table, spikes };
-    await heatmap;
     this.heatmap.marks = findings.filter((f) => f.module);
     this.heatmap.draw();
     this.summary.textContent = `${table.rows.length} modules · ${findings.length} finding${findings.length === 1 ? '' : 's'}`;
