@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import health_runs
 import pytest
-from conftest import read_run, read_text, tensorboard, wait_until_loaded
+from conftest import TENSORBOARD_READY_S, get, read_run, read_text, tensorboard, wait_until_loaded
+from torch.utils.tensorboard import SummaryWriter
 
 from tblog_hooks.stats.tags import ORDER_TAG, escape, parse_order
 
@@ -28,6 +30,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
+LATER = 1000  # a step after the run's last
 READY_MS = 60_000  # how long the page may take to show a run's findings and table on this shared machine
 
 
@@ -146,6 +149,24 @@ def test_the_module_table_sorts_by_a_column(page) -> None:
     assert first.get_attribute("data-module") == "head"  # the NaN/Inf: the worst health
     frame(page).locator("#modules th", has_text="module").click()  # forward order
     assert frame(page).locator("#modules tbody tr").first.get_attribute("data-module") == "embed"
+
+
+def test_reload_reads_what_was_written_since(page, logdir) -> None:
+    modules, steps = health(page, "page.heatmap.doc.modules"), health(page, "page.heatmap.doc.steps")
+    frame(page).locator("#findings tr[data-module]").first.click()
+    selected = health(page, "page.selection")
+    with SummaryWriter(logdir / "net") as writer:  # a later logged step of every module
+        for module in modules:
+            writer.add_scalar(f"gradient/norm/{escape(module)}", 0.5, LATER)
+    url = page.url.split("/#")[0]
+    deadline = time.monotonic() + TENSORBOARD_READY_S
+    while get(url, "/data/plugin/tblog_hooks/runs")[0]["max_step"] != LATER:  # type: ignore[index]
+        assert time.monotonic() < deadline, "tensorboard did not load the later step"
+        time.sleep(0.25)
+    frame(page).get_by_role("button", name="Reload").click()
+    frame(page).locator("#heatmap-title", has_text=f"\u00d7 {len(steps) + 1}").wait_for(timeout=READY_MS)
+    assert health(page, "page.heatmap.doc.steps")[-1] == LATER
+    assert health(page, "page.selection") == selected  # the selection is kept
 
 
 def test_no_errors_in_the_browser(page, console) -> None:

@@ -459,7 +459,7 @@ class Page {
       el('label', {}, 'Run', this.runSelect),
       el('label', {}, 'Statistic', this.statSelect),
       el('label', {}, this.filter),
-      el('button', { onclick: () => this.open(this.model), title: 'read the run again' }, 'Reload'),
+      el('button', { onclick: () => this.reload(true), title: 'read the run again' }, 'Reload'),
       this.summary);
     this.heatmap = new Heatmap({ onSelect: (module, step) => this.select(module, step) });
     this.heatTitle = el('span', { id: 'heatmap-title' });
@@ -485,18 +485,41 @@ class Page {
       el('div', { class: 'card' }, el('h2', {}, 'Modules', el('span', { class: 'hint' }, 'latest values, worst health first; click a header to sort')), this.tableBox),
       tooltip);
     await this.open(this.models[0]);
+    this.watch();
   }
 
   query(extra = {}) {
     return { run: this.model.run, prefix: this.model.prefix, ...extra };
   }
 
-  async open(model) {
+  // TensorBoard reloads its own tabs; this one asks every 30 s whether the run grew, and reads it again if so.
+  watch() {
+    setInterval(() => {
+      if (!document.hidden && this.model) this.reload(false).catch(() => {});  // the server may be gone
+    }, 30000);
+  }
+
+  // Read the runs again; open the current one again (keeping the statistic and selection) if it
+  // grew, or always when `always`.
+  async reload(always) {
+    const models = await fetchJson('runs');
+    const now = models.find((m) => m.run === this.model.run && m.prefix === this.model.prefix);
+    if (!now || (!always && now.max_step === this.model.max_step)) return;
+    const index = this.models.indexOf(this.model);
+    this.models[index] = now;
+    await this.open(now, true);
+  }
+
+  async open(model, keep = false) {
+    const [stat, selection] = keep ? [this.statSelect.value, this.selection] : [null, null];
     this.model = model;
-    this.selection = null;
+    this.selection = selection;
     this.statSelect.replaceChildren(...model.stats.map((s) => el('option', { value: s }, s)));
-    this.seriesTitle.textContent = 'Module';
-    this.seriesBox.replaceChildren(el('div', { class: 'empty' }, 'Click a row of the heatmap to see that module\'s statistics.'));
+    if (model.stats.includes(stat)) this.statSelect.value = stat;
+    if (!selection) {
+      this.seriesTitle.textContent = 'Module';
+      this.seriesBox.replaceChildren(el('div', { class: 'empty' }, 'Click a row of the heatmap to see that module\'s statistics.'));
+    }
     this.analysis = null;
     await this.drawHeatmap();  // first: the rest reads the whole run, which takes the server longer
     const [findings, table, spikes] = await Promise.all([
@@ -510,6 +533,7 @@ class Page {
     this.drawTable();
     this.drawSpikes();
     await this.drawAttention();
+    if (selection) await this.select(selection.module, selection.step);
   }
 
   async drawHeatmap() {
