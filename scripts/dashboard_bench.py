@@ -17,6 +17,7 @@ the median of the next 5).
 
     python scripts/dashboard_bench.py                           # both runs, a Markdown table
     python scripts/dashboard_bench.py --screenshot docs/dashboard.png   # also picture the small run
+    python scripts/dashboard_bench.py --layers 0 --screenshot docs/dashboard.png   # the small run only
 
 Needs ``transformers``, ``playwright`` (the Python package; no browser download) and Debian's
 ``chromium``.
@@ -215,17 +216,18 @@ def measure(logdir: Path, run: str, steps: int, screenshot: Path | None = None) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=48, help="blocks of the deep GPT-2 (default: 48)")
+    parser.add_argument("--layers", type=int, default=48, help="blocks of the deep GPT-2 (default: 48; 0: no deep run)")
     parser.add_argument("--steps", type=int, default=500, help="logged steps of the deep run (default: 500)")
     parser.add_argument("--screenshot", type=Path, help="save a picture of the tab on the small run here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        deep = Path(tmp) / "deep" / "gpt2-deep"
-        modules = write_deep(deep, args.layers, args.steps, every=10)
-        rows = [
-            (f"deep GPT-2, {modules} modules x {args.steps} logged steps", measure(deep.parent, deep.name, args.steps))
-        ]
+        rows = []
+        if args.layers:
+            deep = Path(tmp) / "deep" / "gpt2-deep"
+            modules = write_deep(deep, args.layers, args.steps, every=10)
+            name = f"deep GPT-2, {modules} modules x {args.steps} logged steps"
+            rows.append((name, measure(deep.parent, deep.name, args.steps)))
         small = Path(tmp) / "small" / "gpt2"
         train(gpt2(4), small, 300, 10, spikes=True)
         logged = len(get_steps(small))

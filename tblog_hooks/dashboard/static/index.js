@@ -492,7 +492,9 @@ class Page {
     return { run: this.model.run, prefix: this.model.prefix, ...extra };
   }
 
-  // TensorBoard reloads its own tabs; this one asks every 30 s whether the run grew, and reads it again if so.
+  // TensorBoard reloads its own tabs; this one asks every 30 s whether the run grew, and reads it
+  // again if so: all of it where that took the server under 3 s, else the heatmap only (the
+  // findings of a large run are read again on Reload).
   watch() {
     setInterval(() => {
       if (!document.hidden && this.model) this.reload(false).catch(() => {});  // the server may be gone
@@ -505,12 +507,19 @@ class Page {
     const models = await fetchJson('runs');
     const now = models.find((m) => m.run === this.model.run && m.prefix === this.model.prefix);
     if (!now || (!always && now.max_step === this.model.max_step)) return;
-    const index = this.models.indexOf(this.model);
-    this.models[index] = now;
-    await this.open(now, true);
+    const [before, step] = [this.model, this.model.max_step];
+    this.models[this.models.indexOf(before)] = now;
+    if (always || this.openTook < 3000) {
+      await this.open(now, true);
+      return;
+    }
+    this.model = now;
+    await this.drawHeatmap();
+    this.summary.textContent = `${this.summary.textContent.split(' · findings as of')[0]} · findings as of step ${step}: Reload to update`;
   }
 
   async open(model, keep = false) {
+    const started = performance.now();
     const [stat, selection] = keep ? [this.statSelect.value, this.selection] : [null, null];
     this.model = model;
     this.selection = selection;
@@ -534,6 +543,7 @@ class Page {
     this.drawSpikes();
     await this.drawAttention();
     if (selection) await this.select(selection.module, selection.step);
+    this.openTook = performance.now() - started;
   }
 
   async drawHeatmap() {
@@ -597,10 +607,13 @@ class Page {
     if (this.model !== model || this.selection?.module !== module) return;
     this.seriesTitle.textContent = `Module ${module}`;
     const marks = (this.analysis?.findings || []).filter((f) => f.module === module || f.module.startsWith(`${module}.`)).map((f) => f.step);
+    const width = Math.max(200, Math.floor((this.seriesBox.clientWidth - 40) / 2));  // two a row, room for a scrollbar
     const charts = doc.series.map((s) => {
       const title = s.name === module ? s.stat : `${s.stat} · ${s.name.slice(module.length + 1)}`;
-      return el('div', { class: 'chart' }, el('div', { class: 'title', title: s.name }, title),
-        lineChart({ steps: doc.steps, values: s.values, log: positive(s.values) && !s.stat.endsWith('_frac'), marks, at: step, label: `${s.name} ${s.stat}` }));
+      const chart = el('div', { class: 'chart' }, el('div', { class: 'title', title: s.name }, title),
+        lineChart({ steps: doc.steps, values: s.values, width, height: 110, log: positive(s.values) && !s.stat.endsWith('_frac'), marks, at: step, label: `${s.name} ${s.stat}` }));
+      chart.style.width = `${width}px`;
+      return chart;
     });
     this.seriesBox.replaceChildren(...(charts.length ? charts : [el('div', { class: 'empty' }, 'No statistics for this module.')]));
   }
