@@ -20,9 +20,11 @@ import health_runs
 import pytest
 from conftest import get, read_run, read_tags, read_text, tensorboard, wait_until_loaded
 from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+from tensorboard.context import RequestContext
 from tensorboard.plugins import base_plugin
 
 from tblog_hooks.dashboard.plugin import HealthPlugin
+from tblog_hooks.dashboard.source import Source
 from tblog_hooks.stats.tags import ORDER_TAG, parse_order, split_prefix, unescape
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="stops the server's process group (POSIX)")
@@ -80,12 +82,16 @@ def test_tensorboard_lists_the_tab_active(server) -> None:
     assert listing["loading_mechanism"] == {"type": "IFRAME", "module_path": f"{ROUTE}/index.js"}
 
 
-def _plugin(logdir: Path) -> HealthPlugin:
+def _provider(logdir: Path) -> data_provider.MultiplexerDataProvider:
+    """TensorBoard's Python data provider over ``logdir`` (``tensorboard --load_fast=false``), loaded."""
     multiplexer = plugin_event_multiplexer.EventMultiplexer()
     multiplexer.AddRunsFromDirectory(str(logdir))
     multiplexer.Reload()
-    provider = data_provider.MultiplexerDataProvider(multiplexer, str(logdir))
-    return HealthPlugin(base_plugin.TBContext(data_provider=provider, logdir=str(logdir)))
+    return data_provider.MultiplexerDataProvider(multiplexer, str(logdir))
+
+
+def _plugin(logdir: Path) -> HealthPlugin:
+    return HealthPlugin(base_plugin.TBContext(data_provider=_provider(logdir), logdir=str(logdir)))
 
 
 def test_the_plugin_is_inactive_without_this_packages_tags(tmp_path) -> None:
@@ -153,6 +159,15 @@ def test_findings_are_those_of_the_report(server, logdir) -> None:
         assert get(server, f"{ROUTE}/findings", run=run, prefix=prefix) == reported[name]["findings"]  # type: ignore[index]
     kinds = {f["kind"] for f in reported["net"]["findings"]}  # type: ignore[index]
     assert {"dead_units", "vanishing_gradient", "nonfinite", "gradient_spike", "loss_spike"} <= kinds
+
+
+def test_tensorboards_python_data_provider_gives_the_same_findings(logdir) -> None:
+    """``tensorboard --load_fast=false`` serves runs from Python's multiplexer, not the data server."""
+    source, reported = Source(_provider(logdir)), _report(logdir)
+    models = source.models(RequestContext(), "")
+    assert [(m.run, m.prefix) for m in models] == health_runs.MODELS
+    for model in models:
+        assert source.analysis(RequestContext(), "", model).findings == reported[model.name]["findings"]  # type: ignore[index]
 
 
 def test_a_prefix_is_chosen_by_the_tag_or_the_runs_only_one(server) -> None:
