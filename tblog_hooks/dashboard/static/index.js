@@ -232,6 +232,16 @@ class Heatmap {
     return { row, col };
   }
 
+  // The row of a name: its own, or for a parameter (`{module}.{param}`) its module's.
+  rowFor(name) {
+    if (!this.rowOf.has(name)) {
+      const owners = this.doc.modules.filter((m) => name.startsWith(`${m}.`));
+      const owner = owners.reduce((a, b) => (b.length > a.length ? b : a), '');
+      this.rowOf.set(name, owner ? this.rowOf.get(owner) : undefined);
+    }
+    return this.rowOf.get(name);
+  }
+
   // Where a cell's centre is, in the canvas's CSS pixels (the browser tests hover there).
   centre(module, step) {
     const row = this.rowOf.get(module);
@@ -246,7 +256,7 @@ class Heatmap {
     const module = this.doc.modules[cell.row];
     const step = this.doc.steps[cell.col];
     const value = this.doc.values[cell.row][cell.col];
-    const found = this.marks.filter((f) => f.module === module && this.column(f.step) === cell.col);
+    const found = this.marks.filter((f) => this.rowFor(f.module) === cell.row && this.column(f.step) === cell.col);
     const html = `<b>${escapeHtml(module)}</b><br>step ${step}<br>${escapeHtml(this.stat)} = ${escapeHtml(format(value))}`
       + found.map((f) => `<br><span class="bad">${escapeHtml(f.kind)}</span>`).join('');
     showTooltip(event, html, value === null ? '' : value);
@@ -263,7 +273,7 @@ class Heatmap {
   }
 
   select(module, step) {
-    this.selected = { row: this.rowOf.get(module), col: step === undefined ? undefined : this.column(step) };
+    this.selected = { row: this.rowFor(module), col: step === undefined ? undefined : this.column(step) };
     if (this.selected.row === undefined) { this.selected = null; this.draw(); return; }
     const y = this.selected.row * this.rowHeight;
     if (y < this.scroller.scrollTop || y + this.rowHeight > this.scroller.scrollTop + this.plotHeight) {
@@ -296,7 +306,7 @@ class Heatmap {
     ctx.textBaseline = 'middle';
     ctx.textAlign = 'right';
     const every = Math.max(1, Math.ceil(12 / this.rowHeight));
-    const flagged = new Set(this.marks.map((f) => this.rowOf.get(f.module)));
+    const flagged = new Set(this.marks.map((f) => this.rowFor(f.module)));
     for (let r = first; r < last; r++) {
       const y = (r + 0.5) * this.rowHeight - top;
       if (flagged.has(r)) {
@@ -313,7 +323,7 @@ class Heatmap {
     ctx.lineWidth = 1.5;
     ctx.strokeStyle = '#ff1744';
     for (const f of this.marks) {
-      const r = this.rowOf.get(f.module);
+      const r = this.rowFor(f.module);
       if (r === undefined || r < first || r >= last) continue;
       ctx.strokeRect(this.left + this.column(f.step) * this.colWidth + 0.75, r * this.rowHeight - top + 0.75, w - 1.5, h - 1.5);
     }
