@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
@@ -58,6 +59,7 @@ def playwright_api() -> Any:
 def logdir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("dashboard_browser") / "runs"
     health_runs.write_net(path / "net")
+    health_runs.write_gan(path / "gan")  # another run to compare with
     return path
 
 
@@ -79,6 +81,8 @@ def page(playwright_api, logdir, console) -> Iterator[Any]:
             tab.on("requestfailed", lambda r: console.append(f"{r.url}: {r.failure}"))
             tab.goto(f"{url}/#tblog_hooks")
             tab.frame_locator("iframe").locator("#modules table").wait_for(timeout=READY_MS)
+            tab.frame_locator("iframe").locator("#run").select_option(label="net")  # the first is "gan [D]"
+            tab.frame_locator("iframe").locator('#findings tr[data-module="dead"]').first.wait_for(timeout=READY_MS)
             yield tab
         finally:
             browser.close()
@@ -95,8 +99,7 @@ def health(page: Any, expression: str) -> Any:
 
 def test_the_tab_is_listed_and_shows_the_run(page) -> None:
     assert page.get_by_text("Model health", exact=False).count() >= 1
-    assert frame(page).locator("#run").input_value() == "0"
-    assert frame(page).locator("#run option").all_text_contents() == ["net"]
+    assert frame(page).locator("#run option").all_text_contents() == ["gan [D]", "gan [G]", "net"]
     assert frame(page).locator("#stat").input_value() == "gradient/norm"  # the first statistic offered
 
 
@@ -160,13 +163,24 @@ def test_reload_reads_what_was_written_since(page, logdir) -> None:
             writer.add_scalar(f"gradient/norm/{escape(module)}", 0.5, LATER)
     url = page.url.split("/#")[0]
     deadline = time.monotonic() + TENSORBOARD_READY_S
-    while get(url, "/data/plugin/tblog_hooks/runs")[0]["max_step"] != LATER:  # type: ignore[index]
+    while next(r["max_step"] for r in get(url, "/data/plugin/tblog_hooks/runs") if r["run"] == "net") != LATER:  # type: ignore[index, union-attr]
         assert time.monotonic() < deadline, "tensorboard did not load the later step"
         time.sleep(0.25)
     frame(page).get_by_role("button", name="Reload").click()
     frame(page).locator("#heatmap-title", has_text=f"\u00d7 {len(steps) + 1}").wait_for(timeout=READY_MS)
     assert health(page, "page.heatmap.doc.steps")[-1] == LATER
     assert health(page, "page.selection") == selected  # the selection is kept
+
+
+def test_another_run_is_drawn_beside_on_the_same_colour_scale(page) -> None:
+    frame(page).locator("#compare").select_option(label="gan [G]")
+    frame(page).locator("#compare-title", has_text="gan [G] · gradient/norm").wait_for(timeout=READY_MS)
+    assert health(page, "page.compare.doc.modules") == ["0", "2"]
+    assert health(page, "page.compare.scale === page.heatmap.scale")
+    lowest = health(page, "Math.min(...[...page.doc.values, ...page.compare.doc.values].flat().filter((v) => v > 0))")
+    assert health(page, "page.heatmap.scale.lo") == pytest.approx(math.log10(lowest))
+    frame(page).locator("#compare").select_option(label="—")
+    frame(page).locator("#compare-card").wait_for(state="hidden", timeout=READY_MS)
 
 
 def test_no_errors_in_the_browser(page, console) -> None:

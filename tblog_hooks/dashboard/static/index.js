@@ -169,12 +169,13 @@ class Heatmap {
     new ResizeObserver(() => this.layout()).observe(this.scroller);
   }
 
-  set(doc, stat, marks = []) {
+  // `scale`: the colour scale, when it is shared with another heatmap (else this one's own).
+  set(doc, stat, marks = [], scale = null) {
     this.doc = doc;
     this.stat = stat;
     this.rowOf = new Map(doc.modules.map((m, i) => [m, i]));
     this.marks = marks;
-    this.scale = new Scale(doc.values, stat);
+    this.scale = scale || new Scale(doc.values, stat);
     const rows = doc.modules.length;
     const cols = Math.max(1, doc.steps.length);
     const image = new ImageData(cols, Math.max(1, rows));
@@ -463,11 +464,17 @@ class Page {
     this.runSelect = el('select', { id: 'run', onchange: () => this.open(this.models[this.runSelect.value]) });
     this.models.forEach((m, i) => this.runSelect.append(el('option', { value: i }, m.name)));
     this.statSelect = el('select', { id: 'stat', onchange: () => this.drawHeatmap() });
+    this.compareSelect = el('select', { id: 'compare', onchange: () => this.drawHeatmap() }, el('option', { value: '' }, '—'));
+    this.models.forEach((m, i) => this.compareSelect.append(el('option', { value: i }, m.name)));
+    this.compare = new Heatmap({ height: 400 });
+    this.compareTitle = el('span', { id: 'compare-title' });
+    this.compareCard = el('div', { class: 'card', id: 'compare-card', style: 'display:none' }, el('h2', {}, this.compareTitle), this.compare.node);
     this.filter = el('input', { id: 'filter', type: 'search', placeholder: 'filter modules (regex)', oninput: () => this.drawHeatmap() });
     this.summary = el('span', { class: 'summary', id: 'summary' });
     const toolbar = el('div', { class: 'toolbar' },
       el('label', {}, 'Run', this.runSelect),
       el('label', {}, 'Statistic', this.statSelect),
+      el('label', {}, 'Compare with', this.compareSelect),
       el('label', {}, this.filter),
       el('button', { onclick: () => this.reload(true), title: 'read the run again' }, 'Reload'),
       this.summary);
@@ -486,7 +493,9 @@ class Page {
     this.root.replaceChildren(
       toolbar,
       el('div', { class: 'grid' },
-        el('div', { class: 'card', id: 'heatmap' }, el('h2', {}, this.heatTitle, this.selectionLine, zoom), this.heatmap.node),
+        el('div', {},
+          el('div', { class: 'card', id: 'heatmap' }, el('h2', {}, this.heatTitle, this.selectionLine, zoom), this.heatmap.node),
+          this.compareCard),
         el('div', {},
           el('div', { class: 'card' }, el('h2', {}, 'Findings', el('span', { class: 'hint' }, 'click one to see its cell')), this.findingsBox),
           el('div', { class: 'card' }, el('h2', {}, this.seriesTitle), this.seriesBox))),
@@ -560,22 +569,34 @@ class Page {
     const model = this.model;
     const stat = this.statSelect.value;
     if (!stat) { this.heatTitle.textContent = 'No per-module statistics in this run'; return; }
-    const doc = await fetchJson('heatmap', this.query({ tag: stat }));
-    if (this.model !== model || this.statSelect.value !== stat) return;
+    const other = this.models[this.compareSelect.value];
+    const compared = other && other !== model && other.stats.includes(stat);
+    const [doc, otherDoc] = await Promise.all([
+      fetchJson('heatmap', this.query({ tag: stat })),
+      compared ? fetchJson('heatmap', { run: other.run, prefix: other.prefix, tag: stat }) : null]);
+    if (this.model !== model || this.statSelect.value !== stat || this.models[this.compareSelect.value] !== other) return;
     this.doc = doc;
     this.heatTitle.textContent = `${stat} · ${doc.modules.length} × ${doc.steps.length}`;
-    let shown = doc;
-    const pattern = this.filter.value.trim();
-    if (pattern) {
-      let re;
-      try { re = new RegExp(pattern); } catch { re = null; }
-      if (re) {
-        const keep = doc.modules.map((m, i) => (re.test(m) ? i : -1)).filter((i) => i >= 0);
-        shown = { ...doc, modules: keep.map((i) => doc.modules[i]), values: keep.map((i) => doc.values[i]) };
-      }
-    }
-    this.heatmap.set(shown, stat, this.analysis ? this.analysis.findings.filter((f) => f.module) : []);
+    const [shown, otherShown] = [this.filtered(doc), otherDoc && this.filtered(otherDoc)];
+    // Side by side, both heatmaps share one colour scale, so that a colour is one value in both.
+    const scale = otherShown ? new Scale([...shown.values, ...otherShown.values], stat) : null;
+    this.heatmap.set(shown, stat, this.analysis ? this.analysis.findings.filter((f) => f.module) : [], scale);
     if (this.selection) this.heatmap.select(this.selection.module, this.selection.step);
+    this.compareCard.style.display = other && other !== model ? '' : 'none';
+    if (other && other !== model) {
+      this.compareTitle.textContent = compared ? `${other.name} · ${stat} · same colour scale` : `${other.name} holds no ${stat}`;
+      if (otherShown) this.compare.set(otherShown, stat, [], scale);
+    }
+  }
+
+  // The rows of a heatmap document that the filter's regular expression matches (all when it is empty or invalid).
+  filtered(doc) {
+    const pattern = this.filter.value.trim();
+    let re = null;
+    try { re = pattern ? new RegExp(pattern) : null; } catch { re = null; }
+    if (!re) return doc;
+    const keep = doc.modules.map((m, i) => (re.test(m) ? i : -1)).filter((i) => i >= 0);
+    return { ...doc, modules: keep.map((i) => doc.modules[i]), values: keep.map((i) => doc.values[i]) };
   }
 
   drawFindings() {
