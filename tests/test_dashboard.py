@@ -185,6 +185,10 @@ def test_bad_queries_get_clear_errors(server) -> None:
     assert code == 404 and "'user' holds no tblog_hooks tags" in message
     code, message = error(server, f"{ROUTE}/heatmap", run="net", tag="gradient")
     assert code == 400 and "tag='gradient'" in message
+    code, message = error(server, f"{ROUTE}/heatmap", run="gan", prefix="G", tag="attention/max_logit")
+    assert code == 400 and "'gan [G]' holds no attention/max_logit/{module} scalars; it holds gradient/norm" in message
+    code, message = error(server, f"{ROUTE}/series", run="net", module="nope")
+    assert code == 404 and "'net' holds no statistics of a module 'nope'" in message
 
 
 def test_every_step_series_are_read_whole(server, logdir) -> None:

@@ -47,9 +47,7 @@ class HealthPlugin(base_plugin.TBPlugin):  # type: ignore[misc]
             "/heatmap": self._heatmap,
             "/findings": lambda request, ctx, eid, model: self._source.analysis(ctx, eid, model).findings,
             "/modules": lambda request, ctx, eid, model: documents.module_table(self._source.analysis(ctx, eid, model)),
-            "/series": lambda request, ctx, eid, model: documents.module_series(
-                self._source.analysis(ctx, eid, model), _argument(request, "module")
-            ),
+            "/series": self._series,
             "/spikes": lambda request, ctx, eid, model: documents.spikes(self._source.analysis(ctx, eid, model)),
         }
         apps = {path: _app(self._static) for path in _STATIC} | {"/runs": _app(self._runs)}
@@ -100,8 +98,18 @@ class HealthPlugin(base_plugin.TBPlugin):  # type: ignore[misc]
             raise errors.InvalidArgumentError(f"tag={root!r} is not a tag root of a module statistic (gradient/norm)")
         root = split[1].rsplit("/", 1)[0]
         tags = list(names_of(model, root))
-        values = self._source.read(ctx, eid, model, tags) if tags else {}
+        if not tags:
+            held = ", ".join(documents.roots(model))
+            raise errors.InvalidArgumentError(f"{model.name!r} holds no {root}/{{module}} scalars; it holds {held}")
+        values = self._source.read(ctx, eid, model, tags)
         return documents.heatmap(model, root, values, self._source.order(ctx, eid, model))
+
+    def _series(self, request: wrappers.Request, ctx: Any, eid: str, model: Model) -> object:
+        module, analysis = _argument(request, "module"), self._source.analysis(ctx, eid, model)
+        series = documents.module_series(analysis, module)
+        if not series["series"] and module not in analysis.run.order:
+            raise errors.NotFoundError(f"{model.name!r} holds no statistics of a module {module!r}")
+        return series
 
 
 def _app(handler: Callable[[wrappers.Request], wrappers.Response]) -> WSGIApp:
