@@ -550,6 +550,11 @@ class Page {
     }
     this.analysis = null;
     await this.drawHeatmap();  // first: the rest reads the whole run, which takes the server longer
+    if (!keep) {
+      const reading = () => el('div', { class: 'empty' }, 'Reading the whole run…');
+      this.findingsBox.replaceChildren(reading());
+      this.tableBox.replaceChildren(reading());
+    }
     const [findings, table, spikes] = await Promise.all([
       fetchJson('findings', this.query()), fetchJson('modules', this.query()), model.spikes ? fetchJson('spikes', this.query()) : null]);
     if (this.model !== model) return;
