@@ -1,5 +1,5 @@
-"""Shared helpers: read a run back with TensorBoard's own reader, look for hooks left behind, run
-a function on several ranks."""
+"""Shared helpers: read a run back with TensorBoard's own reader, serve runs with a real TensorBoard,
+look for hooks left behind, run a function on several ranks."""
 
 from __future__ import annotations
 
@@ -7,10 +7,19 @@ import datetime
 import faulthandler
 import gc
 import io
+import json
 import os
+import signal
+import socket
+import subprocess
 import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,3 +186,67 @@ def assert_same_run(
                     assert got.max == pytest.approx(want.max, rel=1e-5, abs=1e-7), (tag, step)  # type: ignore[attr-defined]
                     if not tag.startswith("gradient_log10/"):
                         assert got.min == pytest.approx(want.min, rel=1e-5, abs=1e-7), (tag, step)  # type: ignore[attr-defined]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def tensorboard(logdir: Path, *flags: str) -> Iterator[str]:
+    """Start ``tensorboard --logdir`` (with ``flags``) on a free port; yield its URL; stop it (and its
+    data server). Its output goes to ``tensorboard.log`` beside ``logdir``."""
+    executable = Path(sys.executable).with_name("tensorboard")
+    assert executable.exists(), f"tensorboard is a dependency and should be next to {sys.executable}"
+    port = _free_port()
+    log = open(logdir.parent / "tensorboard.log", "w+")  # noqa: SIM115 (closed in finally)
+    args = ["--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port), "--reload_interval", "1", *flags]
+    server = subprocess.Popen(
+        [str(executable), *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: the data server it starts goes with it
+    )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+
+
+TENSORBOARD_READY_S = 90  # how long a test waits for a server to load its runs
+
+
+def get(url: str, path: str, **query: str) -> object:
+    """The JSON a server answers at ``path`` with ``query``."""
+    with urllib.request.urlopen(f"{url}{path}?{urllib.parse.urlencode(query)}", timeout=30) as response:
+        return json.load(response)
+
+
+def wait_until_loaded(url: str, logdir: Path) -> None:
+    """Poll until TensorBoard (which loads runs in the background) serves every scalar of every run
+    under ``logdir`` (each of whose tags must fit in the server's reservoir)."""
+    expected = {run.name: read_run(run).scalars for run in logdir.iterdir()}
+    deadline = time.monotonic() + TENSORBOARD_READY_S
+    while time.monotonic() < deadline:
+        try:
+            served = get(url, "/data/plugin/scalars/tags")
+            if all(set(tags) <= set(served.get(run, {})) for run, tags in expected.items()):  # type: ignore[union-attr]
+                counts = {
+                    (run, tag): len(get(url, "/data/plugin/scalars/scalars", run=run, tag=tag))  # type: ignore[arg-type]
+                    for run, tags in expected.items()
+                    for tag in tags
+                }
+                if all(counts[run, tag] == len(v) for run, t in expected.items() for tag, v in t.items()):
+                    return
+        except (urllib.error.URLError, ConnectionError):
+            pass  # not listening yet
+        time.sleep(0.5)
+    pytest.fail(f"tensorboard did not load the runs; its log:\n{(logdir.parent / 'tensorboard.log').read_text()}")

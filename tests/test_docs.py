@@ -80,7 +80,7 @@ def test_readme_links_resolve() -> None:
     its picture point at files that exist."""
     targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text())
     local = [t for t in targets if "://" not in t]
-    assert "docs/gradient-flow-vanishing.png" in local
+    assert "docs/dashboard.png" in local  # the picture is the Model health tab
     missing = [t for t in local if not (ROOT / t).exists()]
     assert not missing, f"README.md links to missing files: {missing}"
 

@@ -86,6 +86,7 @@ _LAYERS = [
     {"output"},
     {"diagnostics"},
     {"options", "spike_log", "logger", "cli", "integrations"},
+    {"dashboard"},
 ]
 
 
@@ -116,7 +117,13 @@ def test_imports_run_downhill_without_circles() -> None:
 
 
 #: What reads runs back (``tblog-hooks report``, the TensorBoard plugin) imports these.
-_READ_SIDE = ["tblog_hooks", "tblog_hooks.stats.tags", "tblog_hooks.diagnostics.replay", "tblog_hooks.cli.report"]
+_READ_SIDE = [
+    "tblog_hooks",
+    "tblog_hooks.stats.tags",
+    "tblog_hooks.diagnostics.replay",
+    "tblog_hooks.cli.report",
+    "tblog_hooks.dashboard.plugin",
+]
 
 
 def test_the_read_side_imports_without_torch() -> None:

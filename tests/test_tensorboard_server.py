@@ -4,59 +4,21 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_run
+from conftest import read_run, tensorboard
 from torch import nn
 
 from tblog_hooks import HookLogger
 
 RUN = "net"
 READY_WITHIN_S = 90  # how long to wait for the server to load the run before giving up
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def tensorboard(logdir: Path) -> Iterator[str]:
-    """Start ``tensorboard --logdir`` on a free port; yield its URL; stop it (and its data server)."""
-    executable = Path(sys.executable).with_name("tensorboard")
-    assert executable.exists(), f"tensorboard is a dependency and should be next to {sys.executable}"
-    port = _free_port()
-    log = open(logdir.parent / "tensorboard.log", "w+")  # noqa: SIM115 (closed in finally)
-    args = ["--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port), "--reload_interval", "1"]
-    server = subprocess.Popen(
-        [str(executable), *args],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process group: the data server it starts goes with it
-    )
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        log.close()
 
 
 def _get(url: str, path: str, **query: str) -> object:

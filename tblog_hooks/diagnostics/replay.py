@@ -8,7 +8,9 @@ the live logger, with the default :class:`~tblog_hooks.Thresholds`, and the per-
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..stats.tags import Root, Stat, tag, unescape
@@ -63,15 +65,74 @@ def forward_order(written: Sequence[str], scalars: Mapping[int, Mapping[str, flo
 
 
 def findings(run: Run, thresholds: Thresholds | None = None) -> list[Finding]:
-    """Every finding that starts in the run, in step order (spikes of its per-step series too)."""
+    """Every finding that starts in the run, in step order (spikes of its per-step series too).
+
+    Each step's scalars are judged in one order, whatever order they were read in (an event
+    file's, TensorBoard's): by tag root and statistic, then by name in forward order (see
+    :func:`forward_key`), so that where values tie, the same module is named."""
     judge = default_health(thresholds or Thresholds())
+    key = _tag_key(run.order)
     log.disabled = True  # the report prints them itself
     try:
-        for step, scalars in run.scalars.items():
+        for step, scalars in _in_order(run.scalars, key):
             judge.update(step, scalars, run.order)
     finally:
         log.disabled = False
-    return sorted(judge.started + replay(run.series, order=run.order), key=lambda f: f.step)
+    return sorted(judge.started + replay(dict(_in_order(run.series, key)), order=run.order), key=lambda f: f.step)
+
+
+def _in_order(
+    steps: Mapping[int, Mapping[str, float]], key: Callable[[str], object]
+) -> Iterator[tuple[int, dict[str, float]]]:
+    """Each step's values with their tags in ``key`` order (sorted again only where a step's tags
+    differ from the step's before: most steps hold the same)."""
+    tags: list[str] = []
+    held: set[str] = set()
+    for step, values in steps.items():
+        if values.keys() != held:
+            held, tags = set(values), sorted(values, key=key)  # type: ignore[arg-type]
+        yield step, {t: values[t] for t in tags}
+
+
+def forward_key(order: Sequence[str]) -> Callable[[str], tuple[float, int, tuple[tuple[int, str], ...]]]:
+    """A sort key putting names of modules or parameters in forward order: a parameter
+    (``{module}.{param}``) right after its module (the innermost whose name starts it), an unwatched
+    module (one ``attention=`` names) right before its first watched submodule, names no watched
+    module explains last, in natural order (``h.2`` before ``h.10``)."""
+    position = {m: i for i, m in enumerate(order)}
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def key(name: str) -> tuple[float, int, tuple[tuple[int, str], ...]]:
+        module = owner(name, order)
+        if module is not None:
+            return position[module], int(module != name), _natural(name)
+        inside = [position[m] for m in order if m.startswith(f"{name}.")]
+        return (min(inside) - 0.5, 0, ()) if inside else (len(order), 0, _natural(name))
+
+    return key
+
+
+def owner(name: str, order: Sequence[str]) -> str | None:
+    """The watched module a name belongs to: the module itself, or for a parameter
+    (``{module}.{param}``) the innermost module whose name starts it; ``None`` when none does."""
+    if name in order:
+        return name
+    return max((m for m in order if name.startswith(f"{m}.")), key=len, default=None)
+
+
+def _natural(name: str) -> tuple[tuple[int, str], ...]:
+    return tuple((int(part), "") if part.isdigit() else (-1, part) for part in re.split(r"(\d+)", name))
+
+
+def _tag_key(order: Sequence[str]) -> Callable[[str], tuple[str, tuple[object, ...]]]:
+    """The order :func:`findings` judges a step's tags in."""
+    by_name = forward_key(order)
+
+    def key(full: str) -> tuple[str, tuple[object, ...]]:
+        head, _, name = full.rpartition("/")
+        return (head, by_name(unescape(name))) if head.count("/") == 1 else (full, ())
+
+    return key
 
 
 def module_rows(run: Run) -> list[dict[str, object]]:

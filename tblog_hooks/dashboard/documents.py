@@ -1,0 +1,158 @@
+"""The JSON documents the dashboard's routes serve, built from what :mod:`.source` read.
+
+Module and parameter names are given unescaped, as the model names them. Values are TensorBoard's
+float32 scalars as Python floats, NaN and infinities as the strings ``"NaN"``, ``"Infinity"`` and
+``"-Infinity"`` (as TensorBoard's own JSON gives them), and ``None`` (``null``) means "no value at
+that step": every document is valid JSON as built (``json.dumps(..., allow_nan=False)``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from ..diagnostics.findings import FINDING_KINDS, FindingKind
+from ..diagnostics.replay import owner
+from ..stats.tags import GRAD_NORM_TAG, LOSS_TAG, NAMED_ROOTS, Root, Stat, tag, unescape
+from .source import Analysis, Model, in_forward_order, names_of
+
+#: The statistics the page offers first, in this order (then the others a run holds, sorted).
+FIRST_ROOTS = (
+    tag(Root.GRADIENT, Stat.NORM),
+    tag(Root.ACTIVATION, Stat.STD),
+    tag(Root.ACTIVATION, Stat.DEAD_FRAC),
+    tag(Root.PARAM_GRAD, Stat.NORM),
+    tag(Root.PARAM, Stat.UPDATE_RATIO),
+    tag(Root.ATTENTION, Stat.MAX_LOGIT),
+    tag(Root.ATTENTION, Stat.ENTROPY),
+)
+#: Finding kinds from the most to the least severe: how the module table ranks its rows.
+SEVERITY = (
+    FindingKind.NONFINITE,
+    FindingKind.EXPLODING_GRADIENT,
+    FindingKind.VANISHING_GRADIENT,
+    FindingKind.DEAD_UNITS,
+    FindingKind.ATTENTION_LOGIT_GROWTH,
+    FindingKind.ATTENTION_ENTROPY_COLLAPSE,
+    FindingKind.AMP_SKIPPED_STEPS,
+    FindingKind.GRADIENT_SPIKE,
+    FindingKind.LOSS_SPIKE,
+)
+assert set(SEVERITY) == set(FINDING_KINDS), "every finding kind has a severity"
+_SPIKE_KINDS = (FindingKind.GRADIENT_SPIKE, FindingKind.LOSS_SPIKE)
+
+
+def number(value: float | None) -> float | str | None:
+    """A value as the documents give it: NaN and infinities as TensorBoard's JSON strings."""
+    if value is None or math.isfinite(value):
+        return value
+    return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+
+
+def roots(model: Model) -> list[str]:
+    """The per-module statistics (``root/stat``) the model holds, those the page offers first first."""
+    held = model.roots()
+    return [r for r in FIRST_ROOTS if r in held] + [r for r in held if r not in FIRST_ROOTS]
+
+
+def run_entry(model: Model) -> dict[str, Any]:
+    """An entry of the ``runs`` document."""
+    own = {model.own(t) for t in model.tags}
+    return {
+        "run": model.run,
+        "prefix": model.prefix,
+        "name": model.name,
+        "stats": roots(model),
+        "spikes": GRAD_NORM_TAG in own or LOSS_TAG in own,
+        "max_step": model.version[0],
+    }
+
+
+def heatmap(model: Model, root: str, values: Mapping[str, Mapping[int, float]], order: list[str]) -> dict[str, Any]:
+    """The ``heatmap`` document of ``root`` (``gradient/norm``): one row per name in forward
+    order, one column per step at which any of them has a value, ``None`` where one has none."""
+    names = names_of(model, root)
+    rows = in_forward_order(names.values(), order)
+    tag_of = {name: t for t, name in names.items()}
+    steps = sorted({step for t in names for step in values.get(t, {})})
+    table = [[number(values.get(tag_of[name], {}).get(step)) for step in steps] for name in rows]
+    return {"run": model.run, "prefix": model.prefix, "tag": root, "modules": rows, "steps": steps, "values": table}
+
+
+def module_table(analysis: Analysis) -> dict[str, Any]:
+    """The ``modules`` document: per watched module, the latest value of each of its statistics
+    and the findings naming it (a parameter's findings count for its module), worst first:
+    by the most severe finding kind, then the number of findings, then forward order."""
+    run = analysis.run
+    latest: dict[str, float] = {}
+    for scalars in run.scalars.values():
+        latest.update(scalars)
+    values: dict[str, dict[str, float | str | None]] = {m: {} for m in run.order}
+    for full, value in latest.items():
+        root, stat, name = _parts(full)
+        if name is not None and root in _MODULE_ROOTS:
+            values.setdefault(unescape(name), {})[f"{root}/{stat}"] = number(value)
+    modules = in_forward_order(values, run.order)
+    found: dict[str, list[str]] = {m: [] for m in modules}
+    for finding in analysis.findings:
+        if (held := owner(finding["module"], modules)) is not None:
+            found[held].append(finding["kind"])
+    position = {m: i for i, m in enumerate(modules)}
+
+    def rank(module: str) -> tuple[int, int, int]:
+        worst = min((SEVERITY.index(FindingKind(k)) for k in found[module]), default=len(SEVERITY))
+        return worst, -len(found[module]), position[module]
+
+    rows = [
+        {"module": m, "index": position[m], "findings": found[m], "values": values[m]}
+        for m in sorted(modules, key=rank)
+    ]
+    stats = {stat for row in values.values() for stat in row}
+    first = [r for r in FIRST_ROOTS if r in stats]
+    return {"stats": first + sorted(stats - set(first)), "rows": rows}
+
+
+#: Roots whose names are modules (``param`` and ``param_grad`` name parameters).
+_MODULE_ROOTS = (Root.ACTIVATION, Root.INPUT, Root.GRADIENT, Root.ATTENTION)
+
+
+def _parts(full: str) -> tuple[str, str, str | None]:
+    root, _, rest = full.partition("/")
+    stat, _, name = rest.partition("/")
+    return root, stat, (name if name else None)
+
+
+def module_series(analysis: Analysis, module: str) -> dict[str, Any]:
+    """The ``series`` document: every statistic of one watched module (and of its own parameters)
+    over the logged steps, one entry per tag."""
+    run = analysis.run
+    steps = list(run.scalars)
+    found: dict[tuple[str, str], list[float | str | None]] = {}
+    for i, scalars in enumerate(run.scalars.values()):
+        for full, value in scalars.items():
+            root, stat, name = _parts(full)
+            if name is None or root not in NAMED_ROOTS:
+                continue
+            if (named := unescape(name)) == module or owner(named, run.order) == module:
+                found.setdefault((f"{root}/{stat}", named), [None] * len(steps))[i] = number(value)
+    ordered = sorted(found, key=lambda k: (_root_rank(k[0]), k[1]))
+    series = [{"stat": stat, "name": name, "values": found[stat, name]} for stat, name in ordered]
+    return {"module": module, "steps": steps, "series": series}
+
+
+def _root_rank(root: str) -> tuple[int, str]:
+    return (FIRST_ROOTS.index(root) if root in FIRST_ROOTS else len(FIRST_ROOTS)), root
+
+
+def spikes(analysis: Analysis) -> dict[str, Any]:
+    """The ``spikes`` document: ``step/grad_norm`` and ``step/loss`` at every step they were
+    written, and the spike findings (their steps are marked on the chart)."""
+    series = analysis.run.series
+
+    def line(name: str) -> dict[str, list[Any]]:
+        points = [(step, values[name]) for step, values in series.items() if name in values]
+        return {"steps": [s for s, _ in points], "values": [number(v) for _, v in points]}
+
+    marked = [f for f in analysis.findings if f["kind"] in _SPIKE_KINDS]
+    return {"grad_norm": line(GRAD_NORM_TAG), "loss": line(LOSS_TAG), "spikes": marked}

@@ -1,0 +1,137 @@
+"""The "Model health" plugin: TensorBoard finds it through the ``tensorboard_plugins`` entry point
+of this package and serves its routes under ``/data/plugin/tblog_hooks/``.
+
+Routes (JSON, documented in ``docs/dashboard.md``): ``runs``, ``heatmap?run=&tag=``,
+``findings?run=``, ``modules?run=``, ``series?run=&module=``, ``spikes?run=``; each route of one
+run also takes ``prefix=`` (needed only when the run holds several loggers' prefixes). The page
+itself is ``index.js`` (an ES module) and ``style.css``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Iterable
+from importlib import resources
+from typing import Any
+
+from tensorboard import errors, plugin_util
+from tensorboard.backend import http_util
+from tensorboard.context import RequestContext
+from tensorboard.plugins import base_plugin
+from werkzeug import wrappers
+
+from ..stats.tags import split_prefix
+from . import documents
+from .source import Model, Source, names_of
+
+PLUGIN_NAME = "tblog_hooks"
+_STATIC = {"/index.js": "application/javascript", "/style.css": "text/css"}
+
+#: What TensorBoard serves a route with: a WSGI application.
+WSGIApp = Callable[[dict[str, Any], Any], Iterable[bytes]]
+#: What a route of one model builds its document from: the request, its context, experiment and model.
+Build = Callable[[wrappers.Request, Any, str, Model], object]
+
+
+class HealthPlugin(base_plugin.TBPlugin):  # type: ignore[misc]
+    """The "Model health" tab: active when a run holds this package's tags."""
+
+    plugin_name = PLUGIN_NAME
+
+    def __init__(self, context: base_plugin.TBContext) -> None:
+        self._source = Source(context.data_provider)
+
+    def get_plugin_apps(self) -> dict[str, WSGIApp]:
+        documents_of: dict[str, Build] = {
+            "/heatmap": self._heatmap,
+            "/findings": lambda request, ctx, eid, model: self._source.analysis(ctx, eid, model).findings,
+            "/modules": lambda request, ctx, eid, model: documents.module_table(self._source.analysis(ctx, eid, model)),
+            "/series": self._series,
+            "/spikes": lambda request, ctx, eid, model: documents.spikes(self._source.analysis(ctx, eid, model)),
+        }
+        apps = {path: _app(self._static) for path in _STATIC} | {"/runs": _app(self._runs)}
+        return apps | {path: _app(functools.partial(self._of_model, build)) for path, build in documents_of.items()}
+
+    def is_active(self) -> bool:
+        """Whether any run holds this package's tags (TensorBoard lists the tab as inactive otherwise)."""
+        return bool(self._source.models(RequestContext(), ""))
+
+    def frontend_metadata(self) -> base_plugin.FrontendMetadata:
+        return base_plugin.FrontendMetadata(es_module_path="/index.js", tab_name="Model health")
+
+    def _static(self, request: wrappers.Request) -> wrappers.Response:
+        name = request.path.rsplit("/", 1)[-1]
+        body = resources.files(__package__).joinpath("static", name).read_bytes()
+        return _respond(request, body, _STATIC[f"/{name}"])
+
+    def _runs(self, request: wrappers.Request) -> wrappers.Response:
+        ctx, eid = _context(request)
+        return _respond(request, [documents.run_entry(model) for model in self._source.models(ctx, eid)])
+
+    def _of_model(self, build: Build, request: wrappers.Request) -> wrappers.Response:
+        """A route of one run's model: ``run=`` and ``prefix=`` choose it (see :meth:`_model`)."""
+        ctx, eid = _context(request)
+        return _respond(request, build(request, ctx, eid, self._model(request, ctx, eid)))
+
+    def _model(self, request: wrappers.Request, ctx: Any, eid: str) -> Model:
+        """The model ``run=`` names; its prefix is ``prefix=``, else the one a prefixed ``tag=``
+        names, else the run's only one."""
+        run = _argument(request, "run")
+        models = {m.prefix: m for m in self._source.models(ctx, eid, run)}
+        if not models:
+            raise errors.NotFoundError(f"run {run!r} holds no tblog_hooks tags")
+        prefix = request.args.get("prefix")
+        if prefix is None and (root := request.args.get("tag")) and (split := split_prefix(f"{root}/x")):
+            prefix = split[0] if split[0] in models else None
+        if prefix is None and len(models) == 1:
+            prefix = next(iter(models))
+        if prefix not in models:
+            held = ", ".join(repr(p) for p in models)
+            raise errors.InvalidArgumentError(f"run {run!r} holds the prefixes {held}: pass prefix= (got {prefix!r})")
+        return models[prefix]
+
+    def _heatmap(self, request: wrappers.Request, ctx: Any, eid: str, model: Model) -> object:
+        root = _argument(request, "tag")
+        split = split_prefix(f"{root}/x")
+        if split is None or split[1].count("/") != 2:
+            raise errors.InvalidArgumentError(f"tag={root!r} is not a tag root of a module statistic (gradient/norm)")
+        root = split[1].rsplit("/", 1)[0]
+        tags = list(names_of(model, root))
+        if not tags:
+            held = ", ".join(documents.roots(model))
+            raise errors.InvalidArgumentError(f"{model.name!r} holds no {root}/{{module}} scalars; it holds {held}")
+        values = self._source.read(ctx, eid, model, tags)
+        return documents.heatmap(model, root, values, self._source.order(ctx, eid, model))
+
+    def _series(self, request: wrappers.Request, ctx: Any, eid: str, model: Model) -> object:
+        module, analysis = _argument(request, "module"), self._source.analysis(ctx, eid, model)
+        series = documents.module_series(analysis, module)
+        if not series["series"] and module not in analysis.run.order:
+            raise errors.NotFoundError(f"{model.name!r} holds no statistics of a module {module!r}")
+        return series
+
+
+def _app(handler: Callable[[wrappers.Request], wrappers.Response]) -> WSGIApp:
+    return wrappers.Request.application(handler)
+
+
+def _respond(request: wrappers.Request, body: object, content_type: str = "application/json") -> wrappers.Response:
+    """TensorBoard's response (gzipped where the client accepts it). The documents are valid JSON as
+    built (see :mod:`.documents`), so they are encoded as they are: TensorBoard's own encoder first
+    walks every value in Python, which takes longer than the read for a heatmap of 150,000 cells."""
+    if content_type == "application/json":
+        body = json.dumps(body, allow_nan=False)
+    response: wrappers.Response = http_util.Respond(request, body, content_type)
+    return response
+
+
+def _context(request: wrappers.Request) -> tuple[Any, str]:
+    return plugin_util.context(request.environ), plugin_util.experiment_id(request.environ)
+
+
+def _argument(request: wrappers.Request, name: str) -> str:
+    value = request.args.get(name)
+    if value is None:
+        raise errors.InvalidArgumentError(f"missing {name}=")
+    return str(value)

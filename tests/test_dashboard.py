@@ -1,0 +1,241 @@
+"""The "Model health" plugin in a real TensorBoard server: found through its entry point, active only
+with this package's tags, and its JSON routes give exactly what ``EventAccumulator`` reads back and
+the findings ``tblog-hooks report --json`` gives."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import health_runs
+import pytest
+from conftest import get, read_run, read_tags, read_text, tensorboard, wait_until_loaded
+from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+from tensorboard.context import RequestContext
+from tensorboard.plugins import base_plugin
+
+from tblog_hooks.dashboard.plugin import HealthPlugin
+from tblog_hooks.dashboard.source import Source
+from tblog_hooks.stats.tags import ORDER_TAG, parse_order, split_prefix, unescape
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="stops the server's process group (POSIX)")
+ROUTE = "/data/plugin/tblog_hooks"
+
+
+def error(url: str, path: str, **query: str) -> tuple[int, str]:
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        get(url, path, **query)
+    return raised.value.code, raised.value.read().decode()
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dashboard") / "runs"
+    health_runs.write_all(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(logdir: Path) -> Iterator[str]:
+    # More than the default 1,000 scalars per tag, so that the run "long" is kept whole.
+    with tensorboard(logdir, "--samples_per_plugin", f"scalars={2 * health_runs.LONG_STEPS}") as url:
+        wait_until_loaded(url, logdir)
+        yield url
+
+
+def reference(logdir: Path, run: str, prefix: str) -> tuple[dict[str, dict[int, float]], list[str]]:
+    """The model's scalars (``{tag without prefix: {step: value}}``) as ``EventAccumulator`` reads
+    them, and its forward order as written."""
+    scalars = {}
+    for full, values in read_run(logdir / run).scalars.items():
+        if (split := split_prefix(full)) and split[0] == prefix:
+            scalars[split[1]] = values
+    tag = f"{prefix}/{ORDER_TAG}" if prefix else ORDER_TAG
+    text = read_text(logdir / run, tag) if f"{tag}/text_summary" in read_tags(logdir / run)["tensors"] else {}
+    return scalars, parse_order(text[max(text)]) if text else []
+
+
+def same(served: object, value: float | None) -> bool:
+    """Whether ``served`` is ``value`` as TensorBoard's JSON writes it (NaN and infinities as strings)."""
+    if value is None or math.isfinite(value):
+        return served == value
+    return served == ("NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity")
+
+
+def test_the_entry_point_names_the_plugin() -> None:
+    (point,) = entry_points(group="tensorboard_plugins", name="tblog_hooks")
+    assert point.load() is HealthPlugin
+
+
+def test_tensorboard_lists_the_tab_active(server) -> None:
+    listing = get(server, "/data/plugins_listing")["tblog_hooks"]  # type: ignore[index]
+    assert listing["enabled"] is True and listing["tab_name"] == "Model health"
+    assert listing["loading_mechanism"] == {"type": "IFRAME", "module_path": f"{ROUTE}/index.js"}
+
+
+def _provider(logdir: Path) -> data_provider.MultiplexerDataProvider:
+    """TensorBoard's Python data provider over ``logdir`` (``tensorboard --load_fast=false``), loaded."""
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(logdir))
+    multiplexer.Reload()
+    return data_provider.MultiplexerDataProvider(multiplexer, str(logdir))
+
+
+def _plugin(logdir: Path) -> HealthPlugin:
+    return HealthPlugin(base_plugin.TBContext(data_provider=_provider(logdir), logdir=str(logdir)))
+
+
+def test_the_plugin_is_inactive_without_this_packages_tags(tmp_path) -> None:
+    health_runs.write_user_tags(tmp_path / "user")
+    assert not _plugin(tmp_path).is_active()
+    health_runs.write_long(tmp_path / "long")
+    assert _plugin(tmp_path).is_active()
+
+
+def test_runs_are_the_loggers_with_their_prefixes(server, logdir) -> None:
+    runs = get(server, f"{ROUTE}/runs")
+    assert [(r["run"], r["prefix"]) for r in runs] == health_runs.MODELS  # type: ignore[index, union-attr]
+    net = next(r for r in runs if r["run"] == "net")  # type: ignore[index, union-attr]
+    assert net["name"] == "net" and net["spikes"] is True
+    assert net["stats"][:3] == ["gradient/norm", "activation/std", "activation/dead_frac"]
+    assert {"attention/max_logit", "attention/entropy", "param_grad/norm", "param/update_ratio"} <= set(net["stats"])
+    gan_g = next(r for r in runs if r["prefix"] == "G")  # type: ignore[index, union-attr]
+    assert gan_g["name"] == "gan [G]" and gan_g["spikes"] is False
+
+
+@pytest.mark.parametrize(("run", "prefix"), health_runs.MODELS)
+def test_heatmaps_are_the_scalars(server, logdir, run, prefix) -> None:
+    scalars, order = reference(logdir, run, prefix)
+    entry = next(r for r in get(server, f"{ROUTE}/runs") if (r["run"], r["prefix"]) == (run, prefix))  # type: ignore[index, union-attr]
+    roots = {t.rsplit("/", 1)[0] for t in scalars if t.count("/") == 2}
+    assert set(entry["stats"]) == roots
+    for root in roots:
+        doc = get(server, f"{ROUTE}/heatmap", run=run, prefix=prefix, tag=root)
+        names = {unescape(t.rsplit("/", 1)[1]): t for t in scalars if t.rsplit("/", 1)[0] == root}
+        assert sorted(doc["modules"]) == sorted(names)  # type: ignore[index]
+        watched = [m for m in doc["modules"] if m in order]  # type: ignore[index]
+        assert watched == [m for m in order if m in names]  # modules in forward order
+        assert doc["steps"] == sorted({s for t in names.values() for s in scalars[t]})  # type: ignore[index]
+        for name, row in zip(doc["modules"], doc["values"]):  # type: ignore[index]
+            expected = scalars[names[name]]
+            assert all(same(v, expected.get(step)) for step, v in zip(doc["steps"], row)), (root, name)  # type: ignore[index]
+
+
+def test_heatmap_rows_follow_the_forward_order(server, logdir) -> None:
+    _, order = reference(logdir, "net", "")
+    assert order == ["embed", "a/b c.qkv", "a/b c.out", "dead", "head"]
+    assert get(server, f"{ROUTE}/heatmap", run="net", tag="gradient/norm")["modules"] == order  # type: ignore[index]
+    params = get(server, f"{ROUTE}/heatmap", run="net", tag="param_grad/norm")["modules"]  # type: ignore[index]
+    assert params == [f"{m}.{p}" for m in order for p in ("bias", "weight")]
+    # The attention module is not watched itself: it comes before its first watched submodule.
+    assert get(server, f"{ROUTE}/heatmap", run="net", tag="attention/max_logit")["modules"] == ["a/b c"]  # type: ignore[index]
+
+
+def test_non_finite_values_are_served_as_tensorboard_writes_them(server, logdir) -> None:
+    doc = get(server, f"{ROUTE}/heatmap", run="net", tag="activation/mean")
+    row = doc["values"][doc["modules"].index("head")]  # type: ignore[index]
+    written = read_run(logdir / "net").scalars["activation/mean/head"]
+    assert row == ["NaN" if math.isnan(written[s]) else written[s] for s in doc["steps"]]  # type: ignore[index]
+    assert "NaN" in row and any(isinstance(v, float) for v in row)  # the NaN from its step on
+
+
+def _report(logdir: Path) -> dict[str, object]:
+    cli = Path(sys.executable).with_name("tblog-hooks")
+    lines = subprocess.run([str(cli), "report", "--json", str(logdir)], capture_output=True, text=True).stdout
+    return {doc["run"]: doc for doc in map(json.loads, lines.splitlines())}
+
+
+def test_findings_are_those_of_the_report(server, logdir) -> None:
+    reported = _report(logdir)
+    for run, prefix in health_runs.MODELS:
+        name = f"{run} [{prefix}]" if prefix else run
+        assert get(server, f"{ROUTE}/findings", run=run, prefix=prefix) == reported[name]["findings"]  # type: ignore[index]
+    kinds = {f["kind"] for f in reported["net"]["findings"]}  # type: ignore[index]
+    assert {"dead_units", "vanishing_gradient", "nonfinite", "gradient_spike", "loss_spike"} <= kinds
+
+
+def test_tensorboards_python_data_provider_gives_the_same_findings(logdir) -> None:
+    """``tensorboard --load_fast=false`` serves runs from Python's multiplexer, not the data server."""
+    source, reported = Source(_provider(logdir)), _report(logdir)
+    models = source.models(RequestContext(), "")
+    assert [(m.run, m.prefix) for m in models] == health_runs.MODELS
+    for model in models:
+        assert source.analysis(RequestContext(), "", model).findings == reported[model.name]["findings"]  # type: ignore[index]
+
+
+def test_a_prefix_is_chosen_by_the_tag_or_the_runs_only_one(server) -> None:
+    by_param = get(server, f"{ROUTE}/heatmap", run="gan", prefix="G", tag="gradient/norm")
+    assert get(server, f"{ROUTE}/heatmap", run="gan", tag="G/gradient/norm") == by_param
+    assert by_param["prefix"] == "G" and by_param["modules"] == ["0", "2"]  # type: ignore[index]
+    code, message = error(server, f"{ROUTE}/findings", run="gan")
+    assert code == 400 and "'D', 'G'" in message and "prefix=" in message
+    assert get(server, f"{ROUTE}/findings", run="net") == get(server, f"{ROUTE}/findings", run="net", prefix="")
+
+
+def test_bad_queries_get_clear_errors(server) -> None:
+    assert error(server, f"{ROUTE}/heatmap", tag="gradient/norm") == (400, "Invalid argument: missing run=")
+    code, message = error(server, f"{ROUTE}/heatmap", run="user", tag="gradient/norm")
+    assert code == 404 and "'user' holds no tblog_hooks tags" in message
+    code, message = error(server, f"{ROUTE}/heatmap", run="net", tag="gradient")
+    assert code == 400 and "tag='gradient'" in message
+    code, message = error(server, f"{ROUTE}/heatmap", run="gan", prefix="G", tag="attention/max_logit")
+    assert code == 400 and "'gan [G]' holds no attention/max_logit/{module} scalars; it holds gradient/norm" in message
+    code, message = error(server, f"{ROUTE}/series", run="net", module="nope")
+    assert code == 404 and "'net' holds no statistics of a module 'nope'" in message
+
+
+def test_every_step_series_are_read_whole(server, logdir) -> None:
+    scalars, _ = reference(logdir, "long", "")
+    doc = get(server, f"{ROUTE}/spikes", run="long")
+    assert len(doc["grad_norm"]["steps"]) == health_runs.LONG_STEPS  # type: ignore[index]
+    assert dict(zip(doc["grad_norm"]["steps"], doc["grad_norm"]["values"])) == scalars["step/grad_norm"]  # type: ignore[index]
+    assert dict(zip(doc["loss"]["steps"], doc["loss"]["values"])) == scalars["step/loss"]  # type: ignore[index]
+
+
+def test_spikes_are_the_series_and_the_spike_findings(server, logdir) -> None:
+    scalars, _ = reference(logdir, "net", "")
+    doc = get(server, f"{ROUTE}/spikes", run="net")
+    assert doc["grad_norm"]["steps"] == sorted(scalars["step/grad_norm"])  # type: ignore[index]
+    assert doc["loss"]["steps"] == sorted(scalars["step/loss"])  # type: ignore[index]
+    assert all(
+        same(v, scalars["step/grad_norm"][s]) for s, v in zip(doc["grad_norm"]["steps"], doc["grad_norm"]["values"])
+    )  # type: ignore[index]
+    assert [(f["kind"], f["step"]) for f in doc["spikes"]] == [("gradient_spike", 30), ("loss_spike", 30)]  # type: ignore[index]
+
+
+def test_a_modules_series_are_its_scalars_and_its_parameters(server, logdir) -> None:
+    scalars, _ = reference(logdir, "net", "")
+    doc = get(server, f"{ROUTE}/series", run="net", module="a/b c.qkv")
+    logged = sorted({s for t, v in scalars.items() if t.startswith("gradient/norm/") for s in v})
+    assert doc["steps"] == logged  # type: ignore[index]
+    served = {(s["stat"], s["name"]) for s in doc["series"]}  # type: ignore[index]
+    named = {(t.rsplit("/", 1)[0], unescape(t.rsplit("/", 1)[1])): t for t in scalars if t.count("/") == 2}
+    mine = {key: t for key, t in named.items() if key[1] in ("a/b c.qkv", "a/b c.qkv.weight", "a/b c.qkv.bias")}
+    assert served == {key for key in mine if not key[0].startswith("spike/")}  # spike/* lies between logged steps
+    assert {("gradient/norm", "a/b c.qkv"), ("param_grad/norm", "a/b c.qkv.weight")} <= served
+    for s in doc["series"]:  # type: ignore[index]
+        tag = mine[s["stat"], s["name"]]
+        assert all(same(v, scalars[tag].get(step)) for step, v in zip(doc["steps"], s["values"]))  # type: ignore[index]
+
+
+def test_the_module_table_is_worst_first_with_the_latest_values(server, logdir) -> None:
+    scalars, _ = reference(logdir, "net", "")
+    doc = get(server, f"{ROUTE}/modules", run="net")
+    rows = doc["rows"]  # type: ignore[index]
+    assert rows[0]["module"] == "head" and "nonfinite" in rows[0]["findings"]  # NaN/Inf is the worst
+    dead = next(r for r in rows if r["module"] == "dead")
+    assert "dead_units" in dead["findings"]
+    assert same(
+        dead["values"]["activation/dead_frac"],
+        scalars["activation/dead_frac/dead"][max(scalars["activation/dead_frac/dead"])],
+    )
+    assert doc["stats"][0] == "gradient/norm"  # type: ignore[index]
