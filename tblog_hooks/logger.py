@@ -115,7 +115,7 @@ class HookLogger:
         if self._destination is not None:
             scaled = self._recording.optimizer_hooks is None  # (see scaling.unscale)
             write = functools.partial(self._diagnostics.write, self._destination)
-            self._outbox = Outbox(write, param_grads_scaled=scaled)
+            self._outbox = Outbox(write, param_grads_scaled=scaled, numerics=self._recording.numerics)
         _warn_if_shared(model, self._destination)
         spiking = (self._recording.handles, self._diagnostics.health, self._destination, self._ranks)
         self._spikes = SpikeLog.of(config, self._watched, self._module_names, *spiking)

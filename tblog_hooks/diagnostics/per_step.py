@@ -21,6 +21,7 @@ from . import pictures
 from .attention_rules import heads_pictures
 from .findings import Thresholds
 from .health import default_health
+from .numerics_rules import numerics_pictures
 
 if TYPE_CHECKING:
     from ..output.destination import Destination
@@ -115,6 +116,7 @@ class Diagnostics:
             self.health.update(summary.step, summary.scalars, order, summary.heads)
             summary.scalars.update(self.health.counts())
         summary.images.update(heads_pictures(summary.heads))
+        summary.images.update(numerics_pictures(order, summary.numerics))
         if norms:
             self._norms[summary.step] = norms
             while len(self._norms) > pictures.MAX_COLUMNS:
