@@ -110,9 +110,10 @@ class NumericsRules:
             advice = "raise the loss scale, or train in bf16"
         found: Candidates = {}
         for m, fraction in lost.items():
+            most = "" if m == worst else f" (the most: {worst}, {lost[worst]:.1%})"
             message = (
                 f"{fraction:.1%} of the gradient w.r.t. the output of {m} is lost to zero in fp16 at loss scale "
-                f"{scale:g} (the most: {worst}, {lost[worst]:.1%}): {advice}"
+                f"{scale:g}{most}: {advice}"
             )
             found[(FP16_UNDERFLOW, m)] = (Finding(FP16_UNDERFLOW, m, step, fraction, message), False)
         return found

@@ -85,6 +85,8 @@ FIRST = Pool(lambda v, n: v[0])
 NORM = Pool(lambda v, n: np.sqrt(np.square(v).sum(axis=0)), (torch.square, torch.sqrt))
 #: ``[mean, centred L2 norm]``, optionally followed by the third and fourth central sums.
 MOMENTS = Pool(_moments)
+#: ``[ref, Σ(x/ref)², Σ(x/ref)⁴]`` (``numerics.pool_powers``).
+POWERS = Pool(numerics.pool_powers)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -381,7 +383,7 @@ def _numeric_measures(*, zero_frac: bool, channels: bool) -> tuple[Measure, Meas
         counted=True,
     )
     size = Measure(
-        fields=(Field(name="amax", pool=MAX), Field(name="sum2", pool=SUM), Field(name="sum4", pool=SUM)),
+        fields=(Field(name="amax", pool=MAX), Field(name="powers", pool=POWERS, parts=("ref", "sum2", "sum4"))),
         stats=magnitude,
         scalars=lambda v, n: scalars(v, n, magnitude),
         scaled=True,

@@ -96,8 +96,10 @@ def names(fmt: Format) -> tuple[str, ...]:
 
 
 def measure(x: Tensor, units: int, *, channels: bool) -> dict[str, Tensor]:
-    """The device values of ``x``: ``amax``, ``sum2`` and ``sum4`` (of ``x²`` and ``x⁴``, in
-    float32 or float64 for float64 tensors), ``nonzero`` and per format the count of elements the
+    """The device values of ``x``: ``amax``; ``ref`` (``max(amax, 1e-12)``) with ``sum2`` and
+    ``sum4``, the sums of ``(x / ref)²`` and ``(x / ref)⁴`` (in float32, or float64 for float64
+    tensors: relative to the amax they neither overflow nor lose the largest terms);
+    ``nonzero`` and per format the count of elements the
     cast makes 0 (``zero_F``), keeps finite (``finite_F``) and, unscaled, makes subnormal or 0
     (``small_F``). With ``channels``, also per unit (along dim ``units``) the amax and the
     median of ``|x|``; ``unit_amax`` is empty for a 0-d or 1-d ``x``."""
@@ -114,16 +116,14 @@ def measure(x: Tensor, units: int, *, channels: bool) -> dict[str, Tensor]:
         out["median"] = a.median()
     else:
         out["amax"] = a.amax()
-    square = a * a
+    out["ref"] = out["amax"].clamp(min=AMAX_FLOOR)
+    scale = out["ref"].reciprocal()  # (also the float8 formats' per-tensor scale, over max_F)
+    square = a * scale
+    square.square_()
     out["sum2"], out["sum4"] = square.sum(), square.square_().sum()
     out["nonzero"] = torch.count_nonzero(x)
-    scale = None
     for fmt in FORMATS.values():
-        seen = a
-        if fmt.scaled:
-            if scale is None:
-                scale = out["amax"].clamp(min=AMAX_FLOOR).reciprocal()
-            seen = a * (scale * fmt.max)
+        seen = a * (scale * fmt.max) if fmt.scaled else a
         out[f"zero_{fmt.name}"] = torch.count_nonzero(seen <= fmt.flushed)
         if fmt.scaled:  # non-finite after the cast
             bound, tie_stays = fmt.finite
@@ -138,14 +138,23 @@ def measure(x: Tensor, units: int, *, channels: bool) -> dict[str, Tensor]:
 Values = Mapping[str, np.ndarray]
 
 
+def pool_powers(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``[ref, Σ(x/ref)², Σ(x/ref)⁴]`` of the records holding the same, each relative to its own
+    ``ref``: the largest ``ref`` and the sums rescaled to it."""
+    refs = values[:, 0]
+    top = refs.max()
+    ratio = refs / top if top > 0 else np.ones_like(refs)
+    return np.array([top, (values[:, 1] * ratio**2).sum(), (values[:, 2] * ratio**4).sum()])
+
+
 def statistics(v: Values, count: int, *, zero_frac: bool) -> dict[str, float]:
     """The scalars of a module's pooled values over ``count`` elements, every format's: the
     caller keeps those it writes (:func:`written`)."""
     n = float(count)
-    sum2, sum4 = float(v["sum2"][0]), float(v["sum4"][0])
+    ref, sum2, sum4 = (float(p) for p in v["powers"])
     zeros = n - float(v["nonzero"][0])
-    out: dict[str, float] = {Stat.AMAX: float(v["amax"][0]), Stat.RMS: math.sqrt(sum2 / n)}
-    if sum2 > 0:  # non-centred, as torchtitan's: (E[x⁴] / E[x²]²) - 3
+    out: dict[str, float] = {Stat.AMAX: float(v["amax"][0]), Stat.RMS: ref * math.sqrt(sum2 / n)}
+    if sum2 > 0:  # non-centred, as torchtitan's: (E[x⁴] / E[x²]²) - 3 (ref cancels)
         out[Stat.KURTOSIS] = (sum4 / n) / (sum2 / n) ** 2 - 3
     if zero_frac:
         out[Stat.ZERO_FRAC] = zeros / n
