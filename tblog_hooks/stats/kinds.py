@@ -402,8 +402,8 @@ NUMERIC_GRADIENT = Kind(name=Root.GRADIENT, per_call=True)
 NUMERIC_PARAM_GRAD = Kind(name=Root.PARAM_GRAD)
 for _kind, _zero_frac, _channels in (
     (NUMERIC_ACTIVATION, False, True),  # (activation/zero_frac is ZERO_FRAC's)
-    (NUMERIC_GRADIENT, True, False),
-    (NUMERIC_PARAM_GRAD, True, False),
+    (NUMERIC_GRADIENT, True, False),  # (for fp16_gradient_underflow)
+    (NUMERIC_PARAM_GRAD, False, False),
 ):
     for _measure in _numeric_measures(zero_frac=_zero_frac, channels=_channels):
         _kind.declare(_measure)
