@@ -55,7 +55,7 @@ def magnitudes(x: Tensor) -> dict[str, float]:
 def measured(kind: Kind, x: Tensor, units: int = -1) -> dict[str, float]:
     """The scalars the logger derives from ``kind``'s device values of ``x`` (one record)."""
     named = kind.compute(x, units)
-    values = {name: np.atleast_1d(t.double().numpy()) for name, t in named.items()}
+    values = {name: np.atleast_1d(t.double().cpu().numpy()) for name, t in named.items()}
     fields = {f.name: np.concatenate([values[part] for part in f.names]) for f in kind.fields}
     return kind.scalars(fields, x.numel())
 
@@ -111,6 +111,18 @@ def test_every_fraction_equals_cast_and_count(name: str) -> None:
         want = magnitudes(x)
         for stat in ("amax", "rms", "kurtosis"):
             assert got[stat] == pytest.approx(want[stat], rel=1e-5, abs=1e-6), stat
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(_tensors()))
+def test_every_fraction_equals_cast_and_count_on_cuda(name: str) -> None:
+    """The same on the GPU, whose kernels must keep the float32 subnormals the bf16 boundaries are."""
+    x = _tensors()[name].cuda()
+    got = measured(NUMERIC_GRADIENT, x)
+    for fmt in ALL:
+        if not (FORMATS[fmt].scaled and not torch.isfinite(x).all()):
+            for stat, want in reference(x, fmt).items():
+                assert got[stat] == pytest.approx(want, abs=1e-6), (stat, got[stat], want)
 
 
 def test_the_boundaries_are_exercised() -> None:
