@@ -354,3 +354,19 @@ def test_fp8_overflow_starts_where_a_cast_makes_nan(tmp_path) -> None:
         x[0, 0] = math.inf
         train(hooks, [model(x).sum()])
     assert ("fp8_overflow", "0") in {(f.kind, f.module) for f in hooks.findings}
+
+
+def test_the_pictures_get_every_format_and_the_tags_only_those_written(tmp_path, monkeypatch) -> None:
+    from tblog_hooks.diagnostics import per_step
+
+    drawn: list[dict[str, float]] = []
+    draw = per_step.numerics_pictures
+    monkeypatch.setattr(per_step, "numerics_pictures", lambda order, every: drawn.append(every) or draw(order, every))
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    with HookLogger(model, log_dir=tmp_path, every=1, numerics=("bf16",), histograms=False) as hooks:
+        train(hooks, [(model(torch.randn(8, 4) * 1e5)).sum() for _ in range(12)])
+    assert len(drawn) == 3  # logged steps 0 and 10, and the last one at close
+    assert {f"gradient/underflow_{fmt}/2" for fmt in ALL} <= set(drawn[0])
+    assert drawn[0]["activation/overflow_bf16/0"] == 0 < drawn[0]["activation/overflow_fp16/0"]  # pictured, not written
+    tags = set(read_run(tmp_path).scalars)
+    assert "activation/overflow_bf16/0" in tags and "activation/overflow_fp16/0" not in tags
