@@ -58,6 +58,7 @@ def _train(
     scale: float | None = None,
     histograms: bool | Histograms = EVERY_HISTOGRAM,
     moved: bool = False,
+    numerics: bool = False,
 ) -> tuple[Run, nn.Module]:
     """5 optimizer steps of 2 micro-batches each (gradient accumulation), every=2: steps 0, 2, 4
     logged. With ``moved``, the logger is made while the model is on the meta device."""
@@ -71,7 +72,7 @@ def _train(
     scaler = None if scale is None else torch.amp.GradScaler(device, init_scale=scale)
     optimizer = None if moved else opt
     with HookLogger(
-        model, log_dir=log_dir, every=2, optimizer=optimizer, scaler=scaler, histograms=histograms
+        model, log_dir=log_dir, every=2, optimizer=optimizer, scaler=scaler, histograms=histograms, numerics=numerics
     ) as hooks:
         if moved:
             model.to_empty(device=device).load_state_dict(weights)
@@ -131,6 +132,20 @@ def test_compiled_model_logs_what_eager_logs(tmp_path: Path, backend: str, devic
             assert got.num == want.num, (tag, step)
     for a, b in zip(eager_model.parameters(), compiled_model.parameters()):  # training is unchanged
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_compiled_activations_and_parameter_gradients_log_numerics_as_eager(tmp_path: Path) -> None:
+    """``numerics=``'s output and parameter-gradient statistics in the compiled graph, without a
+    graph break or another graph; output gradients are eager only (the probes carry GRADIENT's)."""
+    eager, _ = _train(tmp_path / "eager", backend=None, histograms=False, numerics=True)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, _ = _train(tmp_path / "compiled", backend="aot_eager", histograms=False, numerics=True)
+    assert counters["stats"]["unique_graphs"] == 2
+    assert not counters["graph_break"]
+    assert "activation/underflow_bf16/block.fc" in compiled.scalars
+    _assert_same_scalars(compiled, eager, ("activation/", "param_grad/"))
+    assert "gradient/amax/out" in eager.scalars and "gradient/amax/out" not in compiled.scalars
 
 
 def test_compiled_output_gradients_with_checkpointing_and_grad_scaler(tmp_path: Path) -> None:
