@@ -370,3 +370,14 @@ def test_the_pictures_get_every_format_and_the_tags_only_those_written(tmp_path,
     assert drawn[0]["activation/overflow_bf16/0"] == 0 < drawn[0]["activation/overflow_fp16/0"]  # pictured, not written
     tags = set(read_run(tmp_path).scalars)
     assert "activation/overflow_bf16/0" in tags and "activation/overflow_fp16/0" not in tags
+
+
+def test_massive_activation_is_not_judged_on_a_mostly_zero_output(tmp_path) -> None:
+    model = nn.Sequential(OrderedDict(proj=nn.Linear(8, 16), act=nn.ReLU()))
+    with torch.no_grad():
+        model.proj.weight.zero_()
+        model.proj.bias.fill_(-1.0)
+        model.proj.bias[5] = 500.0  # one unit at 500, the rest 0 after the ReLU: its median is 0
+    with HookLogger(model, log_dir=tmp_path, every=1, modules=["proj", "act"], numerics=True) as hooks:
+        train(hooks, [model(torch.randn(32, 8)).sum()])
+    assert {f.module for f in hooks.findings if f.kind == "massive_activation"} == set()

@@ -60,16 +60,17 @@ class NumericsRules:
         return judged, found
 
     def _massive(self, step: int, scalars: Mapping[str, float], amax: Mapping[str, float]) -> Candidates:
-        """Activations whose max |x| is above ``massive_value`` and ``massive_ratio`` times their median |x|."""
+        """Activations whose max |x| is above ``massive_value`` and ``massive_ratio`` times their
+        median |x|; not of a mostly-zero output (median 0: a ReLU's), whose ratio means nothing."""
         t = self.thresholds
         found: Candidates = {}
         for m, peak in amax.items():
             median = scalars.get(tag(Root.ACTIVATION, Stat.MEDIAN_ABS, m), math.nan)
-            if not (peak > t.massive_value and peak > t.massive_ratio * median):
+            if not (median > 0 and peak > t.massive_value and peak > t.massive_ratio * median):
                 continue
             channel = scalars.get(tag(Root.ACTIVATION, Stat.AMAX_CHANNEL, m))
             where = "" if channel is None else f" in channel {channel:.0f}"
-            ratio = peak / median if median > 0 else math.inf
+            ratio = peak / median
             message = (
                 f"the output of {m} has a massive activation{where}: max |x| = {peak:.4g}, {ratio:.3g} times its "
                 f"median |x| ({median:.3g}); per-tensor fp8 scaling to it would flush the rest towards zero"
