@@ -222,9 +222,10 @@ class Written:
 
     def see(self, device_type: str) -> None:
         """A logged forward pass on ``device_type`` (host-side only: autocast state, no tensor)."""
-        if self._named or self._seen is not None or not torch.is_autocast_enabled(device_type):
-            return
-        self._seen = OF_DTYPE.get(torch.get_autocast_dtype(device_type))
+        if self._named or self._seen is not None or not torch.amp.is_autocast_available(device_type):
+            return  # (a device type without autocast, "meta", would raise below)
+        if torch.is_autocast_enabled(device_type):
+            self._seen = OF_DTYPE.get(torch.get_autocast_dtype(device_type))
 
     @property
     def formats(self) -> tuple[str, ...]:
