@@ -78,7 +78,7 @@ class Options:
     #: kurtosis and per format the fractions lost to underflow and overflow. ``True`` writes them
     #: for the format the run trains in (the autocast dtype, else ``"bf16"``), a tuple of names
     #: among ``"fp16"``, ``"bf16"``, ``"e4m3"``, ``"e5m2"`` for those; every format is in the
-    #: ``health/numerics`` picture. ``False``: off.
+    #: ``health/numerics_*`` pictures. ``False``: off.
     numerics: bool | Sequence[str] = False
 
     def __post_init__(self) -> None:
