@@ -5,6 +5,7 @@ an unlogged one none, and the findings start on the pathologies they name."""
 from __future__ import annotations
 
 import math
+import re
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -381,3 +382,20 @@ def test_massive_activation_is_not_judged_on_a_mostly_zero_output(tmp_path) -> N
     with HookLogger(model, log_dir=tmp_path, every=1, modules=["proj", "act"], numerics=True) as hooks:
         train(hooks, [model(torch.randn(32, 8)).sum()])
     assert {f.module for f in hooks.findings if f.kind == "massive_activation"} == set()
+
+
+def test_the_docs_constants_are_torch_finfo() -> None:
+    """docs/numerics.md's table of the formats: each row's dtype, max, smallest normal and
+    subnormal (as powers of two) are ``torch.finfo``'s."""
+    from pathlib import Path
+
+    superscript = str.maketrans("⁻⁰¹²³⁴⁵⁶⁷⁸⁹", "-0123456789")
+    text = (Path(__file__).parents[1] / "docs" / "numerics.md").read_text()
+    rows = re.findall(r"^\| (\w+) \| `torch\.(\w+)` \| ([\d.e]+) \| [^|]*\(2(\S+)\) \| [^|]*\(2(\S+)\) \|", text, re.M)
+    assert [r[0] for r in rows] == list(FORMATS)
+    for name, dtype, largest, normal, subnormal in rows:
+        info = torch.finfo(getattr(torch, dtype))
+        assert FORMATS[name].dtype == getattr(torch, dtype)
+        assert float(largest) == pytest.approx(info.max, rel=1e-2)
+        assert 2.0 ** int(normal.translate(superscript)) == info.smallest_normal
+        assert 2.0 ** int(subnormal.translate(superscript)) == info.smallest_normal * info.eps
