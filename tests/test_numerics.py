@@ -399,3 +399,15 @@ def test_the_docs_constants_are_torch_finfo() -> None:
         assert float(largest) == pytest.approx(info.max, rel=1e-2)
         assert 2.0 ** int(normal.translate(superscript)) == info.smallest_normal
         assert 2.0 ** int(subnormal.translate(superscript)) == info.smallest_normal * info.eps
+
+
+def test_fp16_gradient_underflow_of_a_float32_run_that_names_fp16(tmp_path) -> None:
+    """In float32 the gradients are whole, and their fp16 underflow fraction is what a cast would lose."""
+    model = _shrinking_sigmoid_mlp()
+    with HookLogger(model, log_dir=tmp_path, every=1, numerics=("fp16",), histograms=False) as hooks:
+        train(hooks, [model(torch.randn(64, 32)).mean() * 1e-3])
+    scalars = {t: v[0] for t, v in read_run(tmp_path).scalars.items()}
+    named = {f.module: f.value for f in hooks.findings if f.kind == "fp16_gradient_underflow"}
+    assert {"0", "2"} <= set(named) and "12" not in named, named
+    assert named["2"] == pytest.approx(scalars["gradient/underflow_fp16/2"], abs=1e-6)  # the cast's loss itself
+    assert scalars["gradient/zero_frac/2"] == 0  # (nothing is zero in float32)
