@@ -71,11 +71,14 @@ class NumericsRules:
             channel = scalars.get(tag(Root.ACTIVATION, Stat.AMAX_CHANNEL, m))
             where = "" if channel is None else f" in channel {channel:.0f}"
             ratio = peak / median
-            message = (
-                f"the output of {m} has a massive activation{where}: max |x| = {peak:.4g}, {ratio:.3g} times its "
-                f"median |x| ({median:.3g}); per-tensor fp8 scaling to it would flush the rest towards zero"
-            )
-            found[(MASSIVE, m)] = (Finding(MASSIVE, m, step, peak, message), False)
+            _add(
+                found,
+                Finding(
+                    MASSIVE, m, step, peak,
+                    f"the output of {m} has a massive activation{where}: max |x| = {peak:.4g}, {ratio:.3g} times "
+                    f"its median |x| ({median:.3g}); per-tensor fp8 scaling to it would flush the rest towards zero",
+                ),
+            )  # fmt: skip
         return found
 
     def _fp16(
@@ -112,11 +115,8 @@ class NumericsRules:
         found: Candidates = {}
         for m, fraction in lost.items():
             most = "" if m == worst else f" (the most: {worst}, {lost[worst]:.1%})"
-            message = (
-                f"{fraction:.1%} of the gradient w.r.t. the output of {m} is lost to zero in fp16 at loss scale "
-                f"{scale:g}{most}: {advice}"
-            )
-            found[(FP16_UNDERFLOW, m)] = (Finding(FP16_UNDERFLOW, m, step, fraction, message), False)
+            what = f"of the gradient w.r.t. the output of {m} is lost to zero in fp16 at loss scale {scale:g}"
+            _add(found, Finding(FP16_UNDERFLOW, m, step, fraction, f"{fraction:.1%} {what}{most}: {advice}"))
         return found
 
     def _fp8(
@@ -144,8 +144,13 @@ class NumericsRules:
                     f"{fraction:.1%} of the {tensor} of {m} is {what} in {fmt} scaled per tensor to its max |x|: "
                     "keep this layer in higher precision (or find what sets its max, see massive_activation)"
                 )
-                found[(kind, m)] = (Finding(kind, m, step, fraction, message), False)
+                _add(found, Finding(kind, m, step, fraction, message))
         return found
+
+
+def _add(found: Candidates, finding: Finding) -> None:
+    """A candidate of a module (its evidence is never exactly-zero evidence of an untrained layer)."""
+    found[(finding.kind, finding.module)] = (finding, False)
 
 
 def numerics_pictures(order: Sequence[str], every: Mapping[str, float]) -> dict[str, np.ndarray]:
