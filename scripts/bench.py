@@ -29,6 +29,7 @@ its background thread does not steal the next configuration's time.
     python scripts/bench.py --attention            # the cost of attention=True on GPT-2 and a ViT
     python scripts/bench.py --attention --attention-workloads seq256,seq1024,seq2048,seq4096
                                                    # ... on one sequence of 256 to 4,096 tokens
+    python scripts/bench.py --numerics             # the cost of numerics=True on W1 and W2
 """
 
 from __future__ import annotations
@@ -409,17 +410,18 @@ def attention_workload(name: str, device: torch.device) -> tuple[nn.Module, Call
     raise SystemExit(f"unknown attention workload {name!r}; use gpt2, vit or seqN (N tokens)")
 
 
-def attention_cost(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
-    """A logged step (every=1, no histograms) with ``attention=True`` over one without, in
-    interleaved blocks on one model; and the aten ops ``attention=True`` adds to a logged step."""
-    model, loss_of = attention_workload(name, device)
+def option_cost(
+    model: nn.Module, loss_of: Callable[[], torch.Tensor], option: str, args: argparse.Namespace, device: torch.device
+) -> dict[str, float]:
+    """A logged step (every=1, no histograms) with ``option=True`` over one without, in
+    interleaved blocks on one model; and the aten ops ``option=True`` adds to a logged step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times: dict[bool, list[float]] = {False: [], True: []}
     ops: dict[bool, int] = {}
     with tempfile.TemporaryDirectory() as tmp, SummaryWriter(tmp) as writer:
         for round_ in range(max(1, args.steps // args.block)):
-            for attention in (False, True) if round_ % 2 == 0 else (True, False):
-                hooks = HookLogger(model, writer=writer, every=1, histograms=False, attention=attention)
+            for on in (False, True) if round_ % 2 == 0 else (True, False):
+                hooks = HookLogger(model, writer=writer, every=1, histograms=False, **{option: on})
                 for i in range(args.block + 1):  # the first step of a block is not timed
                     counter = _OpCounter() if round_ == 0 and i == 1 else contextlib.nullcontext()
                     start = time.perf_counter()
@@ -430,16 +432,18 @@ def attention_cost(name: str, args: argparse.Namespace, device: torch.device) ->
                         hooks.step()
                     sync(device)
                     if i:
-                        times[attention].append(time.perf_counter() - start)
+                        times[on].append(time.perf_counter() - start)
                     if isinstance(counter, _OpCounter):
-                        ops[attention] = counter.count
+                        ops[on] = counter.count
+                watched = len(hooks.module_names)
                 hooks.close()
-    plain, with_attention = statistics.median(times[False]), statistics.median(times[True])
+    plain, with_option = statistics.median(times[False]), statistics.median(times[True])
     return {
         "logged_ms": plain * 1e3,
-        "logged_attention_ms": with_attention * 1e3,
-        "ratio": with_attention / plain,
+        "logged_option_ms": with_option * 1e3,
+        "ratio": with_option / plain,
         "ops_added": float(ops[True] - ops[False]),
+        "modules": float(watched),
     }
 
 
@@ -476,17 +480,27 @@ def attention_peak(name: str, args: argparse.Namespace) -> float:
     return peaks[1] - peaks[0]
 
 
-def attention_table(results: dict[str, dict[str, float]]) -> str:
+def option_table(option: str, results: dict[str, dict[str, float]]) -> str:
+    peaks = all("peak_added_mb" in r for r in results.values())
     rows = [
-        "| workload | logged step | with attention=True | ratio | aten ops added | peak RSS added |",
+        f"| workload | logged step | with {option}=True | ratio | aten ops added | per watched module |"
+        + (" peak RSS added |" if peaks else ""),
+        "|---|---|---|---|---|---|" + ("---|" if peaks else ""),
         "|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         rows.append(
-            f"| {name} | {r['logged_ms']:.1f} ms | {r['logged_attention_ms']:.1f} ms | {r['ratio']:.2f}x "
-            f"| {r['ops_added']:.0f} | {r['peak_added_mb']:+.0f} MB |"
+            f"| {name} | {r['logged_ms']:.1f} ms | {r['logged_option_ms']:.1f} ms | {r['ratio']:.2f}x "
+            f"| {r['ops_added']:.0f} | {r['ops_added'] / r['modules']:.1f} |"
+            + (f" {r['peak_added_mb']:+.0f} MB |" if peaks else "")
         )
     return "\n".join(rows)
+
+
+def numerics_workload(name: str, device: torch.device) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    """W1 or W2 (``make_workload``) with their cross-entropy loss."""
+    model, x, y = make_workload(name, None, device)
+    return model, lambda: nn.functional.cross_entropy(model(x), y)
 
 
 def rss_mb() -> float:
@@ -578,6 +592,9 @@ def main() -> None:
         "--attention-workloads", default="gpt2,vit", help="with --attention: gpt2, vit and seqN (one sequence of N)"
     )
     parser.add_argument("--attention-peak-child", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--numerics", action="store_true", help="only the cost of numerics=True on a logged step (W1, W2)"
+    )
     args = parser.parse_args()
     device = pick_device(args.device)
 
@@ -593,16 +610,22 @@ def main() -> None:
             print(json.dumps(rss_child(workload, name, args, device)))
         return
 
-    if args.attention:
+    for option, workloads, make in (
+        ("attention", tuple(args.attention_workloads.split(",")), attention_workload),
+        ("numerics", ("w1", "w2"), numerics_workload),
+    ):
+        if not getattr(args, option):
+            continue
         with quiet_warnings():
-            costs = {name: attention_cost(name, args, device) for name in args.attention_workloads.split(",")}
-        for name, cost in costs.items():
-            cost["peak_added_mb"] = attention_peak(name, args)
+            costs = {name: option_cost(*make(name, device), option, args, device) for name in workloads}
+        if option == "attention":
+            for name, cost in costs.items():
+                cost["peak_added_mb"] = attention_peak(name, args)
         print(f"\n{environment(device)}; {args.steps} timed logged steps per configuration\n")
-        print(attention_table(costs))
+        print(option_table(option, costs))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"environment": environment(device), "args": vars(args), "attention": costs}, f, indent=2)
+                json.dump({"environment": environment(device), "args": vars(args), option: costs}, f, indent=2)
         return
 
     names = [n for n in args.configs.split(",") if available(n)]

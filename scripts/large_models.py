@@ -127,6 +127,8 @@ def measure(layers: int, args: argparse.Namespace, root: Path) -> Row:
     options: dict[str, object] = {} if args.histograms is None else {"histograms": args.histograms}
     if args.blocks_every:
         options["modules"] = blocks(layers, args.blocks_every)
+    if args.numerics:
+        options["numerics"] = True
     modules = train(gpt2(layers), log_dir, args.steps, options)
     size = sum(p.stat().st_size for p in log_dir.iterdir())
     load_s, tags = load_time(log_dir, args.repeat)
@@ -163,6 +165,7 @@ def main() -> None:
     parser.add_argument(
         "--blocks-every", type=int, metavar="K", help="watch every K-th block's linear layers (default: the defaults)"
     )
+    parser.add_argument("--numerics", action="store_true", help="with numerics=True (docs/numerics.md)")
     parser.add_argument("--repeat", type=int, default=3, help="loads timed per run (the best is kept)")
     parser.add_argument("--report", action="store_true", help="also time `tblog-hooks report` on each run")
     parser.add_argument("--keep", type=Path, help="write the runs here instead of a temporary directory")

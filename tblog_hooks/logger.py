@@ -341,7 +341,8 @@ def _outbox(destination: Destination | None, diagnostics: Diagnostics, recording
     if destination is None:
         return None
     scaled = recording.optimizer_hooks is None  # (see scaling.unscale)
-    return Outbox(functools.partial(diagnostics.write, destination), param_grads_scaled=scaled)
+    write = functools.partial(diagnostics.write, destination)
+    return Outbox(write, param_grads_scaled=scaled, numerics=recording.numerics)
 
 
 def _open_writer(config: Options, rank: int) -> tuple[SummaryWriter | None, bool]:

@@ -17,6 +17,7 @@ from .capture.selection import Selector
 from .diagnostics.findings import Thresholds
 from .diagnostics.spikes import Spikes, spikes_option
 from .errors import HookLoggerError
+from .stats import numerics
 from .stats.schedule import Histograms, schedule
 from .stats.tags import Root
 
@@ -73,6 +74,12 @@ class Options:
     #: Watch every step's gradient norm and loss for spikes (``docs/spikes.md``): ``True``
     #: (``Spikes()``), ``False`` or a :class:`~tblog_hooks.Spikes` (as one: :attr:`spike_config`).
     spikes: bool | Spikes | None = False
+    #: Log the low-precision health of the watched tensors (``docs/numerics.md``): max |x|, RMS,
+    #: kurtosis and per format the fractions lost to underflow and overflow. ``True`` writes them
+    #: for the format the run trains in (the autocast dtype, else ``"bf16"``), a tuple of names
+    #: among ``"fp16"``, ``"bf16"``, ``"e4m3"``, ``"e5m2"`` for those; every format is in the
+    #: ``health/numerics_*`` pictures. ``False``: off.
+    numerics: bool | Sequence[str] = False
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -110,6 +117,7 @@ class Options:
                 f"health must be a tblog_hooks.Thresholds (or None to switch findings off), got {self.health!r}"
             )
         _ = self.spike_config  # (checked)
+        _ = self.numerics_formats  # (checked)
         self._check_histogram_kinds()
 
     @functools.cached_property
@@ -121,6 +129,14 @@ class Options:
     def spike_config(self) -> Spikes | None:
         """``spikes=`` as a :class:`~tblog_hooks.Spikes`; ``None``: off."""
         return spikes_option(self.spikes)
+
+    @functools.cached_property
+    def numerics_formats(self) -> tuple[str, ...] | None:
+        """``numerics=`` as the formats it names (``()``: the run's own), ``None``: off."""
+        try:
+            return numerics.check(self.numerics)
+        except ValueError as error:
+            raise HookLoggerError(str(error)) from None
 
     def _check_histogram_kinds(self) -> None:
         """Histogram kinds asked for by name must be ones the other options produce."""

@@ -41,7 +41,7 @@ def test_the_large_models_table_is_what_scripts_large_models_prints(tmp_path, mo
     torch.set_num_threads(1)  # as the script runs
     logging.getLogger("tblog_hooks.health").setLevel(logging.ERROR)
     try:
-        args = argparse.Namespace(histograms=None, blocks_every=None, steps=10, repeat=1, report=False)
+        args = argparse.Namespace(histograms=None, blocks_every=None, numerics=False, steps=10, repeat=1, report=False)
         row = script.measure(6, args, tmp_path)  # type: ignore[attr-defined]
     finally:
         torch.set_num_threads(threads)

@@ -63,6 +63,7 @@ def _train(
     | None = None,
     mode: str | None = None,
     gradients: bool = True,
+    numerics: bool = False,
 ) -> tuple[Run, nn.Module]:
     """5 optimizer steps of 2 micro-batches each (gradient accumulation), every=2: steps 0, 2, 4
     logged. With ``moved``, the logger is made while the model is on the meta device; ``wrap``
@@ -77,7 +78,14 @@ def _train(
     scaler = None if scale is None else torch.amp.GradScaler(device, init_scale=scale)
     optimizer = None if moved else opt
     with HookLogger(
-        model, log_dir=log_dir, every=2, optimizer=optimizer, scaler=scaler, histograms=histograms, gradients=gradients
+        model,
+        log_dir=log_dir,
+        every=2,
+        optimizer=optimizer,
+        scaler=scaler,
+        histograms=histograms,
+        gradients=gradients,
+        numerics=numerics,
     ) as hooks:
         if moved:
             model.to_empty(device=device).load_state_dict(weights)
@@ -208,6 +216,20 @@ def _assert_same_histograms(compiled: Run, eager: Run) -> None:
         for step, want in by_step.items():
             got = compiled.histograms[tag][step]
             assert (got.min, got.max, got.num) == pytest.approx((want.min, want.max, want.num), rel=1e-4), (tag, step)
+
+
+def test_compiled_activations_and_parameter_gradients_log_numerics_as_eager(tmp_path: Path) -> None:
+    """``numerics=``'s output and parameter-gradient statistics in the compiled graph, without a
+    graph break or another graph; output gradients are eager only (the probes carry GRADIENT's)."""
+    eager, _ = _train(tmp_path / "eager", backend=None, histograms=False, numerics=True)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, _ = _train(tmp_path / "compiled", backend="aot_eager", histograms=False, numerics=True)
+    assert counters["stats"]["unique_graphs"] == 2
+    assert not counters["graph_break"]
+    assert "activation/underflow_bf16/block.fc" in compiled.scalars
+    _assert_same_scalars(compiled, eager, ("activation/", "param_grad/"))
+    assert "gradient/amax/out" in eager.scalars and "gradient/amax/out" not in compiled.scalars
 
 
 def test_compiled_output_gradients_with_checkpointing_and_grad_scaler(tmp_path: Path) -> None:

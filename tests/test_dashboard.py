@@ -23,8 +23,10 @@ from tensorboard.backend.event_processing import data_provider, plugin_event_mul
 from tensorboard.context import RequestContext
 from tensorboard.plugins import base_plugin
 
+from tblog_hooks.dashboard.documents import SEVERITY
 from tblog_hooks.dashboard.plugin import HealthPlugin
 from tblog_hooks.dashboard.source import Source
+from tblog_hooks.diagnostics.findings import FINDING_KINDS
 from tblog_hooks.stats.tags import ORDER_TAG, parse_order, split_prefix, unescape
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="stops the server's process group (POSIX)")
@@ -239,3 +241,7 @@ def test_the_module_table_is_worst_first_with_the_latest_values(server, logdir) 
         scalars["activation/dead_frac/dead"][max(scalars["activation/dead_frac/dead"])],
     )
     assert doc["stats"][0] == "gradient/norm"  # type: ignore[index]
+
+
+def test_every_finding_kind_has_a_severity() -> None:
+    assert sorted(SEVERITY) == sorted(FINDING_KINDS)

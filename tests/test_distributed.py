@@ -43,7 +43,8 @@ def _worker(rank: int, root: str) -> None:
     with pytest.raises(HookLoggerError, match="pass optimizer="):  # .grad is averaged only by then
         HookLogger(ddp, log_dir=f"{root}/never")
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    with HookLogger(ddp, log_dir=f"{root}/ddp{rank}", every=1, optimizer=opt, reduce_ranks=True) as hooks:
+    options = {"optimizer": opt, "reduce_ranks": True, "numerics": ("bf16", "e4m3")}
+    with HookLogger(ddp, log_dir=f"{root}/ddp{rank}", every=1, **options) as hooks:  # type: ignore[arg-type]
         train(hooks, _losses(ddp, rank), opt)
 
     model = mlp(6, 12, 3, seed=0)
@@ -53,7 +54,7 @@ def _worker(rank: int, root: str) -> None:
     # Rank 1 writes too when handed a writer of its own.
     given = SummaryWriter(f"{root}/given1") if rank == 1 else None
     where = {"writer": given} if given is not None else {"log_dir": f"{root}/fsdp0"}
-    with HookLogger(model, every=1, optimizer=opt, **where) as hooks:  # type: ignore[arg-type]
+    with HookLogger(model, every=1, optimizer=opt, numerics=True, **where) as hooks:  # type: ignore[arg-type]
         train(hooks, _losses(model, rank), opt)
     if given is not None:
         given.close()
@@ -68,12 +69,19 @@ def _reference() -> dict[str, float]:
         outs.append(h.detach())
         (model[2](model[1](h)).square().mean() / WORLD).backward()
     pooled = torch.cat(outs).double()
+    m2, m4 = float(pooled.square().mean()), float(pooled.pow(4).mean())
+    numerics = {  # reduce_ranks=True: of both ranks' calls (each scaled by its own amax for e4m3)
+        "activation/amax/0": float(pooled.abs().max()),
+        "activation/rms/0": m2**0.5,
+        "activation/kurtosis/0": m4 / m2**2 - 3,
+        "activation/underflow_bf16/0": float(((pooled != 0) & (pooled.bfloat16() == 0)).sum()) / pooled.numel(),
+    }
     norms = {
         f"param_grad/norm/{m}.{p}": float(getattr(model[m], p).grad.double().norm())
         for m in (0, 2)
         for p in ("weight", "bias")
     }
-    return {**norms, "activation/mean/0": float(pooled.mean()), "activation/std/0": float(pooled.std())}
+    return {**norms, **numerics, "activation/mean/0": float(pooled.mean()), "activation/std/0": float(pooled.std())}
 
 
 def test_ddp_and_fsdp2_on_two_cpu_processes(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from torch import nn
 from tblog_hooks import Histograms, HookLogger, Spikes
 from tblog_hooks.diagnostics.attention_rules import PICTURES
 from tblog_hooks.diagnostics.findings import FINDING_KINDS
+from tblog_hooks.diagnostics.numerics_rules import PICTURE_TAGS
 from tblog_hooks.diagnostics.per_step import FINDINGS_TAG, FLOW_TAG
 from tblog_hooks.stats.kinds import (
     ACTIVATION,
@@ -24,17 +25,22 @@ from tblog_hooks.stats.kinds import (
     HISTOGRAM_KINDS,
     INPUT,
     NONFINITE_COUNT,
+    NUMERIC_ACTIVATION,
+    NUMERIC_GRADIENT,
+    NUMERIC_PARAM_GRAD,
     PARAM_GRAD,
     UPDATE,
 )
+from tblog_hooks.stats.numerics import FORMATS, format_of
 from tblog_hooks.stats.tags import ORDER_TAG, SCALE_TAG, SKIPPED_TAG, Root, Stat, escape
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 
-#: The placeholders of the tag table: a watched module's name, and one of its own parameters.
-MODULE, PARAM = "{module}", "{module}.{param}"
+#: The placeholders of the tag table: a watched module's name, one of its own parameters, a
+#: ``numerics=`` format.
+MODULE, PARAM, FORMAT = "{module}", "{module}.{param}", "{format}"
 #: The tag table's types, and the kinds of tag TensorBoard's ``EventAccumulator`` reads them back as.
 TYPES = ("scalar", "histogram", "image", "text", "layout")
 _ROW = re.compile(r"\| `(?P<pattern>[^`]+)` \| (?P<type>\w+) \| .+ \|")
@@ -116,9 +122,15 @@ def documented_tags() -> dict[str, set[str]]:
 
 def declared_tags() -> dict[str, set[str]]:
     """``{type: tag patterns}`` as the code declares them."""
-    per_module, per_parameter = (ACTIVATION, INPUT, GRADIENT, NONFINITE_COUNT, ATTENTION), (PARAM_GRAD, UPDATE)
-    scalars = {f"{kind.name}/{stat}/{MODULE}" for kind in per_module for stat in kind.stats}
-    scalars |= {f"{kind.name}/{stat}/{PARAM}" for kind in per_parameter for stat in kind.stats}
+    per_module = (ACTIVATION, INPUT, GRADIENT, NONFINITE_COUNT, ATTENTION, NUMERIC_ACTIVATION, NUMERIC_GRADIENT)
+    per_parameter = (PARAM_GRAD, UPDATE, NUMERIC_PARAM_GRAD)
+
+    def stat(name: str) -> str:  # a per-format statistic with the format's placeholder
+        fmt = format_of(name)
+        return name if fmt is None else name.removesuffix(fmt) + FORMAT
+
+    scalars = {f"{kind.name}/{stat(s)}/{MODULE}" for kind in per_module for s in kind.stats}
+    scalars |= {f"{kind.name}/{stat(s)}/{PARAM}" for kind in per_parameter for s in kind.stats}
     scalars |= {f"{k.name}/{m.total}" for k in (*per_module, *per_parameter) for m in k.measures if m.total}
     scalars |= {SCALE_TAG, SKIPPED_TAG}
     scalars |= {f"{Root.HEALTH}/{kind}" for kind in FINDING_KINDS}
@@ -128,7 +140,7 @@ def declared_tags() -> dict[str, set[str]]:
     return {
         "scalar": scalars,
         "histogram": histograms,
-        "image": {FLOW_TAG, f"{Root.FEATURE_MAP}/{MODULE}", *PICTURES.values()},
+        "image": {FLOW_TAG, f"{Root.FEATURE_MAP}/{MODULE}", *PICTURES.values(), *PICTURE_TAGS.values()},
         "text": {FINDINGS_TAG, ORDER_TAG},
         "layout": {CONFIG_SUMMARY_TAG},
     }
@@ -155,7 +167,7 @@ def _regex(pattern: str, modules: list[str], params: list[str]) -> re.Pattern[st
         return "(?:" + "|".join(re.escape(escape(n)) for n in names) + ")"
 
     out = re.escape(pattern).replace(re.escape(PARAM), either(params)).replace(re.escape(MODULE), either(modules))
-    return re.compile(out)
+    return re.compile(out.replace(re.escape(FORMAT), either(list(FORMATS))))
 
 
 def _written(log_dir: Path) -> dict[str, set[str]]:
@@ -205,6 +217,7 @@ def test_every_written_tag_is_documented(tmp_path) -> None:
         histograms=everything,
         attention=True,
         spikes=Spikes(warmup=3, window=3),
+        numerics=tuple(FORMATS),
     ) as hooks:
         for step in range(6):  # logged steps 0, 2, 4; a spike at 5 (spike/*)
             x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 2, (4,))

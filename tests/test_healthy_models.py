@@ -2,9 +2,12 @@
 
 Each model trains 40 optimizer steps of AdamW (lr 1e-3) on generated data with the logger's
 defaults, except that ``optimizer=`` is given (so the update-size rule is judged too) and
-histograms are off (no rule reads them). Small configurations and inputs, and logging every
-2nd or 4th step for the larger models, keep the file inside the CI budget; with ``every=1``
-and stock widths the rules hold too (checked when they were written). The architectures keep
+histograms are off (no rule reads them); GPT-2 and ResNet-50 also with ``numerics=True``, in
+float32 and under bf16 autocast (the low-precision rules judged too; every model here is silent
+with it, checked when they were written, but it doubles a logged step's time on the CPU). Small
+configurations and inputs, and logging every 2nd or 4th step for the larger models, keep the
+file inside the CI budget; with ``every=1`` and stock widths the rules hold too (checked when
+they were written). The architectures keep
 what fooled earlier rules: layer scale (ConvNeXt), zero-initialised residual branches (timm
 ``resnet18d``), a zero-initialised classifier (torchvision ViT), attention projections with
 tiny gradients at init (BERT), modules that never run their own forward
@@ -142,8 +145,26 @@ CASES: dict[str, Callable[[], Case]] = {
 }
 
 
+#: The models also trained with ``numerics=True``, in float32 and in bf16.
+LOW_PRECISION = ("gpt2", "resnet50")
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_healthy_model_raises_no_finding(tmp_path, monkeypatch, name: str) -> None:
+    _check_healthy(tmp_path, monkeypatch, CASES[name](), numerics=name in LOW_PRECISION)
+
+
+@pytest.mark.parametrize("name", LOW_PRECISION)
+def test_a_healthy_model_in_bf16_raises_no_finding(tmp_path, monkeypatch, name: str) -> None:
+    """Under bf16 autocast ``numerics=True`` judges bf16 (and the massive activations)."""
+    _check_healthy(tmp_path, monkeypatch, CASES[name](), steps=STEPS // 2, numerics=True, autocast=torch.bfloat16)
+
+
+def _check_healthy(  # type: ignore[no-untyped-def]
+    tmp_path, monkeypatch, case: Case, *, steps: int = STEPS, numerics: bool, autocast: torch.dtype | None = None
+) -> None:
+    """Train ``case`` ``steps`` steps (in float32, or under ``autocast``) and check that no finding
+    starts although every logged step gave the rules their evidence."""
     seen: list[Mapping[str, float]] = []  # the scalars each logged step gave the health rules
     judge = Health.update
 
@@ -154,17 +175,26 @@ def test_a_healthy_model_raises_no_finding(tmp_path, monkeypatch, name: str) -> 
         return judge(self, step, scalars, order, heads)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Health, "update", spy)
-    case = CASES[name]()
     opt = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
+
+    def loss() -> Tensor:
+        if autocast is None:
+            return case.loss(case.model, *case.batch())
+        with torch.autocast("cpu", dtype=autocast):
+            return case.loss(case.model, *case.batch()).float()
+
     # Histograms off: no rule reads them, and they would double the time of a logged step.
-    with HookLogger(case.model, log_dir=tmp_path, every=case.every, optimizer=opt, histograms=False) as hooks:
-        train(hooks, (case.loss(case.model, *case.batch()) for _ in range(STEPS)), opt)
+    with HookLogger(
+        case.model, log_dir=tmp_path, every=case.every, optimizer=opt, histograms=False, numerics=numerics
+    ) as hooks:
+        train(hooks, (loss() for _ in range(steps)), opt)
     assert hooks.findings == []
     # The rules were exercised: every logged step has gradient norms and update ratios.
-    assert len(seen) == STEPS // case.every
+    assert len(seen) == steps // case.every
     smallest = math.inf
     for scalars in seen:
         norms = gradient_norms(scalars)
         assert len(norms) >= 10 and any(t.startswith("param/update_ratio/") for t in scalars)
+        assert numerics == any(t.startswith("activation/underflow_bf16/") for t in scalars)  # (judged)
         smallest = min(smallest, min(norms.values()) / max(norms.values()))
     assert (smallest < 1e-4) == case.old_rule_fired

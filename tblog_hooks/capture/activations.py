@@ -11,7 +11,8 @@ from torch import Tensor, nn
 
 from .._compat import tree_flatten, version
 from ..stats.feature_maps import feature_grid
-from ..stats.kinds import ACTIVATION, IMAGE, INPUT, NONFINITE_COUNT
+from ..stats.kinds import ACTIVATION, IMAGE, INPUT, NONFINITE_COUNT, NUMERIC_ACTIVATION
+from ..stats.numerics import Written
 from ..stats.packing import Record
 from ..stats.reductions import finite, loggable
 from ..topology.parallel import CONTEXT_PARALLEL, TensorParallel, along_units
@@ -34,8 +35,11 @@ class ActivationRecorder:
         eval_passes: bool,
         feature_maps: frozenset[str],
         parallel: TensorParallel,
+        numerics: Written | None = None,
     ) -> None:
+        """``numerics``: with ``numerics=``, the formats written, told each logged forward's autocast state."""
         self.buffer, self.gradients, self.parallel = buffer, gradients, parallel
+        self.numerics = numerics
         self.activations, self.inputs, self.feature_maps = activations, inputs, feature_maps
         self.passes = PassFilter(eval_passes=eval_passes)
         #: Per watched module, the dim of its outputs that holds its units (``reductions.units_dim``).
@@ -83,6 +87,10 @@ class ActivationRecorder:
                 if self.activations and counted.activations:
                     for t, split in pieces:
                         self._remember(mode, t, mode.record(ACTIVATION, name, t, units, split))
+                        if self.numerics is not None:
+                            mode.measure(NUMERIC_ACTIVATION, name, t, units, split)
+                    if self.numerics is not None and not mode.compiled:
+                        self.numerics.see(pieces[0][0].device.type)
             if counted.gradients and self.gradients is not None:
                 return self.gradients.watch(mode, name, output, tensors, [split for _, split in pieces])
         except Exception as error:  # the logger must never stop training

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from .._compat import tree_flatten, tree_unflatten
 from ..stats import sampling
 from ..stats.binning import Sample
-from ..stats.kinds import ACTIVATION, GRADIENT
+from ..stats.kinds import ACTIVATION, GRADIENT, NUMERIC_GRADIENT
 from ..stats.packing import Record
 from ..stats.reductions import loggable
 from ..stats.tags import Root
@@ -27,8 +27,10 @@ from .step import Mode, StepBuffer
 class OutputGradientRecorder:
     """Records ``gradient/*`` of the watched modules' outputs during a logged step's backward."""
 
-    def __init__(self, buffer: StepBuffer, *, histograms: bool) -> None:
+    def __init__(self, buffer: StepBuffer, *, histograms: bool, numerics: bool = False) -> None:
+        """``numerics``: also record ``numerics=``'s statistics (eagerly: a compiled probe sums ``GRADIENT``'s only)."""
         self.buffer = buffer
+        self._numerics = numerics
         self._width = sampling.SAMPLE_CAP if histograms else 0  # of a probe's histogram sample
         self._handles = Handles()  # this step's tensor hooks
         self._probe_handles = Handles()  # the probes' own hooks, live until release()
@@ -66,6 +68,8 @@ class OutputGradientRecorder:
                     grad, placed = local(grad)
                     split = placed and dataclasses.replace(placed, axis=split.axis if split else placed.axis)
                 self.buffer.eager.record(GRADIENT, name, grad, split=split)
+                if self._numerics:
+                    self.buffer.eager.measure(NUMERIC_GRADIENT, name, grad, split=split)
         except Exception as error:
             self.buffer.fail(name, error)
 

@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from .._compat import at_end_of_backward, foreach_copy, foreach_div, foreach_sub_, step_closure
 from ..stats.binning import Sample
-from ..stats.kinds import PARAM_GRAD, UPDATE
+from ..stats.kinds import NUMERIC_PARAM_GRAD, PARAM_GRAD, UPDATE
 from ..stats.packing import Record
 from ..stats.reductions import FLOAT_DTYPES, loggable, norms, sparse_values
 from ..stats.tags import Root
@@ -34,10 +34,13 @@ Named = list[tuple[str, Tensor]]
 class ParameterRecorder:
     """Records ``param_grad/*``, ``param/update_ratio/*`` and weight histograms of a logged step."""
 
-    def __init__(self, buffer: StepBuffer) -> None:
+    def __init__(self, buffer: StepBuffer, *, numerics: bool = False) -> None:
+        """``numerics``: also record ``numerics=``'s statistics of the gradients."""
         self.buffer = buffer
-        # Parameters whose gradient was read this step: its record and histogram sample.
-        self._graded: dict[str, tuple[Record, Sample | None]] = {}
+        self._numerics = numerics
+        # Parameters whose gradient was read this step: its record and histogram sample, and with
+        # numerics= (of a dense gradient read at the loss scale it was made at, or unscaled) that record.
+        self._graded: dict[str, tuple[Record, Sample | None, Record | None]] = {}
         self._pending: dict[str, Pending] = {}  # gradients placed Partial, read this step
         self._ready: Named = []  # parameters whose gradient this backward made final
         # Before an optimizer step: the parameters, their pieces' splits, norms and copies.
@@ -80,12 +83,24 @@ class ParameterRecorder:
                     for row in samples.values():
                         row.sample.div_(divisor)
                 # A later read (the next micro-batch's accumulated gradient) replaces an earlier one.
+                dense = {key for key, p in named if p.grad is not None and p.grad.layout == torch.strided}
                 for key, grad, norm, split in zip(keys, grads, found, splits):
                     record = Record(PARAM_GRAD, key, grad.numel(), (norm,), split=split)
-                    self._graded[key] = (record, samples.get(key))
+                    self._graded[key] = (record, samples.get(key), self._numeric(key, grad, split, scale, dense))
         except Exception as error:
             buffer.fail(named[0][0] if len(named) == 1 else Part.PARAMETERS, error)
             buffer.disabled.update(key for key, _ in named)
+
+    def _numeric(
+        self, key: str, grad: Tensor, split: Split | None, scale: Tensor | None, dense: set[str]
+    ) -> Record | None:
+        """``numerics=``'s record of a gradient; none of a sparse one, nor of one a fused
+        optimizer still holds scaled (its norm is unscaled on the device, these would not be),
+        nor of a sharded parameter's piece."""
+        if not self._numerics or scale is not None or split is not None or key not in dense:
+            return None
+        values = NUMERIC_PARAM_GRAD.values(NUMERIC_PARAM_GRAD.compute(grad, -1))
+        return Record(NUMERIC_PARAM_GRAD, key, grad.numel(), values, split=split)
 
     def weights(self, params: Callable[[], Named]) -> None:
         """Histograms of the weights whose gradients this step recorded, as they are at the end
@@ -140,8 +155,9 @@ class ParameterRecorder:
         graded, self._graded = self._graded, {}
         waiting, self._pending = list(self._pending.values()), {}
         self._ready, self._before_update = [], None  # (of a backward that raised before its end)
-        records = [record for record, _ in graded.values()]
-        return records, [row for _, row in graded.values() if row is not None], waiting
+        records = [record for record, _, _ in graded.values()]
+        records += [numeric for _, _, numeric in graded.values() if numeric is not None]
+        return records, [row for _, row, _ in graded.values() if row is not None], waiting
 
     def resolve(self, waiting: list[Pending], reduced: list[Tensor]) -> tuple[list[Record], list[Sample]]:
         """Records and histogram samples of gradients placed ``Partial``, from their terms

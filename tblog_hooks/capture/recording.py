@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..stats.binning import Sample
+from ..stats.numerics import Written
 from ..stats.packing import Record, StepLayout, pack_step
 from ..stats.reductions import units_dim
 from ..topology.parallel import TensorParallel
@@ -45,8 +46,14 @@ class Recording:
         self.watched = watched
         self._parameters = config.parameters
         self.buffer = StepBuffer(histograms)
+        formats = config.numerics_formats
+        #: With ``numerics=``, the formats whose scalars are written.
+        self.numerics = None if formats is None else Written(formats)
+        numerics = self.numerics is not None
         self.gradients = (
-            OutputGradientRecorder(self.buffer, histograms=histograms is not None) if config.gradients else None
+            OutputGradientRecorder(self.buffer, histograms=histograms is not None, numerics=numerics)
+            if config.gradients
+            else None
         )
         self.parallel = parallel
         self.activations = ActivationRecorder(
@@ -57,8 +64,9 @@ class Recording:
             eval_passes=config.eval_passes,
             feature_maps=feature_maps,
             parallel=self.parallel,
+            numerics=self.numerics,
         )
-        self.parameters = ParameterRecorder(self.buffer)
+        self.parameters = ParameterRecorder(self.buffer, numerics=numerics)
         self.attention = (
             AttentionRecorder(
                 self.buffer, model, config.attention, eval_passes=config.eval_passes, parallel=self.parallel

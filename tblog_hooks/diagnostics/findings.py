@@ -29,6 +29,11 @@ class FindingKind(enum.StrEnum):
     AMP_SKIPPED_STEPS = "amp_skipped_steps"
     ATTENTION_LOGIT_GROWTH = "attention_logit_growth"
     ATTENTION_ENTROPY_COLLAPSE = "attention_entropy_collapse"
+    #: With ``numerics=``: ``diagnostics/numerics_rules.py``.
+    FP16_GRADIENT_UNDERFLOW = "fp16_gradient_underflow"
+    FP8_UNDERFLOW = "fp8_underflow"
+    FP8_OVERFLOW = "fp8_overflow"
+    MASSIVE_ACTIVATION = "massive_activation"
     #: With ``spikes=``: judged every step by ``diagnostics/spikes.py``; each starts and ends at its own step.
     GRADIENT_SPIKE = "gradient_spike"
     LOSS_SPIKE = "loss_spike"
@@ -38,6 +43,8 @@ class FindingKind(enum.StrEnum):
 FINDING_KINDS: tuple[str, ...] = tuple(kind.value for kind in FindingKind)
 VANISHING, EXPLODING, DEAD, NONFINITE, SKIPPING = FINDING_KINDS[:5]
 LOGIT_GROWTH, ENTROPY_COLLAPSE = FindingKind.ATTENTION_LOGIT_GROWTH.value, FindingKind.ATTENTION_ENTROPY_COLLAPSE.value
+FP16_UNDERFLOW, FP8_UNDERFLOW = FindingKind.FP16_GRADIENT_UNDERFLOW.value, FindingKind.FP8_UNDERFLOW.value
+FP8_OVERFLOW, MASSIVE = FindingKind.FP8_OVERFLOW.value, FindingKind.MASSIVE_ACTIVATION.value
 _SMALLER_IS_WORSE = (VANISHING, ENTROPY_COLLAPSE)  # finding kinds whose smaller values are worse
 #: Modules named per kind in the log line (the worst ones) and rows per kind in the text summary.
 LOG_WORST, TABLE_ROWS = 3, 20
@@ -95,6 +102,19 @@ class Thresholds:
     #: ``attention_entropy_collapse``: a module's (in the live logger: a head's) mean attention entropy is below
     #: this many nats (``exp(0.3)``: each query spreads its attention over about 1.35 keys).
     attention_entropy: float = 0.3
+    #: ``fp16_gradient_underflow``: with fp16 written by ``numerics=``, this fraction of a module's
+    #: output gradient is lost to zero in fp16 at the step's loss scale.
+    fp16_underflow: float = 0.01
+    #: ``fp8_underflow``: with e4m3 or e5m2 written, this fraction of a module's output (e4m3) or
+    #: output gradient (e5m2) is lost to zero after per-tensor scaling to its max |x| ...
+    fp8_underflow: float = 0.01
+    #: ... ``fp8_overflow``: more than this fraction becomes NaN/Inf in that cast.
+    fp8_overflow: float = 0.0
+    #: ``massive_activation``: with ``numerics=``, a module's max |output| is above this (Sun et
+    #: al. 2024's 100) ...
+    massive_value: float = 100.0
+    #: ... and above this multiple of the median |output| of the same tensor (their ~1,000).
+    massive_ratio: float = 1000.0
 
     def __post_init__(self) -> None:
         limits = {  # name: (low, high, low allowed, high allowed, integral, what is valid)
@@ -110,6 +130,11 @@ class Thresholds:
             "attention_growth": (1.0, math.inf, False, True, False, "a number above 1 (inf: off)"),
             "attention_floor": (0.0, math.inf, True, False, False, "a finite number >= 0"),
             "attention_entropy": (0.0, math.inf, True, False, False, "a number of nats >= 0 (0: off)"),
+            "fp16_underflow": (0.0, math.inf, False, True, False, "a fraction in (0, 1] (above 1: off)"),
+            "fp8_underflow": (0.0, math.inf, False, True, False, "a fraction in (0, 1] (above 1: off)"),
+            "fp8_overflow": (0.0, math.inf, True, True, False, "a fraction >= 0 (1 or more: off)"),
+            "massive_value": (0.0, math.inf, True, True, False, "a number >= 0 (inf: off)"),
+            "massive_ratio": (1.0, math.inf, True, True, False, "a number >= 1 (inf: off)"),
         }  # fmt: skip
         check_fields(self, limits)
 

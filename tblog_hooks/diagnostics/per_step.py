@@ -21,14 +21,16 @@ from . import pictures
 from .attention_rules import heads_pictures
 from .findings import Thresholds
 from .health import default_health
+from .numerics_rules import numerics_pictures
 
 if TYPE_CHECKING:
     from ..output.destination import Destination
 
 FLOW_TAG, FINDINGS_TAG = tag(Root.HEALTH, "gradient_flow"), tag(Root.HEALTH, "findings")
 _GLOBAL_NORM = tag(Root.PARAM_GRAD, Stat.GLOBAL_NORM)
-#: The heatmap is drawn on the first logged step, then every this many logged steps, and at
-#: close: drawing and encoding it on every logged step would cost more than the statistics.
+#: The heatmap (and with ``numerics=`` the modules x formats pictures) is drawn on the first logged
+#: step, then every this many logged steps, and at close: drawing and encoding it on every logged
+#: step would cost more than the statistics.
 FLOW_EVERY = 10
 #: Most rows of the heatmap; more watched modules share rows (see :func:`gradient_flow_image`).
 MAX_ROWS = 128
@@ -51,6 +53,9 @@ class Diagnostics:
         self._numbers: dict[str, float] = {}  # summary() numbers of the latest written step that had them
         self._drawn = False
         self._undrawn = 0  # logged steps with gradient norms since the heatmap was last drawn
+        self._numerics_steps = 0  # logged steps with numerics= values
+        # The latest of them, when its pictures were not drawn: its step and values.
+        self._undrawn_numerics: tuple[int, dict[str, float]] | None = None
         self._failed = False
 
     def order(self) -> list[str]:
@@ -75,16 +80,23 @@ class Diagnostics:
         writer.flush()  # once per logged step: a crash loses at most the step in flight
 
     def close(self, writer: Destination) -> None:
-        """Draw the heatmap of the last written step, if newer steps came since it was drawn."""
-        if self._failed or not self._undrawn:
+        """Draw the heatmap and the numerics pictures of the last written step, if newer steps
+        came since they were drawn."""
+        if self._failed:
             return
         try:
-            image = gradient_flow_image(self.order(), self._norms)
+            drawn = []
+            if self._undrawn:
+                drawn.append((next(reversed(self._norms)), {FLOW_TAG: gradient_flow_image(self.order(), self._norms)}))
+            if self._undrawn_numerics is not None:
+                step, every = self._undrawn_numerics
+                drawn.append((step, numerics_pictures(self.order(), every)))
         except Exception as error:
             self._fail(error)
             return
-        writer.write(StepSummary(next(reversed(self._norms)), {}, {}, {FLOW_TAG: image}))
-        self._undrawn = 0
+        for step, images in drawn:
+            writer.write(StepSummary(step, {}, {}, images))
+        self._undrawn, self._undrawn_numerics = 0, None
 
     def _fail(self, error: BaseException) -> None:
         self._failed = True
@@ -115,6 +127,13 @@ class Diagnostics:
             self.health.update(summary.step, summary.scalars, order, summary.heads)
             summary.scalars.update(self.health.counts())
         summary.images.update(heads_pictures(summary.heads))
+        if summary.numerics:  # drawn as the heatmap is, and for the same reason
+            if self._numerics_steps % FLOW_EVERY == 0:
+                summary.images.update(numerics_pictures(order, summary.numerics))
+                self._undrawn_numerics = None
+            else:
+                self._undrawn_numerics = (summary.step, summary.numerics)
+            self._numerics_steps += 1
         if norms:
             self._norms[summary.step] = norms
             while len(self._norms) > pictures.MAX_COLUMNS:

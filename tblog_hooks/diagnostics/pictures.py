@@ -1,5 +1,5 @@
-"""The pictures of a logged step, drawn on the host with Pillow: the gradient-flow heatmap and the
-per-head attention pictures, in one layout."""
+"""The pictures of a logged step, drawn on the host with Pillow: the gradient-flow heatmap, the
+per-head attention pictures and the modules x formats fractions, in one layout."""
 
 from __future__ import annotations
 
@@ -59,6 +59,17 @@ def heads_grid(modules: Sequence[str], values: np.ndarray, title: str, *, log: b
         bar = [(1 - i / 4, f"{top * i / 4:g}") for i in range(4, -1, -1)]
     cells[~np.isfinite(values)] = NONFINITE_COLOUR
     return _heatmap(modules, cells, [str(h) for h in range(values.shape[1])], "head", title, bar)
+
+
+def fraction_grid(modules: Sequence[str], values: np.ndarray, columns: Sequence[str], title: str) -> np.ndarray:
+    """Heatmap of fractions ``values[module, column]`` as a uint8 ``3 x H x W`` array: a row per
+    module, a column per label of ``columns``, colour on a log scale by decades with a labelled
+    colour bar; exact zeros black, NaN (not measured) the background."""
+    values = np.asarray(values, dtype=np.float64)
+    cells, bar = _decades(np.where(values > 0, values, math.nan))
+    cells[values == 0] = ZERO_COLOUR
+    cells[~np.isfinite(values)] = BACKGROUND
+    return _heatmap(modules, cells, list(columns), "format", title, bar)
 
 
 def _decades(values: np.ndarray) -> tuple[np.ndarray, list[tuple[float, str]]]:

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 from torch import Tensor
 
+from ..stats.numerics import Written
 from ..stats.packing import StepLayout
 from ..transport.transfer import Transfer
 from .scaling import unscale
@@ -33,9 +34,12 @@ class _Pending(NamedTuple):
 class Outbox:
     """Packed logged steps, written once their transfer to the host has completed."""
 
-    def __init__(self, write: Callable[[StepSummary], None], *, param_grads_scaled: bool) -> None:
+    def __init__(
+        self, write: Callable[[StepSummary], None], *, param_grads_scaled: bool, numerics: Written | None = None
+    ) -> None:
         self._write = write  # a step's summary to its diagnostics and the event files
         self._param_grads_scaled = param_grads_scaled  # (see scaling.unscale)
+        self._numerics = numerics  # the formats whose scalars are written
         self._pending: deque[_Pending] = deque()
 
     def send(self, step: int, packed: Tensor, layout: StepLayout) -> None:
@@ -50,6 +54,8 @@ class Outbox:
             try:
                 summary = summarize(step, transfer.result(), layout)
                 unscale(summary, param_grads_scaled=self._param_grads_scaled)
+                if self._numerics is not None:
+                    summary.numerics = self._numerics.written(summary.scalars)
                 self._write(summary)
             except Exception as error:
                 raise WriteError(step, error) from error

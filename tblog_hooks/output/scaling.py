@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..stats.kinds import GRADIENT, PARAM_GRAD
+from ..stats.kinds import GRADIENT, NUMERIC_KINDS, PARAM_GRAD
 from ..stats.tags import SCALE_TAG, SKIPPED_TAG, Root, tag
 from .summary import Histogram, StepSummary
 
@@ -23,7 +23,8 @@ def unscale(summary: StepSummary, *, param_grads_scaled: bool) -> None:
     if SCALE_TAG not in summary.scalars:
         return
     scale, skipped = summary.scalars[SCALE_TAG], bool(summary.scalars[SKIPPED_TAG])
-    kinds = (GRADIENT, PARAM_GRAD) if param_grads_scaled or skipped else (GRADIENT,)
+    raw = (GRADIENT, PARAM_GRAD) if param_grads_scaled or skipped else (GRADIENT,)
+    kinds = (*raw, *(NUMERIC_KINDS[kind] for kind in raw))
     scaled = tuple(tag(kind.name, stat, "") for kind in kinds for stat in kind.scaled_stats())
     totals = {tag(kind.name, stat) for kind in kinds for stat in kind.scaled_stats()}
     for key in [k for k in summary.scalars if k.startswith(scaled) or k in totals]:

@@ -35,3 +35,6 @@ class StepSummary:
     images: dict[str, np.ndarray] = field(default_factory=dict)
     #: With ``attention=``: per module, each head's largest logit and mean entropy (``stats/attention.py``).
     heads: dict[str, Heads] = field(default_factory=dict)
+    #: With ``numerics=``: every format's ``{root}/{lost}_{format}/{name}`` scalar, those not
+    #: written included (``stats/numerics.py``), for the modules x formats picture.
+    numerics: dict[str, float] = field(default_factory=dict)

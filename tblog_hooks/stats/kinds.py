@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import reductions
+from . import numerics, reductions
 from .tags import Root, Stat
 
 Values = dict[str, np.ndarray]
@@ -85,6 +85,8 @@ FIRST = Pool(lambda v, n: v[0])
 NORM = Pool(lambda v, n: np.sqrt(np.square(v).sum(axis=0)), (torch.square, torch.sqrt))
 #: ``[mean, centred L2 norm]``, optionally followed by the third and fourth central sums.
 MOMENTS = Pool(_moments)
+#: ``[ref, Σ(x/ref)², Σ(x/ref)⁴]`` (``numerics.pool_powers``).
+POWERS = Pool(numerics.pool_powers)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -356,9 +358,61 @@ ATTENTION.declare(
 BINNED = Kind(name="histogram")
 BINNED.declare(Measure(fields=(Field(name="rows", pool=FIRST),), scalars=lambda v, n: {}))
 
+
+def _numeric_measures(*, zero_frac: bool, channels: bool) -> tuple[Measure, Measure]:
+    """With ``numerics=``, a tensor's low-precision health (``stats/numerics.py``): the max |x|
+    and RMS, which scale with the loss under a ``GradScaler``, and the kurtosis and per-format
+    fractions, which do not (they are judged at the loss scale, as the format sees the gradients)."""
+    magnitude = (Stat.AMAX, Stat.RMS)
+    every = numerics.stats(zero_frac=zero_frac, channels=channels)
+    counts = ("nonzero", *(n for f in numerics.FORMATS.values() for n in numerics.names(f)))
+    per_unit = (Field(name="unit_amax", pool=MAX, per_unit=True), Field(name="median", pool=MAX)) * channels
+
+    def compute(x: Tensor, units: int) -> Named:
+        return numerics.measure(x, units, channels=channels)
+
+    def scalars(v: Values, n: int, keep: tuple[str, ...]) -> dict[str, float]:
+        found = numerics.statistics(v, n, zero_frac=zero_frac)
+        return {stat: found[stat] for stat in keep if stat in found}
+
+    shape = Measure(
+        fields=(*(Field(name=c, pool=SUM) for c in counts), *per_unit),
+        stats=tuple(s for s in every if s not in magnitude),
+        scalars=lambda v, n: scalars(v, n, tuple(s for s in every if s not in magnitude)),
+        compute=compute,
+        counted=True,
+    )
+    size = Measure(
+        fields=(Field(name="amax", pool=MAX), Field(name="powers", pool=POWERS, parts=("ref", "sum2", "sum4"))),
+        stats=magnitude,
+        scalars=lambda v, n: scalars(v, n, magnitude),
+        scaled=True,
+        counted=True,
+    )
+    return shape, size
+
+
+#: With ``numerics=``, a watched module's output, with the channel of its largest |x| and its
+#: median |x| (``activation/amax``, ``activation/underflow_{format}``, ...).
+NUMERIC_ACTIVATION = Kind(name=Root.ACTIVATION, per_call=True)
+#: With ``numerics=``, the gradient w.r.t. a watched module's output, eagerly (not through a
+#: compiled probe, which does not sum these).
+NUMERIC_GRADIENT = Kind(name=Root.GRADIENT, per_call=True)
+#: With ``numerics=``, a watched parameter's gradient.
+NUMERIC_PARAM_GRAD = Kind(name=Root.PARAM_GRAD)
+for _kind, _zero_frac, _channels in (
+    (NUMERIC_ACTIVATION, False, True),  # (activation/zero_frac is ZERO_FRAC's)
+    (NUMERIC_GRADIENT, True, False),  # (for fp16_gradient_underflow)
+    (NUMERIC_PARAM_GRAD, False, False),
+):
+    for _measure in _numeric_measures(zero_frac=_zero_frac, channels=_channels):
+        _kind.declare(_measure)
+#: The numerics kinds, by the kind whose tensors they measure.
+NUMERIC_KINDS = {ACTIVATION: NUMERIC_ACTIVATION, GRADIENT: NUMERIC_GRADIENT, PARAM_GRAD: NUMERIC_PARAM_GRAD}
+
 #: The kinds whose records become scalars as their measures say (attention's are summarised
 #: with their per-head values, ``output/summarize.py``).
-SCALAR_KINDS = (ACTIVATION, INPUT, GRADIENT, PARAM_GRAD, UPDATE, NONFINITE_COUNT, SCALAR)
+SCALAR_KINDS = (ACTIVATION, INPUT, GRADIENT, PARAM_GRAD, UPDATE, NONFINITE_COUNT, SCALAR, *NUMERIC_KINDS.values())
 
 #: Every histogram kind, by tag root: ``activation/{module}``, ``input/{module}`` (with
 #: ``inputs=True``), ``gradient/{module}`` (output gradient), ``gradient_log10/{module}`` (log10 of

@@ -47,6 +47,25 @@ class Stat(enum.StrEnum):
     GRAD_NORM = "grad_norm"
     LOSS = "loss"
     SAMPLES = "samples"
+    AMAX = "amax"
+    RMS = "rms"
+    KURTOSIS = "kurtosis"
+    MEDIAN_ABS = "median_abs"
+    AMAX_CHANNEL = "amax_channel"
+
+
+class Lost(enum.StrEnum):
+    """What a low-precision format does to an element (``numerics=``): tagged per format,
+    ``{root}/{lost}_{format}/{name}`` (:func:`per_format`)."""
+
+    UNDERFLOW = "underflow"
+    OVERFLOW = "overflow"
+    SUBNORMAL = "subnormal"
+
+
+def per_format(lost: str, fmt: str) -> str:
+    """The statistic of ``lost`` in format ``fmt``: ``underflow_fp16``, ..."""
+    return f"{lost}_{fmt}"
 
 
 @functools.lru_cache(maxsize=1 << 16)  # the same tags recur every logged step

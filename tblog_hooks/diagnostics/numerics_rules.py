@@ -1,0 +1,178 @@
+"""The low-precision findings (``numerics=``): ``fp16_gradient_underflow``, ``fp8_underflow``,
+``fp8_overflow`` and ``massive_activation``, from one logged step's scalars; and the modules x
+formats picture of every format's fractions.
+
+Host-side only. A per-format rule judges a step only where its format's scalars are written
+(``numerics=`` names it, or the run trains in it), so a float32 or bf16 run is not told what fp16
+or fp8 would lose unless it asks; ``massive_activation`` judges every step with ``numerics=``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ..output.summary import Heads
+from ..stats.tags import SCALE_TAG, Lost, Root, Stat, by_name, per_format, tag
+from . import pictures
+from .findings import FP8_OVERFLOW, FP8_UNDERFLOW, FP16_UNDERFLOW, MASSIVE, Candidates, Finding, Thresholds
+
+#: What the modules x formats pictures show, and their image tags.
+PICTURES = {Root.ACTIVATION: "fraction of the output", Root.GRADIENT: "fraction of the output gradient"}
+PICTURE_TAGS = {
+    Root.ACTIVATION: tag(Root.HEALTH, "numerics_activation"),
+    Root.GRADIENT: tag(Root.HEALTH, "numerics_gradient"),
+}
+#: fp16's largest finite value (``torch.finfo(torch.float16).max``; this module does not import torch).
+FP16_MAX = 65504.0
+#: The formats of the picture's columns, in order (``stats/numerics.py``'s ``FORMATS``).
+FORMATS = ("fp16", "bf16", "e4m3", "e5m2")
+#: What fp8 training casts to which format: e4m3 forward (activations), e5m2 backward (gradients).
+FP8 = ((Root.ACTIVATION, "e4m3"), (Root.GRADIENT, "e5m2"))
+
+
+class NumericsRules:
+    """Judges each logged step's per-format fractions and activation magnitudes; keeps nothing."""
+
+    def __init__(self, thresholds: Thresholds) -> None:
+        self.thresholds = thresholds
+
+    def judge(
+        self, step: int, scalars: Mapping[str, float], order: Sequence[str], heads: Mapping[str, Heads]
+    ) -> tuple[set[str], Candidates]:
+        """The kinds this step judges (those whose scalars it has), and its candidates."""
+        judged: set[str] = set()
+        found: Candidates = {}
+        amax = by_name(scalars, Root.ACTIVATION, Stat.AMAX)
+        if amax:
+            judged.add(MASSIVE)
+            found.update(self._massive(step, scalars, amax))
+        underflow = by_name(scalars, Root.GRADIENT, per_format(Lost.UNDERFLOW, "fp16"))
+        if underflow:
+            judged.add(FP16_UNDERFLOW)
+            found.update(self._fp16(step, scalars, order, underflow))
+        fp8 = [(root, fmt) for root, fmt in FP8 if by_name(scalars, root, per_format(Lost.UNDERFLOW, fmt))]
+        if fp8:
+            judged |= {FP8_UNDERFLOW, FP8_OVERFLOW}
+            found.update(self._fp8(step, scalars, order, fp8))
+        return judged, found
+
+    def _massive(self, step: int, scalars: Mapping[str, float], amax: Mapping[str, float]) -> Candidates:
+        """Activations whose max |x| is above ``massive_value`` and ``massive_ratio`` times their
+        median |x|; not of a mostly-zero output (median 0: a ReLU's), whose ratio means nothing."""
+        t = self.thresholds
+        found: Candidates = {}
+        for m, peak in amax.items():
+            median = scalars.get(tag(Root.ACTIVATION, Stat.MEDIAN_ABS, m), math.nan)
+            if not (median > 0 and peak > t.massive_value and peak > t.massive_ratio * median):
+                continue
+            channel = scalars.get(tag(Root.ACTIVATION, Stat.AMAX_CHANNEL, m))
+            where = "" if channel is None else f" in channel {channel:.0f}"
+            ratio = peak / median
+            _add(
+                found,
+                Finding(
+                    MASSIVE, m, step, peak,
+                    f"the output of {m} has a massive activation{where}: max |x| = {peak:.4g}, {ratio:.3g} times "
+                    f"its median |x| ({median:.3g}); per-tensor fp8 scaling to it would flush the rest towards zero",
+                ),
+            )  # fmt: skip
+        return found
+
+    def _fp16(
+        self, step: int, scalars: Mapping[str, float], order: Sequence[str], underflow: Mapping[str, float]
+    ) -> Candidates:
+        """Modules whose output gradients lose at least ``fp16_underflow`` of their elements to
+        zero in fp16 at the step's loss scale. A gradient computed in fp16 (under autocast) has
+        lost them already, so its zeros count as lost where the rest of it reaches fp16's
+        subnormal range (or it is all zero)."""
+        lost: dict[str, float] = {}
+        for m in order:
+            if m not in underflow:
+                continue
+            zeros = scalars.get(tag(Root.GRADIENT, Stat.ZERO_FRAC, m), 0.0)
+            subnormal = scalars.get(tag(Root.GRADIENT, per_format(Lost.SUBNORMAL, "fp16"), m), 0.0)
+            at_floor = subnormal > 0 or scalars.get(tag(Root.GRADIENT, Stat.AMAX, m)) == 0
+            fraction = max(underflow[m], zeros if at_floor else 0.0)
+            if fraction >= self.thresholds.fp16_underflow:
+                lost[m] = fraction
+        if not lost:
+            return {}
+        worst = max(lost, key=lost.__getitem__)
+        scale = scalars.get(SCALE_TAG, 1.0)
+        peaks = [v for v in by_name(scalars, Root.GRADIENT, Stat.AMAX).values() if math.isfinite(v) and v > 0]
+        if peaks:
+            largest = max(peaks)
+            power = math.floor(math.log2(FP16_MAX / largest))
+            advice = (
+                f"use a loss scale up to 2^{power} = {2.0**power:.4g} (fp16's max {FP16_MAX:g} over the step's "
+                f"largest output gradient, {largest:.3g}), or train in bf16"
+            )
+        else:
+            advice = "raise the loss scale, or train in bf16"
+        found: Candidates = {}
+        for m, fraction in lost.items():
+            most = "" if m == worst else f" (the most: {worst}, {lost[worst]:.1%})"
+            what = f"of the gradient w.r.t. the output of {m} is lost to zero in fp16 at loss scale {scale:g}"
+            _add(found, Finding(FP16_UNDERFLOW, m, step, fraction, f"{fraction:.1%} {what}{most}: {advice}"))
+        return found
+
+    def _fp8(
+        self, step: int, scalars: Mapping[str, float], order: Sequence[str], formats: Sequence[tuple[str, str]]
+    ) -> Candidates:
+        """Modules whose e4m3 activations or e5m2 output gradients, scaled per tensor by
+        ``max_F / amax``, lose at least ``fp8_underflow`` to zero or more than ``fp8_overflow`` to NaN/Inf."""
+        t = self.thresholds
+        found: Candidates = {}
+        for kind, lost, limit, what in (
+            (FP8_UNDERFLOW, Lost.UNDERFLOW, t.fp8_underflow, "lost to zero"),
+            (FP8_OVERFLOW, Lost.OVERFLOW, t.fp8_overflow, "NaN/Inf"),
+        ):
+            for m in order:
+                worst = max(
+                    ((scalars.get(tag(root, per_format(lost, fmt), m), 0.0), root, fmt) for root, fmt in formats),
+                    key=lambda item: item[0],
+                )
+                fraction, root, fmt = worst
+                crossed = fraction >= limit if kind == FP8_UNDERFLOW else fraction > limit
+                if not crossed or not fraction > 0:
+                    continue
+                tensor = "output" if root == Root.ACTIVATION else "output gradient"
+                message = (
+                    f"{fraction:.1%} of the {tensor} of {m} is {what} in {fmt} scaled per tensor to its max |x|: "
+                    "keep this layer in higher precision (or find what sets its max, see massive_activation)"
+                )
+                _add(found, Finding(kind, m, step, fraction, message))
+        return found
+
+
+def _add(found: Candidates, finding: Finding) -> None:
+    """A candidate of a module (its evidence is never exactly-zero evidence of an untrained layer)."""
+    found[(finding.kind, finding.module)] = (finding, False)
+
+
+def numerics_pictures(order: Sequence[str], every: Mapping[str, float]) -> dict[str, np.ndarray]:
+    """The modules x formats pictures of a step's per-format scalars (all formats, written or
+    not), one of the outputs and one of the output gradients: a row per watched module in
+    forward order, a column per format, colour the fraction lost (underflow plus overflow) on
+    a log scale, exact zeros black."""
+    out = {}
+    for root, name in PICTURES.items():
+        rows = [m for m in order if tag(root, per_format(Lost.UNDERFLOW, FORMATS[0]), m) in every]
+        if not rows:
+            continue
+        table = np.array(
+            [
+                [
+                    every.get(tag(root, per_format(Lost.UNDERFLOW, fmt), m), math.nan)
+                    + every.get(tag(root, per_format(Lost.OVERFLOW, fmt), m), math.nan)
+                    for fmt in FORMATS
+                ]
+                for m in rows
+            ]
+        )
+        title = f"{name} lost to underflow + overflow, per module and format"
+        out[PICTURE_TAGS[root]] = pictures.fraction_grid(rows, table, FORMATS, title)
+    return out

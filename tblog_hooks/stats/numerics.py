@@ -1,0 +1,246 @@
+"""Low-precision health of a tensor (``numerics=``): its max |x|, RMS and kurtosis, and per
+format what a cast to it loses, counted on the device.
+
+Each format's constants come from ``torch.finfo``. fp16 and bf16 are judged unscaled, as a cast
+of the tensor; e4m3 and e5m2 after per-tensor scaling by ``max_F / amax`` (torchao's and
+Transformer Engine's recipe, margin 0). What a cast does to an element is decided by comparing
+``|x|`` (or ``|x| * scale``) with the format's rounding boundaries, which round-to-nearest-even
+fixes exactly: an element becomes 0 where ``|x| <= min_subnormal / 2`` (the tie goes to the even
+0), subnormal where ``|x| < tiny - min_subnormal / 2``, and non-finite past the midpoint between
+``max_F`` and the next step up. Comparisons are two ops a boundary and need no float8 kernel (the CPU has none to count
+with); ``tests/test_numerics.py`` checks them against ``x.to(dtype)`` and counting.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .reductions import acc_dtype
+from .tags import Lost, Stat, per_format
+
+#: The smallest amax a per-tensor scale divides by (torchao's ``EPS``): an all-zero tensor keeps scale ``max_F / EPS``.
+AMAX_FLOOR = 1e-12
+
+
+@dataclass(frozen=True)
+class Format:
+    """A low-precision format, and how a tensor is cast to it."""
+
+    name: str
+    dtype: torch.dtype
+    #: Cast after per-tensor scaling by ``max / amax`` (the float8 formats), else as it is.
+    scaled: bool
+
+    @property
+    def max(self) -> float:
+        return float(torch.finfo(self.dtype).max)
+
+    @property
+    def tiny(self) -> float:
+        """The smallest normal magnitude."""
+        return float(torch.finfo(self.dtype).smallest_normal)
+
+    @property
+    def _mantissa_bits(self) -> int:
+        return round(-math.log2(torch.finfo(self.dtype).eps))
+
+    @property
+    def flushed(self) -> float:
+        """Magnitudes up to this become 0 in the cast: half the smallest subnormal (the tie
+        goes to the even 0)."""
+        return self.tiny * 2.0**-self._mantissa_bits / 2
+
+    @property
+    def normal(self) -> float:
+        """Magnitudes from this on are normal after the cast (below it, subnormal or 0): the
+        tie between the largest subnormal (odd) and ``tiny`` (even) goes to ``tiny``."""
+        return self.tiny - self.flushed
+
+    @property
+    def finite(self) -> tuple[float, bool]:
+        """Magnitudes that stay finite in the cast: up to halfway from ``max`` to the next
+        representable step, and whether that tie itself stays (``max``'s last mantissa bit is
+        even: e4m3fn's 448) or rounds up to inf/NaN (odd: fp16, bf16, e5m2)."""
+        bits = self._mantissa_bits
+        step = 2.0 ** (math.floor(math.log2(self.max)) - bits)
+        even = round(self.max / step) % 2 == 0
+        return self.max + step / 2, even
+
+
+#: The formats ``numerics=`` names, in the order the picture shows them.
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format("fp16", torch.float16, scaled=False),
+        Format("bf16", torch.bfloat16, scaled=False),
+        Format("e4m3", torch.float8_e4m3fn, scaled=True),
+        Format("e5m2", torch.float8_e5m2, scaled=True),
+    )
+}
+#: The format of a run that trains in no autocast dtype (``numerics=True``).
+DEFAULT = "bf16"
+#: An autocast dtype's format.
+OF_DTYPE = {f.dtype: f.name for f in FORMATS.values()}
+
+
+def names(fmt: Format) -> tuple[str, ...]:
+    """A format's device counts (see :func:`measure`)."""
+    counts = ("zero", "finite") if fmt.scaled else ("zero", "finite", "small")
+    return tuple(f"{count}_{fmt.name}" for count in counts)
+
+
+def measure(x: Tensor, units: int, *, channels: bool) -> dict[str, Tensor]:
+    """The device values of ``x``: ``amax``; ``ref`` (``max(amax, 1e-12)``) with ``sum2`` and
+    ``sum4``, the sums of ``(x / ref)²`` and ``(x / ref)⁴`` (in float32, or float64 for float64
+    tensors: relative to the amax they neither overflow nor lose the largest terms);
+    ``nonzero`` and per format the count of elements the
+    cast makes 0 (``zero_F``), keeps finite (``finite_F``) and, unscaled, makes subnormal or 0
+    (``small_F``). With ``channels``, also per unit (along dim ``units``) the amax and the
+    median of ``|x|``; ``unit_amax`` is empty for a 0-d or 1-d ``x``."""
+    wide = acc_dtype(x.dtype)
+    a = x.abs() if x.dtype == wide else x.to(wide).abs_()
+    out: dict[str, Tensor] = {}
+    if channels:
+        units %= max(x.dim(), 1)
+        if x.dim() >= 2:
+            out["unit_amax"] = a.amax(dim=tuple(d for d in range(x.dim()) if d != units))
+            out["amax"] = out["unit_amax"].amax()
+        else:
+            out["unit_amax"], out["amax"] = a.new_empty(0), a.amax()
+        out["median"] = a.median()
+    else:
+        out["amax"] = a.amax()
+    out["ref"] = out["amax"].clamp(min=AMAX_FLOOR)
+    scale = out["ref"].reciprocal()  # (also the float8 formats' per-tensor scale, over max_F)
+    square = a * scale
+    square.square_()
+    out["sum2"], out["sum4"] = square.sum(), square.square_().sum()
+    out["nonzero"] = torch.count_nonzero(x)
+    for fmt in FORMATS.values():
+        seen = a * (scale * fmt.max) if fmt.scaled else a
+        out[f"zero_{fmt.name}"] = torch.count_nonzero(seen <= fmt.flushed)
+        if fmt.scaled:  # non-finite after the cast
+            bound, tie_stays = fmt.finite
+            out[f"finite_{fmt.name}"] = torch.count_nonzero(seen <= bound if tie_stays else seen < bound)
+        else:  # |x| > max, or non-finite (NaN fails every comparison)
+            out[f"finite_{fmt.name}"] = torch.count_nonzero(seen <= fmt.max)
+        if not fmt.scaled:
+            out[f"small_{fmt.name}"] = torch.count_nonzero(seen < fmt.normal)
+    return out
+
+
+Values = Mapping[str, np.ndarray]
+
+
+def pool_powers(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``[ref, Σ(x/ref)², Σ(x/ref)⁴]`` of the records holding the same, each relative to its own
+    ``ref``: the largest ``ref`` and the sums rescaled to it."""
+    refs = values[:, 0]
+    top = refs.max()
+    ratio = refs / top if top > 0 else np.ones_like(refs)
+    return np.array([top, (values[:, 1] * ratio**2).sum(), (values[:, 2] * ratio**4).sum()])
+
+
+def statistics(v: Values, count: int, *, zero_frac: bool) -> dict[str, float]:
+    """The scalars of a module's pooled values over ``count`` elements, every format's: the
+    caller keeps those it writes (:func:`written`)."""
+    n = float(count)
+    ref, sum2, sum4 = (float(p) for p in v["powers"])
+    zeros = n - float(v["nonzero"][0])
+    out: dict[str, float] = {Stat.AMAX: float(v["amax"][0]), Stat.RMS: ref * math.sqrt(sum2 / n)}
+    if sum2 > 0:  # non-centred, as torchtitan's: (E[x⁴] / E[x²]²) - 3 (ref cancels)
+        out[Stat.KURTOSIS] = (sum4 / n) / (sum2 / n) ** 2 - 3
+    if zero_frac:
+        out[Stat.ZERO_FRAC] = zeros / n
+    if "median" in v:
+        out[Stat.MEDIAN_ABS] = float(v["median"][0])
+        peaks = v["unit_amax"]
+        if peaks.size and np.isfinite(peaks).any():
+            out[Stat.AMAX_CHANNEL] = float(np.nanargmax(peaks))
+    for fmt in FORMATS.values():
+        made_zero = float(v[f"zero_{fmt.name}"][0])
+        out[per_format(Lost.UNDERFLOW, fmt.name)] = (made_zero - zeros) / n
+        out[per_format(Lost.OVERFLOW, fmt.name)] = (n - float(v[f"finite_{fmt.name}"][0])) / n
+        if not fmt.scaled:
+            out[per_format(Lost.SUBNORMAL, fmt.name)] = (float(v[f"small_{fmt.name}"][0]) - made_zero) / n
+    return out
+
+
+def stats(*, zero_frac: bool, channels: bool) -> tuple[str, ...]:
+    """Every statistic :func:`statistics` may give."""
+    base = (Stat.AMAX, Stat.RMS, Stat.KURTOSIS)
+    extra = (Stat.ZERO_FRAC,) * zero_frac + (Stat.MEDIAN_ABS, Stat.AMAX_CHANNEL) * channels
+    lost = tuple(
+        per_format(kind, fmt.name)
+        for fmt in FORMATS.values()
+        for kind in (Lost.UNDERFLOW, Lost.OVERFLOW, *([] if fmt.scaled else [Lost.SUBNORMAL]))
+    )
+    return (*base, *extra, *lost)
+
+
+def format_of(stat: str) -> str | None:
+    """The format of a per-format statistic, else ``None``."""
+    head, _, fmt = stat.rpartition("_")
+    return fmt if fmt in FORMATS and head in tuple(Lost) else None
+
+
+def check(numerics: object) -> tuple[str, ...] | None:
+    """``numerics=`` as the formats it names (``()``: the run's own, see :class:`Written`), or
+    ``None`` when off; raises ``ValueError`` saying what is valid."""
+    valid = ", ".join(map(repr, FORMATS))
+    if numerics is False:
+        return None
+    if numerics is True:
+        return ()
+    if isinstance(numerics, (list, tuple)) and numerics and all(isinstance(f, str) for f in numerics):
+        unknown = [f for f in numerics if f not in FORMATS]
+        if not unknown and len(set(numerics)) == len(numerics):
+            return tuple(numerics)
+        problem = f"unknown format(s) {unknown}" if unknown else "a format named twice"
+        raise ValueError(f"numerics={numerics!r} has {problem}; the formats are {valid}")
+    hint = f" (a tuple: numerics=({numerics!r},))" if isinstance(numerics, str) else ""
+    raise ValueError(
+        f"numerics must be True (the format the run trains in), False, or a non-empty tuple of format names "
+        f"among {valid}{hint}, got {numerics!r}"
+    )
+
+
+class Written:
+    """Which formats' scalar tags a logger writes: those ``numerics=`` names, or with
+    ``numerics=True`` the one the run trains in: the autocast dtype its logged forward passes
+    ran under (when fp16 or bf16), else bf16."""
+
+    def __init__(self, named: Sequence[str]) -> None:
+        self._named = tuple(named)
+        self._seen: str | None = None
+
+    def see(self, device_type: str) -> None:
+        """A logged forward pass on ``device_type`` (host-side only: autocast state, no tensor)."""
+        if self._named or self._seen is not None or not torch.amp.is_autocast_available(device_type):
+            return  # (a device type without autocast, "meta", would raise below)
+        if torch.is_autocast_enabled(device_type):
+            self._seen = OF_DTYPE.get(torch.get_autocast_dtype(device_type))
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return self._named or (self._seen or DEFAULT,)
+
+    def written(self, scalars: dict[str, float]) -> dict[str, float]:
+        """Take every per-format scalar of formats not written out of ``scalars``; returns all
+        per-format scalars (for the picture)."""
+        every: dict[str, float] = {}
+        formats = self.formats
+        for key in list(scalars):
+            parts = key.split("/")
+            fmt = format_of(parts[-2]) if len(parts) >= 3 else None
+            if fmt is not None:
+                every[key] = scalars[key]
+                if fmt not in formats:
+                    del scalars[key]
+        return every
