@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import Run, read_run
+from models import optimizer_step
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
@@ -81,12 +82,7 @@ def _train(
             for x in batches:
                 loss = run(x).square().mean()
                 (loss if scaler is None else scaler.scale(loss)).backward()
-            if scaler is None:
-                opt.step()
-            else:
-                scaler.step(opt)
-                scaler.update()
-            opt.zero_grad()
+            optimizer_step(opt, scaler)
             hooks.step()
     return read_run(log_dir), model
 
