@@ -73,6 +73,16 @@ def train(hooks: HookLogger | None, losses: Iterable[torch.Tensor], opt: torch.o
             hooks.step()
 
 
+def optimizer_step(opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None) -> None:
+    """``opt.step()`` (through ``scaler.step`` and ``scaler.update`` when given), then ``opt.zero_grad()``."""
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.step(opt)
+        scaler.update()
+    opt.zero_grad()
+
+
 def lightning_trainer(tmp_path: object, callbacks: list[object], **args: object) -> object:
     """A quiet CPU ``lightning.pytorch.Trainer`` in ``tmp_path`` (logging every step, one epoch
     unless ``args`` say otherwise): no checkpoints, progress bar or model summary."""

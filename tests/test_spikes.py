@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import OpCounter, needs_cuda, read_run, spawn_ranks
-from models import conv_net, gpt2, mlp, timm_model
+from models import conv_net, gpt2, mlp, optimizer_step, timm_model
 from torch import nn
 
 from tblog_hooks import HookLogger, HookLoggerError, Spikes
@@ -120,12 +120,7 @@ def _nonfinite_run(log_dir: Path, *, at: int, inject: str, steps: int = 80, fuse
             (loss if scaler is None else scaler.scale(loss)).backward()
             if step == at and inject == "param":
                 model[4].weight.grad[0, 0] = math.inf
-            if scaler is None:
-                opt.step()
-            else:
-                scaler.step(opt)
-                scaler.update()
-            opt.zero_grad()
+            optimizer_step(opt, scaler)
             hooks.step(loss=loss)
         return hooks.findings
 

@@ -5,9 +5,12 @@ norms, their total and the loss to the host (a ring of the last ``Spikes.steps``
 robust detector per series (the median and MAD of the log values over a trailing window, after a
 warm-up) starts ``gradient_spike`` and ``loss_spike`` findings at the step of the spike. A gradient
 spike is attributed to the watched module whose own norm rose most against its own recent
-history. Every step's values become ``step/grad_norm`` and ``step/loss``; around a spike the
-per-module norms become ``spike/grad_norm/{module}``. ``tblog-hooks report`` replays the written
-series through the same :class:`Detector` and :func:`attribute`.
+history; each module's own norm is judged too, by a stricter bar (:class:`ModuleDetectors`), so
+that one layer's spike is found while the global norm barely moves. A non-finite global norm
+starts ``nonfinite`` at its step. A step of a small batch (:class:`BatchSizes`) is not judged for
+spikes. Every step's values become ``step/grad_norm``, ``step/loss`` and ``step/samples``; around a
+spike the per-module norms become ``spike/grad_norm/{module}``. ``tblog-hooks report`` replays the
+written series through the same :class:`Detector`, :class:`ModuleDetectors` and :func:`attribute`.
 """
 
 from __future__ import annotations
