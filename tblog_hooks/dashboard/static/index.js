@@ -368,12 +368,12 @@ class Heatmap {
 }
 
 // Modules (rows) x a few columns (heads, formats) of one logged step on one canvas, a cell each,
-// with the column labels above and the module names on the left.
+// with the column labels above and the module names on the left; a deep model's scrolls.
 class Grid {
   constructor(id) {
     this.canvas = el('canvas', { class: 'cells', id: `${id}-cells` });
     this.legendBox = el('div');
-    this.node = el('div', { class: 'grid-cells' }, this.canvas, this.legendBox);
+    this.node = el('div', { class: 'grid-cells' }, el('div', { class: 'scroller' }, this.canvas), this.legendBox);
     this.hover = null;
     this.canvas.addEventListener('mousemove', (e) => this.pointer(e));
     this.canvas.addEventListener('mouseleave', () => { this.hover = null; hideTooltip(); this.draw(); });
