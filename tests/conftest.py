@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 from PIL import Image
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
+from tensorboard.util import tensor_util
 from torch.utils._python_dispatch import TorchDispatchMode
 
 #: Skips a test (or a parameter) without a CUDA device; every test it marks is also marked ``cuda``
@@ -117,6 +118,11 @@ def read_text(log_dir: str | Path, tag: str) -> dict[int, str]:
     """Text summaries of ``tag`` (as written by ``add_text``), by step."""
     events = _accumulator(log_dir).Tensors(f"{tag}/text_summary")
     return {e.step: e.tensor_proto.string_val[0].decode() for e in events}
+
+
+def read_tensors(log_dir: str | Path, tag: str) -> dict[int, np.ndarray]:
+    """The tensors of ``tag`` by step, decoded by TensorBoard (strings as ``bytes``)."""
+    return {e.step: tensor_util.make_ndarray(e.tensor_proto) for e in _accumulator(log_dir).Tensors(tag)}
 
 
 def read_images(log_dir: str | Path, tag: str) -> dict[int, np.ndarray]:

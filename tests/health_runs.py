@@ -64,7 +64,9 @@ def write_net(run_dir: Path) -> None:
     torch.manual_seed(0)
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with HookLogger(model, log_dir=run_dir, every=NET_EVERY, optimizer=opt, attention=True, spikes=True) as hooks:
+    with HookLogger(
+        model, log_dir=run_dir, every=NET_EVERY, optimizer=opt, attention=True, spikes=True, numerics=True
+    ) as hooks:
         for step in range(NET_STEPS):
             model.poison.armed = step == NET_STEPS - NET_EVERY
             loss = model(torch.randn(4, 5, 6)).square().mean() * (100.0 if step == 30 else 1.0)

@@ -17,8 +17,9 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import health_runs
+import numpy as np
 import pytest
-from conftest import get, read_run, read_tags, read_text, tensorboard, wait_until_loaded
+from conftest import get, read_run, read_tags, read_tensors, read_text, tensorboard, wait_until_loaded
 from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
 from tensorboard.context import RequestContext
 from tensorboard.plugins import base_plugin
@@ -27,7 +28,16 @@ from tblog_hooks.dashboard.documents import SEVERITY
 from tblog_hooks.dashboard.plugin import HealthPlugin
 from tblog_hooks.dashboard.source import Source
 from tblog_hooks.diagnostics.findings import FINDING_KINDS
-from tblog_hooks.stats.tags import ORDER_TAG, parse_order, split_prefix, unescape
+from tblog_hooks.stats.tags import (
+    HEADS_TABLE_TAG,
+    NUMERICS_TABLE_TAG,
+    ORDER_TAG,
+    escape,
+    parse_order,
+    rows_tag,
+    split_prefix,
+    unescape,
+)
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="stops the server's process group (POSIX)")
 ROUTE = "/data/plugin/tblog_hooks"
@@ -172,6 +182,15 @@ def test_tensorboards_python_data_provider_gives_the_same_findings(logdir) -> No
     assert [(m.run, m.prefix) for m in models] == health_runs.MODELS
     for model in models:
         assert source.analysis(RequestContext(), "", model).findings == reported[model.name]["findings"]  # type: ignore[index]
+    net = next(m for m in models if m.run == "net")
+    assert net.tables == {HEADS_TABLE_TAG, NUMERICS_TABLE_TAG}
+    for table in net.tables:
+        served, written = source.table(RequestContext(), "", net, table), _written_table(logdir, table)
+        assert served.keys() == written.keys()
+        assert all(
+            served[s][0] == written[s][0] and np.array_equal(served[s][1], written[s][1], equal_nan=True)
+            for s in served
+        )
 
 
 def test_a_prefix_is_chosen_by_the_tag_or_the_runs_only_one(server) -> None:
@@ -245,3 +264,63 @@ def test_the_module_table_is_worst_first_with_the_latest_values(server, logdir) 
 
 def test_every_finding_kind_has_a_severity() -> None:
     assert sorted(SEVERITY) == sorted(FINDING_KINDS)
+
+
+def _written_table(logdir: Path, table: str) -> dict[int, tuple[list[str], np.ndarray]]:
+    """``{step: (module names, values)}`` of a value table as ``EventAccumulator`` reads it back."""
+    names = read_tensors(logdir / "net", rows_tag(table))
+    values = read_tensors(logdir / "net", table)
+    return {s: ([unescape(n.decode()) for n in names[s]], values[s]) for s in sorted(values)}
+
+
+def test_the_runs_say_which_hold_the_value_tables(server) -> None:
+    runs = {(r["run"], r["prefix"]): r for r in get(server, f"{ROUTE}/runs")}  # type: ignore[union-attr, index]
+    assert (runs["net", ""]["heads"], runs["net", ""]["numerics"]) == (True, True)
+    assert not any(runs[m]["heads"] or runs[m]["numerics"] for m in health_runs.MODELS if m != ("net", ""))
+    code, message = error(server, f"{ROUTE}/heads", run="gan", prefix="G")
+    assert code == 404 and "'gan [G]' holds no health/attention_heads" in message
+    code, message = error(server, f"{ROUTE}/numerics", run="net", step="5")
+    assert code == 404 and "holds no health/numerics at step 5" in message
+    assert error(server, f"{ROUTE}/heads", run="net", step="x")[0] == 400
+
+
+def test_the_heads_grid_is_each_heads_values_and_their_max_the_modules_scalar(server, logdir) -> None:
+    scalars, _ = reference(logdir, "net", "")
+    peaks, entropies = (
+        scalars[f"attention/max_logit/{escape('a/b c')}"],
+        scalars[f"attention/entropy/{escape('a/b c')}"],
+    )
+    written = _written_table(logdir, HEADS_TABLE_TAG)
+    latest = get(server, f"{ROUTE}/heads", run="net")
+    assert latest["steps"] == sorted(peaks) == sorted(written)  # type: ignore[index]
+    assert latest["step"] == max(peaks) and latest["quantities"] == ["max_logit", "entropy"]  # type: ignore[index]
+    for step in latest["steps"]:  # type: ignore[index]
+        doc = get(server, f"{ROUTE}/heads", run="net", step=str(step))
+        assert doc["modules"] == ["a/b c"] and doc["heads"] == 2  # type: ignore[index]
+        values = np.array(doc["values"], dtype=np.float64)  # type: ignore[index]
+        assert np.array_equal(values, written[step][1].astype(np.float64), equal_nan=True)
+        assert values[0, :, 0].max() == peaks[step]  # float32 both: the max over heads is the module's
+        assert values[0, :, 1].mean() == pytest.approx(entropies[step], rel=1e-5)  # every head has every query
+
+
+def test_the_numerics_grid_holds_every_format_and_the_written_ones_are_the_scalars(server, logdir) -> None:
+    scalars, order = reference(logdir, "net", "")
+    written = _written_table(logdir, NUMERICS_TABLE_TAG)
+    latest = get(server, f"{ROUTE}/numerics", run="net")
+    assert latest["steps"] == sorted(written) and latest["step"] == max(written)  # type: ignore[index]
+    assert latest["roots"] == ["activation", "gradient"] and latest["formats"] == ["fp16", "bf16", "e4m3", "e5m2"]  # type: ignore[index]
+    assert latest["quantities"] == ["underflow", "overflow", "subnormal"]  # type: ignore[index]
+    checked = 0
+    for step in latest["steps"]:  # type: ignore[index]
+        doc = get(server, f"{ROUTE}/numerics", run="net", step=str(step))
+        assert doc["modules"] == written[step][0] == [m for m in order if m in doc["modules"]]  # type: ignore[index]
+        for r, root in enumerate(doc["roots"]):  # type: ignore[index]
+            for m, module in enumerate(doc["modules"]):  # type: ignore[index]
+                for f, fmt in enumerate(doc["formats"]):  # type: ignore[index]
+                    for q, lost in enumerate(doc["quantities"]):  # type: ignore[index]
+                        served, value = doc["values"][r][m][f][q], float(written[step][1][r, m, f, q])  # type: ignore[index]
+                        assert served == (None if math.isnan(value) else value)
+                        if (tag := f"{root}/{lost}_{fmt}/{escape(module)}") in scalars and step in scalars[tag]:
+                            assert served == scalars[tag][step], tag  # the written format's column
+                            checked += 1
+    assert checked >= 2 * 5 * 3  # bf16 (the format numerics=True writes on float32): every module, both roots

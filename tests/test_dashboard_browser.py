@@ -14,10 +14,10 @@ from typing import Any
 
 import health_runs
 import pytest
-from conftest import TENSORBOARD_READY_S, get, read_run, read_text, tensorboard, wait_until_loaded
+from conftest import TENSORBOARD_READY_S, get, read_run, read_tensors, read_text, tensorboard, wait_until_loaded
 from torch.utils.tensorboard import SummaryWriter
 
-from tblog_hooks.stats.tags import ORDER_TAG, escape, parse_order
+from tblog_hooks.stats.tags import HEADS_TABLE_TAG, NUMERICS_TABLE_TAG, ORDER_TAG, escape, parse_order
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="stops the server's process group (POSIX)")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -147,6 +147,57 @@ def test_the_spikes_and_attention_cards_show_what_the_run_holds(page) -> None:
         "attention/max_logit",
         "attention/entropy",
     ]
+
+
+def _hover(page: Any, name: str, module: str, column: int) -> Any:
+    """Hover the cell of ``module`` and ``column`` in the grid of the value table ``name``; the tooltip."""
+    cells = frame(page).locator(f"#{name}-cells")
+    cells.scroll_into_view_if_needed()
+    box = cells.bounding_box()
+    centre = health(page, f"page.tables.{name}.grid.centre({module!r}, {column})")
+    page.mouse.move(box["x"] + centre["x"], box["y"] + centre["y"])
+    tooltip = frame(page).locator("#tooltip")
+    assert tooltip.is_visible()
+    return tooltip
+
+
+def test_hovering_a_cell_of_the_heads_grid_shows_the_heads_value_at_the_chosen_step(page, logdir) -> None:
+    frame(page).locator("#heads-cells").wait_for(timeout=READY_MS)
+    written = read_tensors(logdir / "net", HEADS_TABLE_TAG)
+    steps = health(page, "page.tables.heads.doc.steps")
+    assert steps == sorted(written) and frame(page).locator("#heads-step").input_value() == str(steps[-1])
+    for step in (steps[-1], steps[0]):
+        if str(step) != frame(page).locator("#heads-step").input_value():
+            frame(page).locator("#heads-step").select_option(str(step))
+            page.wait_for_function(
+                f"() => document.querySelector('iframe').contentWindow.tblogHealth.tables.heads.doc.step === {step}"
+            )
+        tooltip = _hover(page, "heads", "a/b c", 1)
+        assert (
+            "a/b c" in tooltip.inner_text() and "head 1" in tooltip.inner_text() and "max_logit" in tooltip.inner_text()
+        )
+        assert float(tooltip.get_attribute("data-value")) == written[step][0, 1, 0]
+    frame(page).locator("#heads-quantity").select_option("entropy")
+    tooltip = _hover(page, "heads", "a/b c", 0)
+    assert (
+        "entropy" in tooltip.inner_text() and float(tooltip.get_attribute("data-value")) == written[steps[0]][0, 0, 1]
+    )
+
+
+def test_hovering_a_cell_of_the_numerics_grid_shows_the_modules_fraction_in_that_format(page, logdir) -> None:
+    frame(page).locator("#numerics-cells").wait_for(timeout=READY_MS)
+    written = read_tensors(logdir / "net", NUMERICS_TABLE_TAG)
+    doc = health(page, "page.tables.numerics.doc")
+    assert doc["step"] == max(written)
+    columns = [(r, f) for r in range(len(doc["roots"])) for f in range(len(doc["formats"]))]
+    frame(page).locator("#numerics-quantity").select_option("overflow")
+    for module, column in [("embed", 0), ("dead", 5), ("head", 7)]:
+        r, f = columns[column]
+        tooltip = _hover(page, "numerics", module, column)
+        text = tooltip.inner_text()
+        assert module in text and f"{doc['roots'][r]} {doc['formats'][f]}" in text and "overflow" in text
+        want = written[doc["step"]][r, doc["modules"].index(module), f, 1]
+        assert float(tooltip.get_attribute("data-value")) == want
 
 
 def test_the_module_table_sorts_by_a_column(page) -> None:

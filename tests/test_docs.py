@@ -32,7 +32,17 @@ from tblog_hooks.stats.kinds import (
     UPDATE,
 )
 from tblog_hooks.stats.numerics import FORMATS, format_of
-from tblog_hooks.stats.tags import ORDER_TAG, SCALE_TAG, SKIPPED_TAG, Root, Stat, escape
+from tblog_hooks.stats.tags import (
+    HEADS_TABLE_TAG,
+    NUMERICS_TABLE_TAG,
+    ORDER_TAG,
+    SCALE_TAG,
+    SKIPPED_TAG,
+    Root,
+    Stat,
+    escape,
+    rows_tag,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -42,7 +52,7 @@ DOCS = ROOT / "docs"
 #: ``numerics=`` format.
 MODULE, PARAM, FORMAT = "{module}", "{module}.{param}", "{format}"
 #: The tag table's types, and the kinds of tag TensorBoard's ``EventAccumulator`` reads them back as.
-TYPES = ("scalar", "histogram", "image", "text", "layout")
+TYPES = ("scalar", "histogram", "image", "tensor", "text", "layout")
 _ROW = re.compile(r"\| `(?P<pattern>[^`]+)` \| (?P<type>\w+) \| .+ \|")
 
 
@@ -141,6 +151,7 @@ def declared_tags() -> dict[str, set[str]]:
         "scalar": scalars,
         "histogram": histograms,
         "image": {FLOW_TAG, f"{Root.FEATURE_MAP}/{MODULE}", *PICTURES.values(), *PICTURE_TAGS.values()},
+        "tensor": {t for table in (HEADS_TABLE_TAG, NUMERICS_TABLE_TAG) for t in (table, rows_tag(table))},
         "text": {FINDINGS_TAG, ORDER_TAG},
         "layout": {CONFIG_SUMMARY_TAG},
     }
@@ -179,8 +190,9 @@ def _written(log_dir: Path) -> dict[str, set[str]]:
         "scalar": set(tags["scalars"]),
         "histogram": set(tags["histograms"]),
         "image": set(tags["images"]),
+        "tensor": tensors - {f"{t}/text_summary" for t in text} - {CONFIG_SUMMARY_TAG},
         "text": text,
-        "layout": tensors - {f"{t}/text_summary" for t in text},
+        "layout": tensors & {CONFIG_SUMMARY_TAG},
     }
 
 

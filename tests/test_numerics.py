@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from conftest import OpCounter, needs_cuda, read_images, read_run
+from conftest import OpCounter, needs_cuda, read_images, read_run, read_tensors
 from models import train
 from torch import Tensor, nn
 
@@ -20,6 +20,7 @@ from tblog_hooks import HookLogger, HookLoggerError
 from tblog_hooks.diagnostics.numerics_rules import PICTURE_TAGS
 from tblog_hooks.stats.kinds import NUMERIC_ACTIVATION, NUMERIC_GRADIENT, Kind
 from tblog_hooks.stats.numerics import AMAX_FLOOR, FORMATS
+from tblog_hooks.stats.tags import NUMERICS_TABLE_TAG, Lost, rows_tag
 
 ALL = tuple(FORMATS)
 
@@ -193,6 +194,34 @@ def test_a_run_writes_the_reference_values(tmp_path) -> None:
             assert scalars[f"{root}/{stat}/{name}"] == pytest.approx(want, rel=1e-5, abs=1e-6), (key, stat)
     assert checked >= 8  # nonzero fractions among them: overflow and underflow happened
     assert scalars["activation/overflow_fp16/0"] > 0 and scalars["gradient/underflow_fp16/0"] > 0
+
+
+def test_the_value_table_holds_every_format_of_every_module(tmp_path) -> None:
+    """``health/numerics`` (what the dashboard draws) is the reference of every format, those not
+    written as tags included, in forward order; the written format's cells are its scalars."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))
+    with HookLogger(model, log_dir=tmp_path, every=1, numerics=("bf16",), histograms=False) as hooks:
+        kept, remove = _captured(model, list(hooks.module_names))
+        train(hooks, [model(torch.randn(32, 16) * 1e5).mean() * 1e-4])  # fp16 overflow and underflow
+        remove()
+    (table,) = read_tensors(tmp_path, NUMERICS_TABLE_TAG).values()
+    (names,) = read_tensors(tmp_path, rows_tag(NUMERICS_TABLE_TAG)).values()
+    assert [n.decode() for n in names] == ["0", "2"] and table.shape == (2, 2, len(ALL), len(Lost))
+    assert table.dtype == np.float32
+    scalars = {t: v[0] for t, v in read_run(tmp_path).scalars.items()}
+    for r, root in enumerate(("activation", "gradient")):
+        for m, name in enumerate(("0", "2")):
+            for f, fmt in enumerate(ALL):
+                want = reference(kept[f"{root}/{name}"], fmt)
+                for q, lost in enumerate(Lost):
+                    cell = float(table[r, m, f, q])
+                    if f"{lost}_{fmt}" not in want:  # fp8 has no subnormals (scaled)
+                        assert math.isnan(cell)
+                        continue
+                    assert cell == pytest.approx(want[f"{lost}_{fmt}"], abs=1e-6), (root, name, fmt, lost)
+                    assert scalars.get(f"{root}/{lost}_{fmt}/{name}", cell) == cell  # bf16's: the scalar
+    assert table[0, 0, ALL.index("fp16"), 1] > 0 and table[1, 0, ALL.index("fp16"), 0] > 0  # not all zeros
 
 
 def test_only_the_named_formats_are_tags_and_every_format_is_pictured(tmp_path) -> None:

@@ -12,9 +12,24 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from ..diagnostics.findings import FindingKind
+from ..diagnostics.numerics_rules import FORMATS
+from ..diagnostics.numerics_rules import PICTURES as NUMERICS_ROOTS
 from ..diagnostics.replay import owner
-from ..stats.tags import GRAD_NORM_TAG, LOSS_TAG, NAMED_ROOTS, Root, Stat, tag, unescape
+from ..stats.tags import (
+    GRAD_NORM_TAG,
+    HEADS_TABLE_TAG,
+    LOSS_TAG,
+    NAMED_ROOTS,
+    NUMERICS_TABLE_TAG,
+    Lost,
+    Root,
+    Stat,
+    tag,
+    unescape,
+)
 from .source import Analysis, Model, in_forward_order, names_of
 
 #: The statistics the page offers first, in this order (then the others a run holds, sorted).
@@ -60,7 +75,8 @@ def roots(model: Model) -> list[str]:
 
 
 def run_entry(model: Model) -> dict[str, Any]:
-    """An entry of the ``runs`` document."""
+    """An entry of the ``runs`` document: ``heads`` and ``numerics`` say whether the run holds the
+    per-head and per-format value tables."""
     own = {model.own(t) for t in model.tags}
     return {
         "run": model.run,
@@ -69,7 +85,52 @@ def run_entry(model: Model) -> dict[str, Any]:
         "stats": roots(model),
         "spikes": GRAD_NORM_TAG in own or LOSS_TAG in own,
         "max_step": model.version[0],
+        "heads": HEADS_TABLE_TAG in model.tables,
+        "numerics": NUMERICS_TABLE_TAG in model.tables,
     }
+
+
+#: The axes of each value table after its modules, and how the documents name them.
+TABLE_AXES: dict[str, dict[str, list[str]]] = {
+    HEADS_TABLE_TAG: {"quantities": [Stat.MAX_LOGIT, Stat.ENTROPY]},
+    NUMERICS_TABLE_TAG: {"roots": list(NUMERICS_ROOTS), "formats": list(FORMATS), "quantities": list(Lost)},
+}
+#: The position of the modules' axis in each value table.
+_MODULE_AXIS = {HEADS_TABLE_TAG: 0, NUMERICS_TABLE_TAG: 1}
+
+
+def value_table(
+    model: Model, table: str, by_step: Mapping[int, tuple[list[str], np.ndarray]], step: int | None
+) -> dict[str, Any]:
+    """The ``heads`` or ``numerics`` document: the value table (:data:`TABLE_AXES`) of one logged
+    ``step`` (the latest without one) and every step the run holds it at. ``heads``: ``values[module]
+    [head]`` is ``[max_logit, entropy]`` (NaN past the last head of a module with fewer heads than
+    the widest); ``numerics``: ``values[root][module][format]`` is ``[underflow, overflow, subnormal]``
+    (``None`` where there is no value: a root the module has none of, fp8's subnormals)."""
+    axis = _MODULE_AXIS[table]
+    steps = [s for s, (names, values) in by_step.items() if values.ndim > axis and len(names) == values.shape[axis]]
+    if step is None and steps:
+        step = steps[-1]
+    doc: dict[str, Any] = {"run": model.run, "prefix": model.prefix, "steps": steps, "step": step}
+    doc |= {name: [str(v) for v in labels] for name, labels in TABLE_AXES[table].items()}
+    if step not in steps:
+        return doc | {"modules": [], "values": []}
+    names, values = by_step[step]
+    if table == NUMERICS_TABLE_TAG:  # fractions of counts: NaN only where there is no value
+        return doc | {"modules": names, "values": _nested(values, np.isnan(values))}
+    return doc | {"modules": names, "heads": values.shape[1], "values": _nested(values)}
+
+
+def _nested(values: np.ndarray, absent: np.ndarray | None = None) -> list[Any]:
+    """The array as nested lists of :func:`number` values, ``None`` where ``absent``."""
+    flat = [number(float(v)) for v in values.ravel()]
+    if absent is not None:
+        for i in np.flatnonzero(absent):
+            flat[i] = None
+    out: list[Any] = flat
+    for size in reversed(values.shape[1:]):
+        out = [out[i : i + size] for i in range(0, len(out), size)]
+    return out
 
 
 def heatmap(model: Model, root: str, values: Mapping[str, Mapping[int, float]], order: list[str]) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 of this package and serves its routes under ``/data/plugin/tblog_hooks/``.
 
 Routes (JSON, documented in ``docs/dashboard.md``): ``runs``, ``heatmap?run=&tag=``,
-``findings?run=``, ``modules?run=``, ``series?run=&module=``, ``spikes?run=``; each route of one
+``findings?run=``, ``modules?run=``, ``series?run=&module=``, ``spikes?run=``, ``heads?run=&step=``,
+``numerics?run=&step=``; each route of one
 run also takes ``prefix=`` (needed only when the run holds several loggers' prefixes). The page
 itself is ``index.js`` (an ES module) and ``style.css``.
 """
@@ -21,7 +22,7 @@ from tensorboard.context import RequestContext
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
-from ..stats.tags import split_prefix
+from ..stats.tags import HEADS_TABLE_TAG, NUMERICS_TABLE_TAG, split_prefix
 from . import documents
 from .source import Model, Source, names_of
 
@@ -49,6 +50,8 @@ class HealthPlugin(base_plugin.TBPlugin):  # type: ignore[misc]
             "/modules": lambda request, ctx, eid, model: documents.module_table(self._source.analysis(ctx, eid, model)),
             "/series": self._series,
             "/spikes": lambda request, ctx, eid, model: documents.spikes(self._source.analysis(ctx, eid, model)),
+            "/heads": functools.partial(self._table, HEADS_TABLE_TAG),
+            "/numerics": functools.partial(self._table, NUMERICS_TABLE_TAG),
         }
         apps = {path: _app(self._static) for path in _STATIC} | {"/runs": _app(self._runs)}
         return apps | {path: _app(functools.partial(self._of_model, build)) for path, build in documents_of.items()}
@@ -103,6 +106,21 @@ class HealthPlugin(base_plugin.TBPlugin):  # type: ignore[misc]
             raise errors.InvalidArgumentError(f"{model.name!r} holds no {root}/{{module}} scalars; it holds {held}")
         values = self._source.read(ctx, eid, model, tags)
         return documents.heatmap(model, root, values, self._source.order(ctx, eid, model))
+
+    def _table(self, table: str, request: wrappers.Request, ctx: Any, eid: str, model: Model) -> object:
+        """A value table at ``step=`` (the latest without it)."""
+        if table not in model.tables:
+            raise errors.NotFoundError(f"{model.name!r} holds no {table} (written with attention= or numerics=)")
+        step = request.args.get("step")
+        if step is not None and not step.lstrip("-").isdigit():
+            raise errors.InvalidArgumentError(f"step={step!r} is not a step number")
+        chosen = None if step is None else int(step)
+        doc = documents.value_table(model, table, self._source.table(ctx, eid, model, table), chosen)
+        if chosen is not None and chosen not in doc["steps"]:
+            raise errors.NotFoundError(
+                f"{model.name!r} holds no {table} at step {chosen}; it holds steps {doc['steps']}"
+            )
+        return doc
 
     def _series(self, request: wrappers.Request, ctx: Any, eid: str, model: Model) -> object:
         module, analysis = _argument(request, "module"), self._source.analysis(ctx, eid, model)

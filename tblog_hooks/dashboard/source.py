@@ -13,11 +13,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from tensorboard.data import provider
 
 from ..cli.report import as_json
 from ..diagnostics.replay import Run, forward_key, forward_order, is_logged_step
-from ..stats.tags import GRAD_NORM_TAG, NAMED_ROOTS, ORDER_TAG, Root, parse_order, split_prefix, unescape
+from ..stats.tags import (
+    GRAD_NORM_TAG,
+    NAMED_ROOTS,
+    ORDER_TAG,
+    TABLE_PLUGIN,
+    Root,
+    parse_order,
+    rows_tag,
+    split_prefix,
+    unescape,
+)
 
 _SCALARS, _TEXT = "scalars", "text"
 #: More values than any reservoir keeps: every kept value of a tag is read.
@@ -36,6 +47,9 @@ class Model:
     tags: tuple[str, ...]
     #: ``(max step, max wall time)`` over its tags: changes whenever TensorBoard loads more of it.
     version: tuple[int, float]
+    #: The value tables it holds with their rows' names (``health/attention_heads``,
+    #: ``health/numerics``), without the prefix.
+    tables: frozenset[str] = frozenset()
 
     @property
     def name(self) -> str:
@@ -83,8 +97,12 @@ class Source:
         listing = self._provider.list_scalars(
             ctx, experiment_id=experiment_id, plugin_name=_SCALARS, run_tag_filter=filter_
         )
+        tensors = self._provider.list_tensors(
+            ctx, experiment_id=experiment_id, plugin_name=TABLE_PLUGIN, run_tag_filter=filter_
+        )
         found = []
         for name, series in sorted(listing.items()):
+            tables = [split for full in tensors.get(name, {}) if (split := split_prefix(full))]
             by_prefix: dict[str, dict[str, provider.ScalarTimeSeries]] = {}
             for full, meta in series.items():
                 if split := split_prefix(full):
@@ -93,7 +111,9 @@ class Source:
                 if is_logged_step(own) or GRAD_NORM_TAG in own:
                     full_tags = tuple(f"{prefix}/{t}" if prefix else t for t in own)
                     version = (max(m.max_step for m in own.values()), max(m.max_wall_time for m in own.values()))
-                    found.append(Model(name, prefix, full_tags, version))
+                    held = {t for p, t in tables if p == prefix}
+                    with_rows = frozenset(t for t in held if rows_tag(t) in held)
+                    found.append(Model(name, prefix, full_tags, version, with_rows))
         return found
 
     def read(self, ctx: Any, experiment_id: str, model: Model, tags: list[str]) -> dict[str, dict[int, float]]:
@@ -115,18 +135,33 @@ class Source:
     def order(self, ctx: Any, experiment_id: str, model: Model) -> list[str]:
         """The forward order the logger wrote last (``health/forward_order``); empty without one."""
         text_tag = f"{model.full(ORDER_TAG)}/text_summary"
-        data = self._provider.read_tensors(
-            ctx,
-            experiment_id=experiment_id,
-            plugin_name=_TEXT,
-            downsample=ALL_VALUES,
-            run_tag_filter=provider.RunTagFilter(runs=[model.run], tags=[text_tag]),
-        )
-        points = data.get(model.run, {}).get(text_tag, [])
+        points = self._tensors(ctx, experiment_id, model, _TEXT, [text_tag]).get(text_tag, [])
         if not points:
             return []
         value = max(points, key=lambda d: (d.step, d.wall_time)).numpy.ravel()
         return parse_order(value[0].decode("utf-8", "replace")) if value.size else []
+
+    def table(self, ctx: Any, experiment_id: str, model: Model, table: str) -> dict[int, tuple[list[str], np.ndarray]]:
+        """``{step: (module names, values)}`` of a value table (``health/attention_heads``): every
+        step TensorBoard kept of both the table and its rows' names (the latest write of a step)."""
+        tags = [model.full(table), model.full(rows_tag(table))]
+        data = self._tensors(ctx, experiment_id, model, TABLE_PLUGIN, tags)
+        values = {d.step: d.numpy for d in data.get(tags[0], [])}
+        names = {d.step: [unescape(n.decode("utf-8")) for n in d.numpy.ravel()] for d in data.get(tags[1], [])}
+        return {s: (names[s], values[s]) for s in sorted(values) if s in names}
+
+    def _tensors(
+        self, ctx: Any, experiment_id: str, model: Model, plugin: str, tags: list[str]
+    ) -> dict[str, list[provider.TensorDatum]]:
+        """Every kept point of the model's tensor ``tags`` of ``plugin``."""
+        data = self._provider.read_tensors(
+            ctx,
+            experiment_id=experiment_id,
+            plugin_name=plugin,
+            downsample=ALL_VALUES,
+            run_tag_filter=provider.RunTagFilter(runs=[model.run], tags=tags),
+        )
+        return data.get(model.run, {})  # type: ignore[no-any-return]
 
     def analysis(self, ctx: Any, experiment_id: str, model: Model) -> Analysis:
         """The model's whole run (its logged steps, every-step series and forward order) and its findings."""

@@ -1,5 +1,6 @@
 """The attention findings, from one step's ``attention/*`` scalars and, in the live logger, each
-head's values (``StepSummary.heads``); and the layers x heads pictures of those values.
+head's values (``StepSummary.heads``); and the layers x heads pictures of those values, with the
+table of their numbers the dashboard draws.
 
 Host-side only. ``tblog-hooks report`` has the scalars only: it names the module, the live
 logger also the head.
@@ -12,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..output.summary import Heads
-from ..stats.tags import Root, Stat, by_name, tag
+from ..stats.tags import HEADS_TABLE_TAG, Root, Stat, by_name, escape, rows_tag, tag
 from . import pictures
 from .findings import ENTROPY_COLLAPSE, LOGIT_GROWTH, Candidates, Finding, Thresholds, Trailing
 
@@ -76,16 +77,35 @@ def _head(per_head: Heads | None, which: int, pick: object) -> str:
     return f" (head {int(pick(per_head[which]))})"  # type: ignore[operator]
 
 
+def heads_table(heads: Mapping[str, Heads]) -> tuple[list[str], np.ndarray]:
+    """The modules (in call order) and their ``2 x layers x heads`` values: each head's max logit,
+    then its mean entropy; NaN past a module's last head."""
+    names = list(heads)
+    width = max((h[0].size for h in heads.values()), default=0)
+    table = np.full((2, len(names), width), np.nan)
+    for row, (peaks, entropies) in enumerate(heads.values()):
+        table[0, row, : peaks.size], table[1, row, : entropies.size] = peaks, entropies
+    return names, table
+
+
+def heads_tensors(heads: Mapping[str, Heads]) -> dict[str, np.ndarray]:
+    """The step's value table of the per-head pictures: float32 ``layers x heads x 2`` (max logit,
+    entropy) and its rows' escaped module names."""
+    if not heads:
+        return {}
+    names, table = heads_table(heads)
+    return {
+        HEADS_TABLE_TAG: table.transpose(1, 2, 0).astype(np.float32),
+        rows_tag(HEADS_TABLE_TAG): np.array([escape(n) for n in names], dtype=object),
+    }
+
+
 def heads_pictures(heads: Mapping[str, Heads]) -> dict[str, np.ndarray]:
     """The ``layers x heads`` pictures of a step: one row per attention module (in call order),
     one column per head; the max logit on a log scale, the entropy (nats) on a linear one."""
     if not heads:
         return {}
-    names = list(heads)
-    width = max(h[0].size for h in heads.values())
-    table = np.full((2, len(names), width), np.nan)
-    for row, (peaks, entropies) in enumerate(heads.values()):
-        table[0, row, : peaks.size], table[1, row, : entropies.size] = peaks, entropies
+    names, table = heads_table(heads)
     return {
         PICTURES[Stat.MAX_LOGIT]: pictures.heads_grid(
             names, table[0], "max attention logit per layer and head", log=True

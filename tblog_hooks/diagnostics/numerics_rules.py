@@ -1,6 +1,6 @@
 """The low-precision findings (``numerics=``): ``fp16_gradient_underflow``, ``fp8_underflow``,
 ``fp8_overflow`` and ``massive_activation``, from one logged step's scalars; and the modules x
-formats picture of every format's fractions.
+formats pictures of every format's fractions, and the table of their numbers the dashboard draws.
 
 Host-side only. A per-format rule judges a step only where its format's scalars are written
 (``numerics=`` names it, or the run trains in it), so a float32 or bf16 run is not told what fp16
@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..output.summary import Heads
-from ..stats.tags import SCALE_TAG, Lost, Root, Stat, by_name, per_format, tag
+from ..stats.tags import NUMERICS_TABLE_TAG, SCALE_TAG, Lost, Root, Stat, by_name, escape, per_format, rows_tag, tag
 from . import pictures
 from .findings import FP8_OVERFLOW, FP8_UNDERFLOW, FP16_UNDERFLOW, MASSIVE, Candidates, Finding, Thresholds
 
@@ -176,3 +176,25 @@ def numerics_pictures(order: Sequence[str], every: Mapping[str, float]) -> dict[
         title = f"{name} lost to underflow + overflow, per module and format"
         out[PICTURE_TAGS[root]] = pictures.fraction_grid(rows, table, FORMATS, title)
     return out
+
+
+def numerics_tensors(order: Sequence[str], every: Mapping[str, float]) -> dict[str, np.ndarray]:
+    """The step's value table of the modules x formats pictures: float32 ``2 x modules x formats x 3``
+    (outputs then output gradients; per format the underflow, overflow and subnormal fractions; NaN
+    where a module has no value), rows the watched modules with any, in forward order, and their
+    escaped names."""
+    roots = tuple(PICTURES)
+    rows = [m for m in order if any(tag(r, per_format(Lost.UNDERFLOW, FORMATS[0]), m) in every for r in roots)]
+    if not rows:
+        return {}
+    table = np.array(
+        [
+            [
+                [[every.get(tag(r, per_format(lost, fmt), m), math.nan) for lost in Lost] for fmt in FORMATS]
+                for m in rows
+            ]
+            for r in roots
+        ],
+        dtype=np.float32,
+    ).reshape(len(roots), len(rows), len(FORMATS), len(Lost))
+    return {NUMERICS_TABLE_TAG: table, rows_tag(NUMERICS_TABLE_TAG): np.array([escape(m) for m in rows], dtype=object)}

@@ -1,5 +1,6 @@
 """What the logger adds to each step it writes: health findings and ``health/*`` scalars, the
-gradient-flow heatmap, the custom-scalars layout (once) and the text summaries.
+gradient-flow heatmap, the per-head and per-format pictures with their value tables, the
+custom-scalars layout (once) and the text summaries.
 
 Host-side only: it reads the :class:`~tblog_hooks.output.summary.StepSummary` the step already
 produced, so diagnostics cost no device work.
@@ -18,10 +19,10 @@ import numpy as np
 from ..output.summary import StepSummary
 from ..stats.tags import ORDER_TAG, Root, Stat, by_name, order_markdown, tag, unescape
 from . import pictures
-from .attention_rules import heads_pictures
+from .attention_rules import heads_pictures, heads_tensors
 from .findings import Thresholds
 from .health import default_health
-from .numerics_rules import numerics_pictures
+from .numerics_rules import numerics_pictures, numerics_tensors
 
 if TYPE_CHECKING:
     from ..output.destination import Destination
@@ -127,7 +128,11 @@ class Diagnostics:
             self.health.update(summary.step, summary.scalars, order, summary.heads)
             summary.scalars.update(self.health.counts())
         summary.images.update(heads_pictures(summary.heads))
-        if summary.numerics:  # drawn as the heatmap is, and for the same reason
+        summary.tensors.update(heads_tensors(summary.heads))
+        if (
+            summary.numerics
+        ):  # the table every logged step; the pictures drawn as the heatmap is, and for the same reason
+            summary.tensors.update(numerics_tensors(order, summary.numerics))
             if self._numerics_steps % FLOW_EVERY == 0:
                 summary.images.update(numerics_pictures(order, summary.numerics))
                 self._undrawn_numerics = None

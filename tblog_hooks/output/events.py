@@ -1,6 +1,6 @@
 """Encode a :class:`~tblog_hooks.output.summary.StepSummary` as the event a ``SummaryWriter`` writes.
 
-A logged step becomes one event holding every scalar and histogram, instead of one event
+A logged step becomes one event holding every scalar, histogram, image and value table, instead of one event
 per value: a few hundred values cost one record, one queue slot and one checksum.
 """
 
@@ -10,13 +10,16 @@ import io
 
 import numpy as np
 from PIL import Image
-from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
+from tensorboard.compat.proto.summary_pb2 import DataClass, HistogramProto, Summary, SummaryMetadata
+from tensorboard.util import tensor_util
 
+from ..stats.tags import TABLE_PLUGIN
 from .summary import StepSummary
 
 
 def to_proto(summary: StepSummary) -> Summary:
-    """The ``Summary`` protobuf ``SummaryWriter.add_scalar``/``add_histogram_raw``/``add_image`` would write."""
+    """The ``Summary`` protobuf ``SummaryWriter.add_scalar``/``add_histogram_raw``/``add_image`` would
+    write, and the value tables as tensors of this package's dashboard plugin."""
     values = [Summary.Value(tag=t, simple_value=v) for t, v in summary.scalars.items()]
     values += [
         Summary.Value(
@@ -34,7 +37,17 @@ def to_proto(summary: StepSummary) -> Summary:
         for t, h in summary.histograms.items()
     ]
     values += [Summary.Value(tag=t, image=image_proto(image)) for t, image in summary.images.items()]
+    values += [
+        Summary.Value(tag=t, metadata=_TABLE_METADATA, tensor=tensor_util.make_tensor_proto(table))
+        for t, table in summary.tensors.items()
+    ]
     return Summary(value=values)
+
+
+#: A tensor of the dashboard's plugin; the data class is what TensorBoard's data server files it under.
+_TABLE_METADATA = SummaryMetadata(
+    plugin_data=SummaryMetadata.PluginData(plugin_name=TABLE_PLUGIN), data_class=DataClass.DATA_CLASS_TENSOR
+)
 
 
 def image_proto(image: np.ndarray) -> Summary.Image:

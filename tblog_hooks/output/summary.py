@@ -1,5 +1,5 @@
-"""One logged step on the host, as TensorBoard will hold it: scalars, histograms, images and the
-per-head attention values. Plain data (NumPy, no torch), so that what reads runs back can use it."""
+"""One logged step on the host, as TensorBoard will hold it: scalars, histograms, images, value
+tables and the per-head attention values. Plain data (NumPy, no torch), so that what reads runs back can use it."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ class Histogram:
 
 @dataclass
 class StepSummary:
-    """Everything one logged step writes: ``{tag: value}``, ``{tag: Histogram}`` and
-    ``{tag: uint8 image, channels first}``."""
+    """Everything one logged step writes: ``{tag: value}``, ``{tag: Histogram}``,
+    ``{tag: uint8 image, channels first}`` and ``{tag: float32 or string array}`` (the value tables
+    of ``stats/tags.py``'s ``HEADS_TABLE_TAG`` and ``NUMERICS_TABLE_TAG``)."""
 
     step: int
     scalars: dict[str, float]
@@ -38,3 +39,5 @@ class StepSummary:
     #: With ``numerics=``: every format's ``{root}/{lost}_{format}/{name}`` scalar, those not
     #: written included (``stats/numerics.py``), for the modules x formats picture.
     numerics: dict[str, float] = field(default_factory=dict)
+    #: The value tables of the pictures (``diagnostics/``), written as tensors.
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)

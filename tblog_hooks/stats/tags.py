@@ -133,6 +133,19 @@ GRAD_NORM_TAG, LOSS_TAG = tag(Root.STEP, Stat.GRAD_NORM), tag(Root.STEP, Stat.LO
 SAMPLES_TAG = tag(Root.STEP, Stat.SAMPLES)
 #: The text summary listing the watched modules in forward order (see :func:`order_markdown`).
 ORDER_TAG = tag(Root.HEALTH, "forward_order")
+#: Per logged step, the numbers behind the layers x heads pictures (``attention=``: a float32
+#: ``layers x heads x 2`` tensor, each head's max logit then mean entropy) and the modules x formats
+#: pictures (``numerics=``: a float32 ``2 x modules x formats x 3`` tensor, outputs then output
+#: gradients, each format's underflow, overflow and subnormal fractions); each with its rows' module
+#: names in the string tensor :func:`rows_tag`.
+HEADS_TABLE_TAG, NUMERICS_TABLE_TAG = tag(Root.HEALTH, "attention_heads"), tag(Root.HEALTH, "numerics")
+#: The plugin the value tables are written for (the dashboard's; TensorBoard's other tabs skip them).
+TABLE_PLUGIN = "tblog_hooks"
+
+
+def rows_tag(table: str) -> str:
+    """The tag of a value table's row names (one string per module, in the table's row order)."""
+    return f"{table}_modules"
 
 
 def order_markdown(order: Sequence[str]) -> str:

@@ -51,9 +51,9 @@ function viridis(t) {
 }
 
 // A colour scale over the finite values: log10 where they are all >= 0 (zeros get their own
-// colour), linear where some are negative or the statistic is a fraction.
+// colour), linear where some are negative or `linear` (by default: the statistic is a fraction).
 class Scale {
-  constructor(rows, stat) {
+  constructor(rows, stat, linear = stat.endsWith('_frac')) {
     let lo = Infinity;
     let hi = -Infinity;
     let negative = false;
@@ -61,14 +61,14 @@ class Scale {
       for (const v of row) {
         if (!finite(v)) continue;
         if (v < 0) negative = true;
-        if (v > 0 || stat.endsWith('_frac')) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
+        if (v > 0 || linear) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
       }
     }
-    this.log = !negative && !stat.endsWith('_frac');
+    this.log = !negative && !linear;
     if (negative) {
       for (const row of rows) for (const v of row) if (finite(v)) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
     }
-    if (lo === Infinity) { lo = 0; hi = 1; }
+    if (lo === Infinity) [lo, hi] = this.log ? [1, 10] : [0, 1];  // nothing to scale: an empty (or all-zero) map
     if (this.log) { lo = Math.log10(lo); hi = Math.log10(hi); }
     if (hi - lo < 1e-12) { hi = lo + (this.log ? 1 : Math.max(1e-12, Math.abs(lo))); }
     [this.lo, this.hi] = [lo, hi];
@@ -87,13 +87,13 @@ class Scale {
       const out = [];
       const step = Math.max(1, Math.ceil((Math.floor(this.hi) - Math.ceil(this.lo)) / 6));
       for (let e = Math.ceil(this.lo); e <= this.hi; e += step) out.push([(e - this.lo) / (this.hi - this.lo), `1e${e}`]);
-      return out;
+      return out.length > 1 ? out : [[0, format(10 ** this.lo)], [1, format(10 ** this.hi)]];  // within a decade: the ends
     }
     return [0, 0.25, 0.5, 0.75, 1].map((t) => [t, format(this.lo + t * (this.hi - this.lo))]);
   }
 }
 
-function legend(scale) {
+function legend(scale, findings = true) {
   const width = 260;
   const canvas = el('canvas', { width: width * devicePixelRatio, height: 30 * devicePixelRatio });
   canvas.style.width = `${width}px`;
@@ -125,7 +125,7 @@ function legend(scale) {
     scale.log ? swatch(ZERO_RGB, '0') : null,
     swatch(NONFINITE_RGB, 'NaN/Inf'),
     swatch(NONE_RGB, 'no value'),
-    el('span', { class: 'swatch' }, el('i', { style: 'border:2px solid #ff1744;background:none' }), 'finding'),
+    findings ? el('span', { class: 'swatch' }, el('i', { style: 'border:2px solid #ff1744;background:none' }), 'finding') : null,
   );
 }
 
@@ -367,6 +367,97 @@ class Heatmap {
   }
 }
 
+// Modules (rows) x a few columns (heads, formats) of one logged step on one canvas, a cell each,
+// with the column labels above and the module names on the left; a deep model's scrolls.
+class Grid {
+  constructor(id) {
+    this.canvas = el('canvas', { class: 'cells', id: `${id}-cells` });
+    this.legendBox = el('div');
+    this.node = el('div', { class: 'grid-cells' }, el('div', { class: 'scroller' }, this.canvas), this.legendBox);
+    this.hover = null;
+    this.canvas.addEventListener('mousemove', (e) => this.pointer(e));
+    this.canvas.addEventListener('mouseleave', () => { this.hover = null; hideTooltip(); this.draw(); });
+  }
+
+  // `values[row][col]`; `columns`: their labels; `groups`: labels over runs of columns ([label, count]).
+  set({ modules, columns, groups = [], values, quantity, linear = false }) {
+    Object.assign(this, { modules, columns, groups, values, quantity });
+    this.scale = new Scale(values, quantity, linear);
+    const ctx = this.canvas.getContext('2d');
+    ctx.font = '11px Roboto, Arial, sans-serif';
+    this.left = Math.min(280, Math.ceil(modules.reduce((w, m) => Math.max(w, ctx.measureText(m).width), 0)) + 12);
+    this.top = groups.length ? 34 : 20;
+    this.colWidth = Math.max(16, Math.min(44, Math.floor(720 / Math.max(1, columns.length))));
+    this.rowHeight = Math.min(18, Math.max(4, Math.floor(520 / Math.max(1, modules.length))));
+    this.width = this.left + this.colWidth * columns.length + 8;
+    this.height = this.top + this.rowHeight * modules.length + 2;
+    this.canvas.width = this.width * devicePixelRatio;
+    this.canvas.height = this.height * devicePixelRatio;
+    this.canvas.style.width = `${this.width}px`;
+    this.canvas.style.height = `${this.height}px`;
+    this.legendBox.replaceChildren(legend(this.scale, false));
+    this.draw();
+  }
+
+  // Where a cell's centre is, in the canvas's CSS pixels (the browser tests hover there).
+  centre(module, col) {
+    return { x: this.left + (col + 0.5) * this.colWidth, y: this.top + (this.modules.indexOf(module) + 0.5) * this.rowHeight };
+  }
+
+  cellAt(event) {
+    const box = this.canvas.getBoundingClientRect();
+    const col = Math.floor((event.clientX - box.left - this.left) / this.colWidth);
+    const row = Math.floor((event.clientY - box.top - this.top) / this.rowHeight);
+    if (col < 0 || col >= this.columns.length || row < 0 || row >= this.modules.length) return null;
+    return { row, col };
+  }
+
+  pointer(event) {
+    const cell = this.cellAt(event);
+    this.hover = cell;
+    if (!cell) { hideTooltip(); this.draw(); return; }
+    const value = this.values[cell.row][cell.col];
+    const html = `<b>${escapeHtml(this.modules[cell.row])}</b><br>${escapeHtml(this.columns[cell.col])}`
+      + `<br>${escapeHtml(this.quantity)} = ${escapeHtml(format(value))}`;
+    showTooltip(event, html, value === null ? '' : value);
+    this.draw();
+  }
+
+  draw() {
+    const ctx = this.canvas.getContext('2d');
+    ctx.setTransform(devicePixelRatio, 0, 0, devicePixelRatio, 0, 0);
+    ctx.clearRect(0, 0, this.width, this.height);
+    this.values.forEach((row, r) => row.forEach((v, c) => {
+      ctx.fillStyle = `rgb(${this.scale.rgb(v).join(',')})`;
+      ctx.fillRect(this.left + c * this.colWidth, this.top + r * this.rowHeight, this.colWidth - 1, this.rowHeight - 1);
+    }));
+    ctx.font = '11px Roboto, Arial, sans-serif';
+    ctx.fillStyle = '#424242';
+    ctx.textBaseline = 'middle';
+    ctx.textAlign = 'right';
+    const every = Math.max(1, Math.ceil(12 / this.rowHeight));
+    this.modules.forEach((m, r) => {
+      if (r % every === 0) ctx.fillText(ellipsis(ctx, m, this.left - 8), this.left - 5, this.top + (r + 0.5) * this.rowHeight);
+    });
+    ctx.textAlign = 'center';
+    ctx.fillStyle = '#616161';
+    this.columns.forEach((label, c) => {
+      ctx.fillText(ellipsis(ctx, label.split(' ').pop(), this.colWidth - 2), this.left + (c + 0.5) * this.colWidth, this.top - 9);
+    });
+    let at = 0;
+    for (const [label, count] of this.groups) {
+      ctx.fillText(label, this.left + (at + count / 2) * this.colWidth, 9);
+      ctx.fillRect(this.left + at * this.colWidth + 2, 17, count * this.colWidth - 5, 1);
+      at += count;
+    }
+    if (this.hover) {
+      ctx.strokeStyle = '#fff';
+      ctx.lineWidth = 1.5;
+      ctx.strokeRect(this.left + this.hover.col * this.colWidth, this.top + this.hover.row * this.rowHeight, this.colWidth - 1, this.rowHeight - 1);
+    }
+  }
+}
+
 function ellipsis(ctx, text, width) {
   if (ctx.measureText(text).width <= width) return text;
   let keep = text.length;
@@ -446,6 +537,68 @@ function lineChart({ steps, values, width = 300, height = 130, log = false, mark
 
 const positive = (values) => values.some(finite) && values.every((v) => !finite(v) || v > 0);
 
+// The card of one value table (`heads`, `numerics`): a step chooser (the latest first), a choice
+// of quantity and the grid; hidden where the run holds no such table.
+class TableCard {
+  constructor(name, title, hint) {
+    this.name = name;
+    this.grid = new Grid(name);
+    this.stepSelect = el('select', { id: `${name}-step`, onchange: () => this.load(this.stepSelect.value) });
+    this.quantitySelect = el('select', { id: `${name}-quantity`, onchange: () => this.draw() });
+    this.node = el('div', { class: 'card', id: name, style: 'display:none' },
+      el('h2', {}, title, el('span', { class: 'hint' }, hint)),
+      el('div', { class: 'toolbar' }, el('label', {}, 'Step', this.stepSelect), el('label', {}, 'Value', this.quantitySelect)),
+      this.grid.node);
+  }
+
+  // Show the table of `page`'s model, at the step shown before when `keep` (else the latest).
+  async show(page, keep) {
+    this.page = page;
+    this.model = page.model;
+    if (!this.model[this.name]) { this.node.style.display = 'none'; this.doc = null; return; }
+    this.node.style.display = '';
+    await this.load(keep && this.doc ? this.doc.step : undefined);
+  }
+
+  async load(step) {
+    const model = this.model;
+    let doc;
+    try {
+      doc = await fetchJson(this.name, this.page.query({ step }));
+    } catch (error) {
+      if (step === undefined) throw error;
+      doc = await fetchJson(this.name, this.page.query());  // that step is no longer kept
+    }
+    if (this.page.model !== model) return;
+    this.doc = doc;
+    this.stepSelect.replaceChildren(...[...doc.steps].reverse().map((s) => el('option', { value: s }, String(s))));
+    this.stepSelect.value = String(doc.step);
+    const quantity = this.quantitySelect.value;
+    this.quantitySelect.replaceChildren(...doc.quantities.map((q) => el('option', { value: q }, q)));
+    if (doc.quantities.includes(quantity)) this.quantitySelect.value = quantity;
+    this.draw();
+  }
+
+  draw() {
+    const doc = this.doc;
+    const q = doc.quantities.indexOf(this.quantitySelect.value);
+    const quantity = doc.quantities[q];
+    if (this.name === 'heads') {
+      const columns = Array.from({ length: doc.heads }, (_, h) => `head ${h}`);
+      this.grid.set({ modules: doc.modules, columns, values: doc.values.map((heads) => heads.map((v) => v[q])), quantity, linear: quantity === 'entropy' });
+      return;
+    }
+    const pairs = doc.roots.flatMap((root, r) => doc.formats.map((fmt, f) => [root, fmt, r, f]));
+    this.grid.set({
+      modules: doc.modules,
+      columns: pairs.map(([root, fmt]) => `${root} ${fmt}`),
+      groups: doc.roots.map((root) => [root, doc.formats.length]),
+      values: doc.modules.map((_, m) => pairs.map(([, , r, f]) => doc.values[r][m][f][q])),
+      quantity: `${quantity} fraction`,
+    });
+  }
+}
+
 class Page {
   constructor(root) {
     this.root = root;
@@ -489,6 +642,10 @@ class Page {
     this.seriesTitle = el('span', {}, 'Module');
     this.spikesCard = el('div', { class: 'card wide', id: 'spikes' });
     this.attentionCard = el('div', { class: 'card', id: 'attention' });
+    this.tables = {
+      heads: new TableCard('heads', 'Attention per head', 'each attention module\'s heads at one logged step'),
+      numerics: new TableCard('numerics', 'Low precision per format', 'the fraction of each watched module\'s outputs and output gradients each format would lose, at one logged step'),
+    };
     this.tableBox = el('div', { class: 'modules', id: 'modules' });
     this.root.replaceChildren(
       toolbar,
@@ -501,6 +658,8 @@ class Page {
           el('div', { class: 'card' }, el('h2', {}, this.seriesTitle), this.seriesBox))),
       this.spikesCard,
       this.attentionCard,
+      this.tables.heads.node,
+      this.tables.numerics.node,
       el('div', { class: 'card' }, el('h2', {}, 'Modules', el('span', { class: 'hint' }, 'latest values, worst health first; click a header to sort')), this.tableBox),
       tooltip);
     await this.open(this.models[0]);
@@ -565,7 +724,7 @@ class Page {
     this.drawFindings();
     this.drawTable();
     this.drawSpikes();
-    await this.drawAttention();
+    await Promise.all([this.drawAttention(), ...Object.values(this.tables).map((card) => card.show(this, keep))]);
     if (selection) await this.select(selection.module, selection.step);
     this.openTook = performance.now() - started;
   }
