@@ -37,7 +37,7 @@ def reference(x: Tensor, fmt: str) -> dict[str, float]:
         overflow = ~torch.isfinite(cast)
     else:
         cast = x.to(f.dtype).float()
-        overflow = (x.float().abs() > info.max) | ~torch.isfinite(cast)
+        overflow = ~torch.isfinite(cast)
     out = {
         f"underflow_{fmt}": int(((x != 0) & (cast == 0)).sum()) / n,
         f"overflow_{fmt}": int(overflow.sum()) / n,
@@ -134,6 +134,20 @@ def test_the_boundaries_are_exercised() -> None:
     for fmt in ("fp16", "bf16"):
         ref = reference(x, fmt)
         assert ref[f"underflow_{fmt}"] > 0 and ref[f"subnormal_{fmt}"] > 0 and 0 < ref[f"overflow_{fmt}"] < 1
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_overflow_follows_round_to_nearest_past_max(fmt: str) -> None:
+    """Magnitudes between ``max`` and the midpoint to the next step up round to ``max`` (finite,
+    fp16's 65,510 becomes 65,504), the midpoint itself to inf, as ``x.to(dtype)`` does. (The
+    float8 formats are scaled so that ``amax`` maps to ``max``: no finite element passes it.)"""
+    f = FORMATS[fmt]
+    bound, _ = f.finite
+    between = torch.linspace(f.max, bound, 9, dtype=torch.float64).float()
+    x = torch.cat([between, -between, torch.tensor([65510.0, 2 * f.max])])
+    want = reference(x, fmt)[f"overflow_{fmt}"]
+    assert measured(NUMERIC_GRADIENT, x)[f"overflow_{fmt}"] == pytest.approx(want, abs=1e-9)
+    assert 0 < want < 0.25  # (the midpoints and 2 max: the rest, past max, stays finite)
 
 
 def test_torchtitan_test_vector() -> None:
@@ -238,6 +252,16 @@ def test_only_the_named_formats_are_tags_and_every_format_is_pictured(tmp_path) 
 def test_numerics_true_writes_the_autocast_format(tmp_path) -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     with HookLogger(model, log_dir=tmp_path, every=1, numerics=True, histograms=False) as hooks:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(8, 4)).float().sum()
+        train(hooks, [loss])
+    tags = set(read_run(tmp_path).scalars)
+    assert "gradient/underflow_fp16/0" in tags and "gradient/underflow_bf16/0" not in tags
+
+
+def test_numerics_true_writes_the_autocast_format_without_activations(tmp_path) -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    with HookLogger(model, log_dir=tmp_path, every=1, numerics=True, activations=False, histograms=False) as hooks:
         with torch.autocast("cpu", dtype=torch.float16):
             loss = model(torch.randn(8, 4)).float().sum()
         train(hooks, [loss])

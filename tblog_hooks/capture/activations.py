@@ -81,6 +81,8 @@ class ActivationRecorder:
             if not tensors:
                 return None
             pieces = self._pieces(module, tensors, units, mode)
+            if self.numerics is not None and not mode.compiled:  # (outputs recorded or not)
+                self.numerics.see(pieces[0][0].device.type)
             with torch.no_grad():
                 if name in self.feature_maps and name not in self._mapped:
                     self._add_feature_map(mode, name, [t for t, _ in pieces])
@@ -89,8 +91,6 @@ class ActivationRecorder:
                         self._remember(mode, t, mode.record(ACTIVATION, name, t, units, split))
                         if self.numerics is not None:
                             mode.measure(NUMERIC_ACTIVATION, name, t, units, split)
-                    if self.numerics is not None and not mode.compiled:
-                        self.numerics.see(pieces[0][0].device.type)
             if counted.gradients and self.gradients is not None:
                 return self.gradients.watch(mode, name, output, tensors, [split for _, split in pieces])
         except Exception as error:  # the logger must never stop training

@@ -125,11 +125,8 @@ def measure(x: Tensor, units: int, *, channels: bool) -> dict[str, Tensor]:
     for fmt in FORMATS.values():
         seen = a * (scale * fmt.max) if fmt.scaled else a
         out[f"zero_{fmt.name}"] = torch.count_nonzero(seen <= fmt.flushed)
-        if fmt.scaled:  # non-finite after the cast
-            bound, tie_stays = fmt.finite
-            out[f"finite_{fmt.name}"] = torch.count_nonzero(seen <= bound if tie_stays else seen < bound)
-        else:  # |x| > max, or non-finite (NaN fails every comparison)
-            out[f"finite_{fmt.name}"] = torch.count_nonzero(seen <= fmt.max)
+        bound, tie_stays = fmt.finite  # finite after the cast (NaN fails every comparison)
+        out[f"finite_{fmt.name}"] = torch.count_nonzero(seen <= bound if tie_stays else seen < bound)
         if not fmt.scaled:
             out[f"small_{fmt.name}"] = torch.count_nonzero(seen < fmt.normal)
     return out
