@@ -288,6 +288,35 @@ def test_amax_and_rms_of_gradients_are_unscaled_and_fractions_judged_at_the_scal
     assert scalars["gradient/underflow_fp16/0"] == pytest.approx(reference(scaled, "fp16")["underflow_fp16"])
 
 
+def test_parameter_gradients_unscaled_for_the_optimizer_are_judged_at_the_loss_scale(tmp_path) -> None:
+    """With ``optimizer=`` the gradients are read after ``GradScaler.unscale_``: their fractions are
+    those of the gradients backward made at the loss scale (kept by a post-accumulate hook), their
+    amax that of the unscaled ones."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    kept = {}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: kept.__setitem__(name, p.grad.clone()))
+    with HookLogger(
+        model, log_dir=tmp_path, every=1, numerics=("fp16",), scaler=scaler, optimizer=opt, histograms=False
+    ) as hooks:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(16, 8)).float().sum() * 1e-6
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        hooks.step()
+    scalars = {t: v[0] for t, v in read_run(tmp_path).scalars.items()}
+    for name, grad in kept.items():
+        assert grad.count_nonzero() == grad.numel()  # nothing is lost at the scale
+        for stat, want in reference(grad, "fp16").items():
+            assert scalars[f"param_grad/{stat}/{name}"] == pytest.approx(want, abs=1e-6), (name, stat)
+        assert scalars[f"param_grad/amax/{name}"] == pytest.approx(grad.abs().max().item() / 2.0**16, rel=1e-6)
+    assert reference(kept["0.weight"] / 2.0**16, "fp16")["underflow_fp16"] > 0.05  # (unscaled, fp16 would lose them)
+
+
 # -- options and cost -------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("value", "said"),

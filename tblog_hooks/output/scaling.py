@@ -24,7 +24,9 @@ def unscale(summary: StepSummary, *, param_grads_scaled: bool) -> None:
         return
     scale, skipped = summary.scalars[SCALE_TAG], bool(summary.scalars[SKIPPED_TAG])
     raw = (GRADIENT, PARAM_GRAD) if param_grads_scaled or skipped else (GRADIENT,)
-    kinds = (*raw, *(NUMERIC_KINDS[kind] for kind in raw))
+    # numerics= judges every gradient at the loss scale backward made it at (parameter
+    # gradients an unscale_ divided are multiplied back), so all their magnitudes are divided.
+    kinds = (*raw, *(NUMERIC_KINDS[kind] for kind in (GRADIENT, PARAM_GRAD)))
     scaled = tuple(tag(kind.name, stat, "") for kind in kinds for stat in kind.scaled_stats())
     totals = {tag(kind.name, stat) for kind in kinds for stat in kind.scaled_stats()}
     for key in [k for k in summary.scalars if k.startswith(scaled) or k in totals]:

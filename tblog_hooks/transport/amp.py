@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .._compat import found_inf, initial_scale, loss_scale
+from .._compat import found_inf, initial_scale, loss_scale, unscaled
 from ..stats.tags import SCALE_TAG, SKIPPED_TAG
 
 if TYPE_CHECKING:
@@ -53,3 +53,11 @@ def grad_scale(optimizer: torch.optim.Optimizer) -> Tensor | None:
     ``optimizer.grad_scale`` for the length of the step (``None`` once ``unscale_`` ran)."""
     scale = getattr(optimizer, "grad_scale", None)
     return scale if isinstance(scale, Tensor) else None
+
+
+def unscaled_by(scaler: torch.amp.GradScaler | None, optimizer: torch.optim.Optimizer) -> Tensor | None:
+    """The loss scale ``scaler`` divided ``optimizer``'s gradients by (``GradScaler.unscale_``, which
+    its ``step()`` calls before the optimizer's), on its device; ``None`` where it did not."""
+    if scaler is None or not scaler.is_enabled() or not unscaled(scaler, optimizer):
+        return None
+    return loss_scale(scaler)
