@@ -44,6 +44,7 @@ def reference(x: Tensor, fmt: str) -> dict[str, float]:
     }
     if not f.scaled:
         out[f"subnormal_{fmt}"] = int(((cast != 0) & (cast.abs() < info.smallest_normal)).sum()) / n
+        out[f"floor_{fmt}"] = int((cast.abs() == info.smallest_normal * info.eps).sum()) / n
     return out
 
 
@@ -402,9 +403,9 @@ def test_fp16_gradient_underflow_names_the_first_layers_and_a_large_loss_scale_e
     norms = [scalars[f"gradient/rms/{m}"][0] for m in ("10", "8", "6")]
     assert norms[0] > 5 * norms[1] > 25 * norms[2]  # (the gradients do shrink about tenfold per layer)
     message = underflow[0].message
-    assert "loss scale up to 2^" in message and "or train in bf16" in message
-    largest = max(v[0] for t, v in scalars.items() if t.startswith("gradient/amax/"))
-    assert f"2^{math.floor(math.log2(65504 / largest))} " in message
+    assert "use a loss scale of 2^" in message and "or train in bf16" in message
+    largest = max(v[0] for t, v in scalars.items() if t.startswith(("gradient/amax/", "param_grad/amax/")))
+    assert f"2^{math.floor(math.log2(65504 / largest)) - 1} " in message  # every gradient, a power of two spare
     scaled, _ = _fp16_run(tmp_path / "scaled", torch.amp.GradScaler("cpu", init_scale=2.0**24))
     assert [f for f in scaled if f.kind == "fp16_gradient_underflow"] == []
 
@@ -493,3 +494,101 @@ def test_fp16_gradient_underflow_of_a_float32_run_that_names_fp16(tmp_path) -> N
     assert {"0", "2"} <= set(named) and "12" not in named, named
     assert named["2"] == pytest.approx(scalars["gradient/underflow_fp16/2"], abs=1e-6)  # the cast's loss itself
     assert scalars["gradient/zero_frac/2"] == 0  # (nothing is zero in float32)
+
+
+# -- what fp16 loses, against a float32 twin -----------------------------------------------------------
+def _relu_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)
+    )
+
+
+def _relu_run(tmp_path, *, fp16: bool, shift: int) -> tuple[dict[str, float], list]:
+    """One logged step of the ReLU MLP, under fp16 autocast or in float32, with the loss scaled by
+    ``2^-shift`` (no scaler): its scalars and findings. The same weights and data either way."""
+    model = _relu_mlp()
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(2))
+    with HookLogger(model, log_dir=tmp_path, every=1, numerics=("fp16",), histograms=False) as hooks:
+        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+            out = model(x)
+        train(hooks, [nn.functional.cross_entropy(out.float(), y) * 2.0**-shift])
+    return {t: v[0] for t, v in read_run(tmp_path).scalars.items()}, hooks.findings
+
+
+LINEARS = ("0", "2", "4")  # (the head's output gradient has no ReLU zeros)
+
+
+def test_fp16_gradient_underflow_counts_what_the_cast_makes_zero_not_relu_zeros(tmp_path) -> None:
+    """A float32 ReLU MLP naming fp16: half of each hidden gradient is zero (the ReLU's), the cast
+    loses next to nothing of the rest at scale 1 (no finding), and at 2^-10 the finding's value is
+    the cast's count itself."""
+    scalars, findings = _relu_run(tmp_path / "1", fp16=False, shift=0)
+    assert min(scalars[f"gradient/zero_frac/{m}"] for m in LINEARS) > 0.45
+    assert max(scalars[f"gradient/underflow_fp16/{m}"] for m in LINEARS) < 1e-3
+    assert [f for f in findings if f.kind == "fp16_gradient_underflow"] == []
+    scalars, findings = _relu_run(tmp_path / "2", fp16=False, shift=10)
+    named = {f.module: f.value for f in findings if f.kind == "fp16_gradient_underflow"}
+    assert named and all(v == scalars[f"gradient/underflow_fp16/{m}"] for m, v in named.items())
+    assert named["0"] > 0.05 and "estimated" not in next(f.message for f in findings if f.module == "0")
+
+
+def test_an_fp16_run_shows_what_it_lost_against_its_float32_twin(tmp_path) -> None:
+    """Under fp16 autocast the gradients are fp16 already: the cast loses nothing more, and what the
+    run lost is its zeros beyond those of its float32 twin (same weights and data: the structural
+    ones). The share at fp16's smallest subnormal (``gradient/floor_fp16``) moves with that loss,
+    within 3x of it wherever 1% or more is lost, and the finding follows it."""
+    previous = dict.fromkeys(LINEARS, -1.0)
+    for shift in (0, 6, 10, 12):
+        half, half_found = _relu_run(tmp_path / f"fp16-{shift}", fp16=True, shift=shift)
+        full, _ = _relu_run(tmp_path / f"fp32-{shift}", fp16=False, shift=shift)
+        named = {f.module: f for f in half_found if f.kind == "fp16_gradient_underflow"}
+        for m in LINEARS:
+            lost = half[f"gradient/zero_frac/{m}"] - full[f"gradient/zero_frac/{m}"]
+            floor = half[f"gradient/floor_fp16/{m}"]
+            assert half[f"gradient/underflow_fp16/{m}"] == 0
+            if shift == 0:
+                assert lost == floor == 0
+            if lost >= 0.01:
+                assert lost / 2 < floor < 3 * lost, (shift, m, lost, floor)
+                assert m in named and named[m].value == floor and "estimated" in named[m].message
+            assert floor >= previous[m]
+            previous[m] = floor
+        if shift == 0:
+            assert named == {}
+    assert half["gradient/zero_frac/0"] - full["gradient/zero_frac/0"] > 0.1  # (2^-12 loses a lot)
+
+
+def _bias_heavy_run(tmp_path, scaler: torch.amp.GradScaler, steps: int) -> tuple[list, list[float]]:
+    """An fp16 MLP on a batch of 512 whose loss is a mean: each bias gradient sums its output
+    gradient over the batch, hundreds of times its largest element; the loss is scaled by 1e-3, so
+    that its gradients underflow fp16 at scale 1. Returns the findings and the
+    scale after each step (a skipped step halves it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    data = torch.Generator().manual_seed(0)
+    scales = []
+    with HookLogger(model, log_dir=tmp_path, every=1, numerics=True, scaler=scaler, optimizer=opt) as hooks:
+        for _ in range(steps):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(512, 16, generator=data)).float().mean() * 1e-3
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            hooks.step()
+            scales.append(scaler.get_scale())
+    return hooks.findings, scales
+
+
+def test_the_loss_scale_advice_keeps_every_gradient_finite(tmp_path) -> None:
+    """At scale 1 the output gradients underflow; following the advice, ``GradScaler(init_scale=...)``
+    skips no step (the bias gradients stay finite) and the underflow is gone."""
+    findings, _ = _bias_heavy_run(tmp_path / "1", torch.amp.GradScaler("cpu", init_scale=1.0), 1)
+    (message,) = {f.message for f in findings if f.kind == "fp16_gradient_underflow" and f.module == "0"}
+    advised = 2.0 ** int(re.search(r"loss scale (?:up to |of )2\^(\d+)", message).group(1))
+    findings, scales = _bias_heavy_run(tmp_path / "advised", torch.amp.GradScaler("cpu", init_scale=advised), 8)
+    assert scales == [advised] * 8, (advised, scales)
+    assert [f for f in findings if f.kind == "fp16_gradient_underflow"] == []

@@ -57,6 +57,12 @@ class Format:
         return self.tiny * 2.0**-self._mantissa_bits / 2
 
     @property
+    def least(self) -> float:
+        """Magnitudes above :attr:`flushed` and below this become the smallest subnormal: the tie
+        at 1.5 of it goes to the even 2."""
+        return 3 * self.flushed
+
+    @property
     def normal(self) -> float:
         """Magnitudes from this on are normal after the cast (below it, subnormal or 0): the
         tie between the largest subnormal (odd) and ``tiny`` (even) goes to ``tiny``."""
@@ -91,7 +97,7 @@ OF_DTYPE = {f.dtype: f.name for f in FORMATS.values()}
 
 def names(fmt: Format) -> tuple[str, ...]:
     """A format's device counts (see :func:`measure`)."""
-    counts = ("zero", "finite") if fmt.scaled else ("zero", "finite", "small")
+    counts = ("zero", "finite") if fmt.scaled else ("zero", "finite", "small", "least")
     return tuple(f"{count}_{fmt.name}" for count in counts)
 
 
@@ -99,9 +105,9 @@ def measure(x: Tensor, units: int, *, channels: bool) -> dict[str, Tensor]:
     """The device values of ``x``: ``amax``; ``ref`` (``max(amax, 1e-12)``) with ``sum2`` and
     ``sum4``, the sums of ``(x / ref)²`` and ``(x / ref)⁴`` (in float32, or float64 for float64
     tensors: relative to the amax they neither overflow nor lose the largest terms);
-    ``nonzero`` and per format the count of elements the
-    cast makes 0 (``zero_F``), keeps finite (``finite_F``) and, unscaled, makes subnormal or 0
-    (``small_F``). With ``channels``, also per unit (along dim ``units``) the amax and the
+    ``nonzero`` and per format the count of elements the cast makes 0 (``zero_F``), keeps
+    finite (``finite_F``) and, unscaled, makes subnormal or 0 (``small_F``) or its smallest
+    subnormal or 0 (``least_F``). With ``channels``, also per unit (along dim ``units``) the amax and the
     median of ``|x|``; ``unit_amax`` is empty for a 0-d or 1-d ``x``."""
     wide = acc_dtype(x.dtype)
     a = x.abs() if x.dtype == wide else x.to(wide).abs_()
@@ -129,6 +135,7 @@ def measure(x: Tensor, units: int, *, channels: bool) -> dict[str, Tensor]:
         out[f"finite_{fmt.name}"] = torch.count_nonzero(seen <= bound if tie_stays else seen < bound)
         if not fmt.scaled:
             out[f"small_{fmt.name}"] = torch.count_nonzero(seen < fmt.normal)
+            out[f"least_{fmt.name}"] = torch.count_nonzero(seen < fmt.least)
     return out
 
 
@@ -166,6 +173,7 @@ def statistics(v: Values, count: int, *, zero_frac: bool) -> dict[str, float]:
         out[per_format(Lost.OVERFLOW, fmt.name)] = (n - float(v[f"finite_{fmt.name}"][0])) / n
         if not fmt.scaled:
             out[per_format(Lost.SUBNORMAL, fmt.name)] = (float(v[f"small_{fmt.name}"][0]) - made_zero) / n
+            out[per_format(Lost.FLOOR, fmt.name)] = (float(v[f"least_{fmt.name}"][0]) - made_zero) / n
     return out
 
 
@@ -176,7 +184,7 @@ def stats(*, zero_frac: bool, channels: bool) -> tuple[str, ...]:
     lost = tuple(
         per_format(kind, fmt.name)
         for fmt in FORMATS.values()
-        for kind in (Lost.UNDERFLOW, Lost.OVERFLOW, *([] if fmt.scaled else [Lost.SUBNORMAL]))
+        for kind in (Lost.UNDERFLOW, Lost.OVERFLOW, *([] if fmt.scaled else [Lost.SUBNORMAL, Lost.FLOOR]))
     )
     return (*base, *extra, *lost)
 

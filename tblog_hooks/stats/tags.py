@@ -61,6 +61,8 @@ class Lost(enum.StrEnum):
     UNDERFLOW = "underflow"
     OVERFLOW = "overflow"
     SUBNORMAL = "subnormal"
+    #: Left at the format's smallest subnormal, the last step above zero (fp16, bf16).
+    FLOOR = "floor"
 
 
 def per_format(lost: str, fmt: str) -> str:
