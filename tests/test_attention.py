@@ -10,9 +10,9 @@ import re
 from collections.abc import Callable
 
 import models
+import numpy as np
 import pytest
 import torch
-import numpy as np
 from conftest import OpCounter, assert_same_weights, read_images, read_run, read_tags, read_tensors
 from torch import nn
 from torch.overrides import TorchFunctionMode
