@@ -210,8 +210,8 @@ def numerics_pictures(order: Sequence[str], every: Mapping[str, float]) -> dict[
 
 
 def numerics_tensors(order: Sequence[str], every: Mapping[str, float]) -> dict[str, np.ndarray]:
-    """The step's value table of the modules x formats pictures: float32 ``2 x modules x formats x 3``
-    (outputs then output gradients; per format the underflow, overflow and subnormal fractions; NaN
+    """The step's value table of the modules x formats pictures: float32 ``2 x modules x formats x 4``
+    (outputs then output gradients; per format the underflow, overflow, subnormal and floor fractions; NaN
     where a module has no value), rows the watched modules with any, in forward order, and their
     escaped names."""
     roots = tuple(PICTURES)
