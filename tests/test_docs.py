@@ -21,6 +21,8 @@ from tblog_hooks.diagnostics.per_step import FINDINGS_TAG, FLOW_TAG
 from tblog_hooks.stats.kinds import (
     ACTIVATION,
     ATTENTION,
+    FP8_INPUT,
+    FP8_WEIGHT,
     GRADIENT,
     HISTOGRAM_KINDS,
     INPUT,
@@ -133,7 +135,8 @@ def documented_tags() -> dict[str, set[str]]:
 def declared_tags() -> dict[str, set[str]]:
     """``{type: tag patterns}`` as the code declares them."""
     per_module = (ACTIVATION, INPUT, GRADIENT, NONFINITE_COUNT, ATTENTION, NUMERIC_ACTIVATION, NUMERIC_GRADIENT)
-    per_parameter = (PARAM_GRAD, UPDATE, NUMERIC_PARAM_GRAD)
+    per_module += (FP8_INPUT,)
+    per_parameter = (PARAM_GRAD, UPDATE, NUMERIC_PARAM_GRAD, FP8_WEIGHT)
 
     def stat(name: str) -> str:  # a per-format statistic with the format's placeholder
         fmt = format_of(name)

@@ -337,8 +337,9 @@ def test_bad_numerics_is_refused_at_construction(tmp_path, value: object, said: 
 
 
 #: Aten ops a logged step may add per watched tensor (output, output gradient, parameter
-#: gradient) with every format: a base for the magnitudes, and per format.
-BASE_OPS, OPS_PER_FORMAT = 12, 7
+#: gradient) with every format: a base for the magnitudes, and per format; and per fp8 cast of a
+#: Linear's input or weight.
+BASE_OPS, OPS_PER_FORMAT, OPS_PER_CAST = 12, 7, 12
 
 
 def test_ops_are_bounded_per_tensor_and_format_and_none_when_not_logged(tmp_path) -> None:
@@ -357,9 +358,10 @@ def test_ops_are_bounded_per_tensor_and_format_and_none_when_not_logged(tmp_path
             counts[numerics] = (ops(hooks), ops(hooks), ops(hooks))  # logged, not logged, logged
         assert counts[numerics][1] == baseline
     tensors = 6 * (1 + 1 + 2)  # per Linear: its output, its output gradient, its weight's and bias's gradients
+    casts = 6 * 2  # per Linear: its input and weight, as fp8 training casts them
     for logged in (0, 2):
         added = counts[ALL][logged] - counts[False][logged]
-        assert 0 < added <= tensors * (BASE_OPS + OPS_PER_FORMAT * len(ALL)), added / tensors
+        assert 0 < added <= tensors * (BASE_OPS + OPS_PER_FORMAT * len(ALL)) + casts * OPS_PER_CAST, added
 
 
 # -- findings -----------------------------------------------------------------------------------------
@@ -420,14 +422,13 @@ def _outlier_model() -> nn.Sequential:
     return model
 
 
-def test_massive_activation_names_the_module_and_channel_and_fp8_underflow_follows(tmp_path) -> None:
+def test_massive_activation_names_the_module_and_channel(tmp_path) -> None:
     model = _outlier_model()
     with HookLogger(model, log_dir=tmp_path, every=1, numerics=("e4m3", "e5m2"), histograms=False) as hooks:
         train(hooks, [model(torch.randn(32, 8)).sum()])
     by_kind = {(f.kind, f.module): f for f in hooks.findings}
     massive = by_kind[("massive_activation", "proj")]
     assert "channel 5" in massive.message and massive.value == pytest.approx(500.0, rel=1e-4)
-    assert ("fp8_underflow", "proj") in by_kind
     assert {m for k, m in by_kind if k == "massive_activation"} == {"proj"}
 
 
@@ -592,3 +593,56 @@ def test_the_loss_scale_advice_keeps_every_gradient_finite(tmp_path) -> None:
     findings, scales = _bias_heavy_run(tmp_path / "advised", torch.amp.GradScaler("cpu", init_scale=advised), 8)
     assert scales == [advised] * 8, (advised, scales)
     assert [f for f in findings if f.kind == "fp16_gradient_underflow"] == []
+
+
+# -- fp8: what the recipe casts, against torchao ----------------------------------------------------------
+def _fp8_model() -> nn.Sequential:
+    """Four Linears; ``l0``'s output (``l1``'s input) has one channel at 300, and ``l2``'s weight one
+    element at 40: per-tensor e4m3 scaled to them flushes the small elements of those tensors."""
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict((f"l{i}", nn.Linear(32, 32)) for i in range(4)))
+    with torch.no_grad():
+        model.l0.weight.mul_(1e-3)
+        model.l0.bias.mul_(1e-3)
+        model.l0.bias[5] = 300.0
+        model.l2.weight.mul_(1e-4)
+        model.l2.weight[3, 7] = 40.0
+    return model
+
+
+def test_fp8_judges_each_linears_input_weight_and_output_gradient_as_torchao_casts_them(tmp_path) -> None:
+    """The fractions are those of torchao's own cast (``hp_tensor_to_float8_dynamic``, the function
+    its ``Float8Linear`` casts with, per-tensor e4m3 for the input and weight, e5m2 for the output
+    gradient), and the finding names the Linear that casts the tensor (``l1``, whose input holds
+    ``l0``'s outlier; ``l2``, whose weight holds one), not ``l0``, whose output holds it. Each
+    fraction is checked against torchao's cast."""
+    scaling = pytest.importorskip("torchao.float8.float8_scaling_utils")
+    from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
+
+    def torchao_lost(t: Tensor, dtype: torch.dtype, role: GemmInputRole) -> float:
+        cast = scaling.hp_tensor_to_float8_dynamic(t, dtype, LinearMMConfig(), gemm_input_role=role)
+        return float(((t != 0) & (cast._data.float() == 0)).sum()) / t.numel()
+
+    model = _fp8_model()
+    inputs: dict[str, Tensor] = {}
+    for name, module in model.named_children():
+        module.register_forward_pre_hook(lambda m, args, name=name: inputs.__setitem__(name, args[0].detach().clone()))
+    with HookLogger(model, log_dir=tmp_path, every=1, numerics=("e4m3", "e5m2"), histograms=False) as hooks:
+        kept, remove = _captured(model, list(hooks.module_names))
+        train(hooks, [model(torch.randn(64, 32)).square().mean()])
+        remove()
+    scalars = {t: v[0] for t, v in read_run(tmp_path).scalars.items()}
+    e4m3, e5m2, role = torch.float8_e4m3fn, torch.float8_e5m2, GemmInputRole
+    for name, module in model.named_children():
+        pairs = [
+            (f"input/underflow_e4m3/{name}", torchao_lost(inputs[name], e4m3, role.INPUT)),
+            (f"param/underflow_e4m3/{name}.weight", torchao_lost(module.weight.detach(), e4m3, role.WEIGHT)),
+            (f"gradient/underflow_e5m2/{name}", torchao_lost(kept[f"gradient/{name}"], e5m2, role.GRAD_OUTPUT)),
+        ]
+        for key, want in pairs:
+            assert scalars[key] == pytest.approx(want, abs=1e-9), key
+    assert scalars["input/underflow_e4m3/l1"] > 0.1 and scalars["param/underflow_e4m3/l2.weight"] > 0.1
+    assert scalars["activation/underflow_e4m3/l0"] > 0.1  # (the output holding the outlier, which no recipe casts)
+    named = {f.module: f.message for f in hooks.findings if f.kind == "fp8_underflow"}
+    assert {"l1", "l2"} <= set(named) and "l0" not in named, named  # (l3's input holds l2's outlier output)
+    assert "of the input of l1" in named["l1"] and "of the weight of l2" in named["l2"]

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from .._compat import tree_flatten, version
 from ..stats.feature_maps import feature_grid
-from ..stats.kinds import ACTIVATION, IMAGE, INPUT, NONFINITE_COUNT, NUMERIC_ACTIVATION
+from ..stats.kinds import ACTIVATION, FP8_INPUT, FP8_WEIGHT, IMAGE, INPUT, NONFINITE_COUNT, NUMERIC_ACTIVATION
 from ..stats.numerics import Written
 from ..stats.packing import Record
 from ..stats.reductions import finite, loggable
@@ -91,11 +91,21 @@ class ActivationRecorder:
                         self._remember(mode, t, mode.record(ACTIVATION, name, t, units, split))
                         if self.numerics is not None:
                             mode.measure(NUMERIC_ACTIVATION, name, t, units, split)
+                    if self.numerics is not None and self.numerics.fp8 and isinstance(module, nn.Linear):
+                        self._fp8_casts(mode, name, module, args)
             if counted.gradients and self.gradients is not None:
                 return self.gradients.watch(mode, name, output, tensors, [split for _, split in pieces])
         except Exception as error:  # the logger must never stop training
             self.buffer.fail(name, error)
         return None
+
+    def _fp8_casts(self, mode: Mode, name: str, module: nn.Linear, args: object) -> None:
+        """What fp8 training casts of a Linear at this call: its input and its weight (whole
+        tensors; not of a tensor-parallel piece or a sharded weight)."""
+        x = args[0] if isinstance(args, tuple) and args else None
+        for kind, key, t in ((FP8_INPUT, name, x), (FP8_WEIGHT, f"{name}.weight", module.weight)):
+            if type(t) in (Tensor, nn.Parameter) and loggable(t):
+                mode.measure(kind, key, t.detach())  # type: ignore[union-attr]
 
     def on_input(self, name: str, inputs: object, training: bool) -> None:
         """Forward pre-hook body: the inputs' non-finite count (to tell where NaN/Inf start),

@@ -29,8 +29,13 @@ PICTURE_TAGS = {
 FP16_MAX = 65504.0
 #: The formats of the picture's columns, in order (``stats/numerics.py``'s ``FORMATS``).
 FORMATS = ("fp16", "bf16", "e4m3", "e5m2")
-#: What fp8 training casts to which format: e4m3 forward (activations), e5m2 backward (gradients).
-FP8 = ((Root.ACTIVATION, "e4m3"), (Root.GRADIENT, "e5m2"))
+#: What fp8 training (torchao, Transformer Engine) casts of each Linear, to which format, and how
+#: the tensor is named: its input and weight to e4m3 (forward), its output gradient to e5m2 (backward).
+FP8 = (
+    ("input", Root.INPUT, "e4m3", ""),
+    ("weight", Root.PARAM, "e4m3", ".weight"),
+    ("output gradient", Root.GRADIENT, "e5m2", ""),
+)
 
 
 class NumericsRules:
@@ -53,10 +58,10 @@ class NumericsRules:
         if underflow:
             judged.add(FP16_UNDERFLOW)
             found.update(self._fp16(step, scalars, order, underflow))
-        fp8 = [(root, fmt) for root, fmt in FP8 if by_name(scalars, root, per_format(Lost.UNDERFLOW, fmt))]
-        if fp8:
+        casting = by_name(scalars, Root.INPUT, per_format(Lost.UNDERFLOW, "e4m3"))  # the Linears
+        if casting:
             judged |= {FP8_UNDERFLOW, FP8_OVERFLOW}
-            found.update(self._fp8(step, scalars, order, fp8))
+            found.update(self._fp8(step, scalars, [m for m in order if m in casting]))
         return judged, found
 
     def _massive(self, step: int, scalars: Mapping[str, float], amax: Mapping[str, float]) -> Candidates:
@@ -128,30 +133,28 @@ class NumericsRules:
             found[(FP16_UNDERFLOW, m)] = (finding, zeros == 1)
         return found
 
-    def _fp8(
-        self, step: int, scalars: Mapping[str, float], order: Sequence[str], formats: Sequence[tuple[str, str]]
-    ) -> Candidates:
-        """Modules whose e4m3 activations or e5m2 output gradients, scaled per tensor by
-        ``max_F / amax``, lose at least ``fp8_underflow`` to zero or more than ``fp8_overflow`` to NaN/Inf."""
+    def _fp8(self, step: int, scalars: Mapping[str, float], linears: Sequence[str]) -> Candidates:
+        """Linears whose input, weight (e4m3) or output gradient (e5m2), scaled per tensor by
+        ``max_F / amax``, lose at least ``fp8_underflow`` to zero or more than ``fp8_overflow`` to
+        NaN/Inf: the module named is the one that casts them."""
         t = self.thresholds
         found: Candidates = {}
         for kind, lost, limit, what in (
             (FP8_UNDERFLOW, Lost.UNDERFLOW, t.fp8_underflow, "lost to zero"),
             (FP8_OVERFLOW, Lost.OVERFLOW, t.fp8_overflow, "NaN/Inf"),
         ):
-            for m in order:
-                worst = max(
-                    ((scalars.get(tag(root, per_format(lost, fmt), m), 0.0), root, fmt) for root, fmt in formats),
-                    key=lambda item: item[0],
+            for m in linears:
+                fraction, tensor, fmt = max(
+                    (scalars.get(tag(root, per_format(lost, fmt), m + suffix), 0.0), tensor, fmt)
+                    for tensor, root, fmt, suffix in FP8
                 )
-                fraction, root, fmt = worst
                 crossed = fraction >= limit if kind == FP8_UNDERFLOW else fraction > limit
                 if not crossed or not fraction > 0:
                     continue
-                tensor = "output" if root == Root.ACTIVATION else "output gradient"
                 message = (
-                    f"{fraction:.1%} of the {tensor} of {m} is {what} in {fmt} scaled per tensor to its max |x|: "
-                    "keep this layer in higher precision (or find what sets its max, see massive_activation)"
+                    f"{fraction:.1%} of the {tensor} of {m} is {what} in {fmt} scaled per tensor to its max |x|, "
+                    f"as fp8 training casts it in {m}: keep {m} in higher precision (torchao's module_filter_fn), "
+                    "or find what sets its max (see massive_activation)"
                 )
                 _add(found, Finding(kind, m, step, fraction, message))
         return found

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from . import numerics, reductions
-from .tags import Root, Stat
+from .tags import Lost, Root, Stat, per_format
 
 Values = dict[str, np.ndarray]
 #: A record's device values, by name, as a measure's device function returns them.
@@ -407,12 +407,40 @@ for _kind, _zero_frac, _channels in (
 ):
     for _measure in _numeric_measures(zero_frac=_zero_frac, channels=_channels):
         _kind.declare(_measure)
+#: With a float8 format in ``numerics=``, what fp8 training casts to e4m3 of each watched
+#: ``nn.Linear``: its input (``input/underflow_e4m3/{module}``) and its weight
+#: (``param/underflow_e4m3/{module}.weight``), each scaled per tensor by ``max_F / amax``.
+FP8_INPUT = Kind(name=Root.INPUT, per_call=True)
+FP8_WEIGHT = Kind(name=Root.PARAM, per_call=True)
+for _kind in (FP8_INPUT, FP8_WEIGHT):
+    _kind.declare(
+        Measure(
+            fields=tuple(
+                Field(name=c, pool=SUM) for c in ("nonzero", f"zero_{numerics.FORWARD}", f"finite_{numerics.FORWARD}")
+            ),
+            stats=tuple(per_format(lost, numerics.FORWARD) for lost in (Lost.UNDERFLOW, Lost.OVERFLOW)),
+            scalars=numerics.fp8_statistics,
+            compute=lambda x, units: numerics.fp8_cast(x),
+            counted=True,
+        )
+    )
 #: The numerics kinds, by the kind whose tensors they measure.
 NUMERIC_KINDS = {ACTIVATION: NUMERIC_ACTIVATION, GRADIENT: NUMERIC_GRADIENT, PARAM_GRAD: NUMERIC_PARAM_GRAD}
 
 #: The kinds whose records become scalars as their measures say (attention's are summarised
 #: with their per-head values, ``output/summarize.py``).
-SCALAR_KINDS = (ACTIVATION, INPUT, GRADIENT, PARAM_GRAD, UPDATE, NONFINITE_COUNT, SCALAR, *NUMERIC_KINDS.values())
+SCALAR_KINDS = (
+    ACTIVATION,
+    INPUT,
+    GRADIENT,
+    PARAM_GRAD,
+    UPDATE,
+    NONFINITE_COUNT,
+    SCALAR,
+    *NUMERIC_KINDS.values(),
+    FP8_INPUT,
+    FP8_WEIGHT,
+)
 
 #: Every histogram kind, by tag root: ``activation/{module}``, ``input/{module}`` (with
 #: ``inputs=True``), ``gradient/{module}`` (output gradient), ``gradient_log10/{module}`` (log10 of

@@ -129,14 +129,46 @@ def measure(x: Tensor, units: int, *, channels: bool) -> dict[str, Tensor]:
     out["sum2"], out["sum4"] = square.sum(), square.square_().sum()
     out["nonzero"] = torch.count_nonzero(x)
     for fmt in FORMATS.values():
-        seen = a * (scale * fmt.max) if fmt.scaled else a
-        out[f"zero_{fmt.name}"] = torch.count_nonzero(seen <= fmt.flushed)
-        bound, tie_stays = fmt.finite  # finite after the cast (NaN fails every comparison)
-        out[f"finite_{fmt.name}"] = torch.count_nonzero(seen <= bound if tie_stays else seen < bound)
-        if not fmt.scaled:
-            out[f"small_{fmt.name}"] = torch.count_nonzero(seen < fmt.normal)
-            out[f"least_{fmt.name}"] = torch.count_nonzero(seen < fmt.least)
+        out.update(_counts(a * (scale * fmt.max) if fmt.scaled else a, fmt))
     return out
+
+
+def _counts(seen: Tensor, fmt: Format) -> dict[str, Tensor]:
+    """:func:`measure`'s counts of one format, of the magnitudes ``seen`` as they are cast."""
+    bound, tie_stays = fmt.finite  # finite after the cast (NaN fails every comparison)
+    out = {
+        f"zero_{fmt.name}": torch.count_nonzero(seen <= fmt.flushed),
+        f"finite_{fmt.name}": torch.count_nonzero(seen <= bound if tie_stays else seen < bound),
+    }
+    if not fmt.scaled:
+        out[f"small_{fmt.name}"] = torch.count_nonzero(seen < fmt.normal)
+        out[f"least_{fmt.name}"] = torch.count_nonzero(seen < fmt.least)
+    return out
+
+
+#: The format fp8 training casts a Linear's input and weight to (torchao, Transformer Engine).
+FORWARD = "e4m3"
+
+
+def fp8_cast(x: Tensor) -> dict[str, Tensor]:
+    """The device values of a Linear's input or weight as fp8 training casts it: to e4m3 after
+    per-tensor scaling by ``max_F / amax``: ``nonzero`` and the ``zero_e4m3`` and ``finite_e4m3``
+    counts of :func:`measure`."""
+    fmt = FORMATS[FORWARD]
+    wide = acc_dtype(x.dtype)
+    a = x.abs() if x.dtype == wide else x.to(wide).abs_()
+    scale = a.amax().clamp(min=AMAX_FLOOR).reciprocal()
+    return {"nonzero": torch.count_nonzero(x), **_counts(a * (scale * fmt.max), fmt)}
+
+
+def fp8_statistics(v: Values, count: int) -> dict[str, float]:
+    """The e4m3 underflow and overflow fractions of a Linear's pooled input or weight values."""
+    n = float(count)
+    zeros = n - float(v["nonzero"][0])
+    return {
+        per_format(Lost.UNDERFLOW, FORWARD): (float(v[f"zero_{FORWARD}"][0]) - zeros) / n,
+        per_format(Lost.OVERFLOW, FORWARD): (n - float(v[f"finite_{FORWARD}"][0])) / n,
+    }
 
 
 Values = Mapping[str, np.ndarray]
@@ -219,7 +251,8 @@ def check(numerics: object) -> tuple[str, ...] | None:
 class Written:
     """Which formats' scalar tags a logger writes: those ``numerics=`` names, or with
     ``numerics=True`` the one the run trains in: the autocast dtype its logged forward passes
-    ran under (when fp16 or bf16), else bf16."""
+    ran under (when fp16 or bf16), else bf16. With a float8 format named, each Linear's input and
+    weight are judged as fp8 training casts them (:func:`fp8_cast`)."""
 
     def __init__(self, named: Sequence[str]) -> None:
         self._named = tuple(named)
@@ -235,6 +268,11 @@ class Written:
     @property
     def formats(self) -> tuple[str, ...]:
         return self._named or (self._seen or DEFAULT,)
+
+    @property
+    def fp8(self) -> bool:
+        """Whether a float8 format is named: then each Linear's casts are recorded."""
+        return any(FORMATS[f].scaled for f in self._named)
 
     def written(self, scalars: dict[str, float]) -> dict[str, float]:
         """Take every per-format scalar of formats not written out of ``scalars``; returns all
