@@ -29,10 +29,10 @@ from tensorboard.util import tensor_util
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import models  # noqa: E402  (the tests' models)
+import models
 
-from tblog_hooks import HookLogger, Spikes  # noqa: E402
-from tblog_hooks.cli.demo import run_demo  # noqa: E402
+from tblog_hooks import HookLogger, Spikes
+from tblog_hooks.cli.demo import run_demo
 
 LAYOUT_TAG = "custom_scalars__config__"
 #: Relative tolerance of a float's comparison (exact up to float rounding).

@@ -45,7 +45,7 @@ class Recording:
         histograms = config.histogram_schedule
         self.watched = watched
         self._parameters = config.parameters
-        self.buffer = StepBuffer(histograms)
+        self.buffer = StepBuffer(histograms, config.recipe)
         formats = config.numerics_formats
         #: With ``numerics=``, the formats whose scalars are written.
         self.numerics = None if formats is None else Written(formats)
@@ -182,13 +182,13 @@ class Recording:
         stop, said once: no scalar depends on them."""
         buffer = self.buffer
         try:
-            return pack_step(records, samples, buffer.kinds, buffer.indices)
+            return pack_step(records, samples, buffer.kinds, buffer.indices, buffer.recipe)
         except Exception as error:
             if not samples:
                 raise
             buffer.fail(Part.HISTOGRAMS, error)
             buffer.kinds = frozenset()
-            return pack_step(records, [], buffer.kinds, buffer.indices)
+            return pack_step(records, [], buffer.kinds, buffer.indices, buffer.recipe)
 
     def check_stepped(self, step: int) -> None:
         """Warn once when, at the end of logged step ``step``, a watched parameter holds a gradient
