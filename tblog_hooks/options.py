@@ -8,12 +8,12 @@ import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from ._compat import writer_closed
-from .capture.selection import Selector
 from .diagnostics.findings import Thresholds
 from .diagnostics.spikes import Spikes, spikes_option
 from .errors import HookLoggerError
@@ -22,6 +22,9 @@ from .stats.kinds import Measure
 from .stats.recipe import Recipe
 from .stats.schedule import Histograms, schedule
 from .stats.tags import Root
+
+if TYPE_CHECKING:
+    from .capture.selection import Selector
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,10 +34,10 @@ from ..stats.attention import attention_statistics, mha_arguments, sdpa_argument
 from ..stats.packing import Record
 from ..stats.recipe import Source
 from ..topology.parallel import TensorParallel
-from .hooks import _Hook
 from .passes import PassFilter
 from .selection import ROOT_NAME, Selector, named_modules, select_modules
 from .step import Part, StepBuffer
+from .watched import _Hook
 
 _SDPA = F.scaled_dot_product_attention
 _MHA = F.multi_head_attention_forward

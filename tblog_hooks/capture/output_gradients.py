@@ -20,8 +20,8 @@ from ..stats.reductions import loggable
 from ..stats.tags import Root
 from ..topology.sharding import Split, is_dtensor, local
 from . import probes
-from .hooks import Handles
 from .step import Mode, StepBuffer
+from .watched import Handles
 
 
 class OutputGradientRecorder:

@@ -15,14 +15,13 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .._compat import at_end_of_backward, foreach_copy, foreach_div, foreach_sub_, step_closure
+from .._compat import at_end_of_backward, foreach_copy, foreach_div, foreach_sub_, grad_scale, step_closure
 from ..stats.binning import Sample
 from ..stats.packing import Record
 from ..stats.recipe import Source
 from ..stats.reductions import FLOAT_DTYPES, loggable, norms, sparse_values
 from ..stats.tags import Root
 from ..topology.sharding import Pending, Split, local, pending
-from ..transport import amp
 from .step import Part, StepBuffer
 from .watched import Watched
 
@@ -62,7 +61,7 @@ class ParameterRecorder:
 
     def read(self, named: Named, scale: Tensor | None = None) -> None:
         """Record gradient norms (and histograms) of parameters whose ``.grad`` is final; divided
-        on the device by ``scale``, the loss scale still in ``.grad`` (see ``amp.grad_scale``).
+        on the device by ``scale``, the loss scale still in ``.grad`` (see ``_compat.grad_scale``).
         Of a ``DTensor`` gradient, this rank's piece, combined with the others' at the end of the
         step (``topology/sharding.py``)."""
         buffer = self.buffer
@@ -253,7 +252,7 @@ class OptimizerHooks:
             # LBFGS & co. compute gradients inside step(), by calling the closure: read them after it.
             closure = step_closure(args, kwargs)
             if closure is None:
-                self._read(named, amp.grad_scale(optimizer))
+                self._read(named, grad_scale(optimizer))
             self._stepping[id(optimizer)] = (named, closure is not None)
             self.parameters.before_update([(key, p) for key, p in named if p.requires_grad])
         except Exception as error:  # the logger must never stop training

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from ..stats.kinds import Kind
 from ..stats.sampling import traced_sample
-from .hooks import Handles
+from .watched import Handles
 
 #: Positions in a summary: the gradients summed into it (more than one when the module ran
 #: twice in one forward: autograd adds up the probe's gradients within a backward), elements; then

@@ -1,7 +1,7 @@
 """Gradients as training sees them without the ``GradScaler``'s loss scale, on the host.
 
 The scale a logged step's backward used and whether the scaler skipped the step travel in the
-step's transfer (``transport/amp.py``); here the step's gradient statistics that scale with the
+step's transfer (``capture/recording.py``'s ``ScaleWatch``); here the step's gradient statistics that scale with the
 loss are divided by it, and on a skipped step they are dropped (they would be garbage). Which
 values those are the step's summary says, from the logger's recipe (``stats/recipe.py``).
 """
