@@ -150,6 +150,14 @@ def initial_scale(scaler: torch.amp.GradScaler) -> float:
     return float(scaler._init_scale)
 
 
+def grad_scale(optimizer: torch.optim.Optimizer) -> Tensor | None:
+    """The loss scale still in ``.grad`` when ``GradScaler.step`` calls an optimizer that unscales
+    inside its own ``step()`` (``fused=True`` Adam, AdamW, SGD): the scaler hands it over as
+    ``optimizer.grad_scale`` for the length of the step (``None`` once ``unscale_`` ran)."""
+    scale = getattr(optimizer, "grad_scale", None)
+    return scale if isinstance(scale, Tensor) else None
+
+
 def unscaled(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
     """Whether the scaler's ``unscale_`` divided ``optimizer``'s gradients by the loss scale this
     step (its per-optimizer ``stage``, between ``unscale_`` or ``step()`` and ``update()``)."""

@@ -11,9 +11,9 @@ from torch import Tensor, nn
 
 from .._compat import tree_flatten, version
 from ..stats.feature_maps import feature_grid
-from ..stats.kinds import ACTIVATION, FP8_INPUT, FP8_WEIGHT, IMAGE, INPUT, NONFINITE_COUNT, NUMERIC_ACTIVATION
 from ..stats.numerics import Written
 from ..stats.packing import Record
+from ..stats.recipe import Source
 from ..stats.reductions import finite, loggable
 from ..topology.parallel import CONTEXT_PARALLEL, TensorParallel, along_units
 from ..topology.sharding import Split
@@ -40,6 +40,13 @@ class ActivationRecorder:
         """``numerics``: with ``numerics=``, the formats written, told each logged forward's autocast state."""
         self.buffer, self.gradients, self.parallel = buffer, gradients, parallel
         self.numerics = numerics
+        recipe = buffer.recipe
+        self._output, self._image = recipe[Source.OUTPUT], recipe[Source.IMAGE]
+        self._input = recipe[Source.INPUT if inputs else Source.NONFINITE_INPUT]
+        self._numeric_output = recipe.numerics.get(Source.OUTPUT) if numerics is not None else None
+        # With a float8 format named: each Linear's input and weight, as fp8 training casts them.
+        fp8 = numerics is not None and numerics.fp8
+        self._casts = (recipe.numerics[Source.FP8_INPUT], recipe.numerics[Source.FP8_WEIGHT]) if fp8 else None
         self.activations, self.inputs, self.feature_maps = activations, inputs, feature_maps
         self.passes = PassFilter(eval_passes=eval_passes)
         #: Per watched module, the dim of its outputs that holds its units (``reductions.units_dim``).
@@ -88,10 +95,10 @@ class ActivationRecorder:
                     self._add_feature_map(mode, name, [t for t, _ in pieces])
                 if self.activations and counted.activations:
                     for t, split in pieces:
-                        self._remember(mode, t, mode.record(ACTIVATION, name, t, units, split))
-                        if self.numerics is not None:
-                            mode.measure(NUMERIC_ACTIVATION, name, t, units, split)
-                    if self.numerics is not None and self.numerics.fp8 and isinstance(module, nn.Linear):
+                        self._remember(mode, t, mode.record(self._output, name, t, units, split))
+                        if self._numeric_output is not None:
+                            mode.measure(self._numeric_output, name, t, units, split)
+                    if self._casts is not None and isinstance(module, nn.Linear):
                         self._fp8_casts(mode, name, module, args)
             if counted.gradients and self.gradients is not None:
                 return self.gradients.watch(mode, name, output, tensors, [split for _, split in pieces])
@@ -102,8 +109,10 @@ class ActivationRecorder:
     def _fp8_casts(self, mode: Mode, name: str, module: nn.Linear, args: object) -> None:
         """What fp8 training casts of a Linear at this call: its input and its weight (whole
         tensors; not of a tensor-parallel piece or a sharded weight)."""
+        assert self._casts is not None
         x = args[0] if isinstance(args, tuple) and args else None
-        for kind, key, t in ((FP8_INPUT, name, x), (FP8_WEIGHT, f"{name}.weight", module.weight)):
+        (inputs, weights) = self._casts
+        for kind, key, t in ((inputs, name, x), (weights, f"{name}.weight", module.weight)):
             if type(t) in (Tensor, nn.Parameter) and loggable(t):
                 mode.measure(kind, key, t.detach())  # type: ignore[union-attr]
 
@@ -127,10 +136,10 @@ class ActivationRecorder:
             with torch.no_grad():
                 for t, split in pieces:
                     if self.inputs:
-                        mode.record(INPUT, name, t, units, along_units(split, units, t.dim()))
+                        mode.record(self._input, name, t, units, along_units(split, units, t.dim()))
                     else:
                         count = (self._finite_input(mode, t),)
-                        mode.add(Record(NONFINITE_COUNT, name, t.numel(), count, split=split))
+                        mode.add(Record(self._input, name, t.numel(), count, split=split))
         except Exception as error:
             self.buffer.fail(name, error)
 
@@ -185,7 +194,7 @@ class ActivationRecorder:
         if maps:
             self._mapped.add(name)
             grid = feature_grid(maps[0][0])
-            mode.add(Record(IMAGE, name, grid.numel(), (grid,), tuple(grid.shape)))
+            mode.add(Record(self._image, name, grid.numel(), (grid,), tuple(grid.shape)))
 
 
 def loggable_leaves(tree: object) -> list[Tensor]:

@@ -15,14 +15,22 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .._compat import at_end_of_backward, foreach_copy, foreach_div, foreach_sub_, step_closure
+from .._compat import (
+    at_end_of_backward,
+    foreach_copy,
+    foreach_div,
+    foreach_sub_,
+    grad_scale,
+    loss_scale,
+    step_closure,
+    unscaled,
+)
 from ..stats.binning import Sample
-from ..stats.kinds import NUMERIC_PARAM_GRAD, PARAM_GRAD, UPDATE
 from ..stats.packing import Record
+from ..stats.recipe import Source
 from ..stats.reductions import FLOAT_DTYPES, loggable, norms, sparse_values
 from ..stats.tags import Root
 from ..topology.sharding import Pending, Split, local, pending
-from ..transport import amp
 from .step import Part, StepBuffer
 from .watched import Watched
 
@@ -37,7 +45,9 @@ class ParameterRecorder:
     def __init__(self, buffer: StepBuffer, *, numerics: bool = False) -> None:
         """``numerics``: also record ``numerics=``'s statistics of the gradients."""
         self.buffer = buffer
-        self._numerics = numerics
+        recipe = buffer.recipe
+        self._kind, self._update = recipe[Source.PARAM_GRAD], recipe[Source.UPDATE]
+        self._numerics = recipe.numerics.get(Source.PARAM_GRAD) if numerics else None
         # Parameters whose gradient was read this step: its record and histogram sample, and with
         # numerics= (of a dense gradient read at the loss scale it was made at, or unscaled) that record.
         self._graded: dict[str, tuple[Record, Sample | None, Record | None]] = {}
@@ -60,7 +70,7 @@ class ParameterRecorder:
 
     def read(self, named: Named, scale: Tensor | None = None, unscaled: Tensor | None = None) -> None:
         """Record gradient norms (and histograms) of parameters whose ``.grad`` is final; divided
-        on the device by ``scale``, the loss scale still in ``.grad`` (see ``amp.grad_scale``).
+        on the device by ``scale``, the loss scale still in ``.grad`` (see ``_compat.grad_scale``).
         ``unscaled``: the loss scale ``GradScaler.unscale_`` divided them by, which ``numerics=``
         multiplies back (the formats judge a gradient as backward made it).
         Of a ``DTensor`` gradient, this rank's piece, combined with the others' at the end of the
@@ -87,7 +97,7 @@ class ParameterRecorder:
                 # A later read (the next micro-batch's accumulated gradient) replaces an earlier one.
                 dense = {key for key, p in named if p.grad is not None and p.grad.layout == torch.strided}
                 for key, grad, norm, split in zip(keys, grads, found, splits):
-                    record = Record(PARAM_GRAD, key, grad.numel(), (norm,), split=split)
+                    record = Record(self._kind, key, grad.numel(), (norm,), split=split)
                     numeric = self._numeric(key, grad, split, scale, dense, unscaled)
                     self._graded[key] = (record, samples.get(key), numeric)
         except Exception as error:
@@ -103,16 +113,19 @@ class ParameterRecorder:
         dense: set[str],
         unscaled: Tensor | None,
     ) -> Record | None:
-        """``numerics=``'s record of a gradient, at the loss scale backward made it at (its
-        magnitudes are unscaled on the host, ``output/scaling.py``); none of a sparse one, nor of
-        one a fused optimizer still holds scaled (its norm is unscaled on the device, these would
-        not be), nor of a sharded parameter's piece."""
-        if not self._numerics or scale is not None or split is not None or key not in dense:
+        """``numerics=``'s record of a gradient, at the loss scale backward made it at (an
+        ``unscale_`` divided it: multiplied back for the counts, its magnitudes divided again on
+        the device); none of a sparse one, nor of one a fused optimizer still holds scaled (its
+        norm is unscaled on the device, these would not be), nor of a sharded parameter's piece."""
+        kind = self._numerics
+        if kind is None or scale is not None or split is not None or key not in dense:
             return None
-        if unscaled is not None:
-            grad = grad * unscaled.to(grad.device).reshape(())
-        values = NUMERIC_PARAM_GRAD.values(NUMERIC_PARAM_GRAD.compute(grad, -1))
-        return Record(NUMERIC_PARAM_GRAD, key, grad.numel(), values, split=split)
+        if unscaled is None:
+            return Record(kind, key, grad.numel(), kind.values(kind.compute(grad, -1)), split=split)
+        factor = unscaled.to(grad.device).reshape(())
+        named = dict(kind.compute(grad * factor, -1))
+        named["amax"], named["ref"] = named["amax"] / factor, named["ref"] / factor  # (sums are relative to ref)
+        return Record(kind, key, grad.numel(), kind.values(named), split=split)
 
     def weights(self, params: Callable[[], Named]) -> None:
         """Histograms of the weights whose gradients this step recorded, as they are at the end
@@ -157,7 +170,7 @@ class ParameterRecorder:
             with torch.no_grad():
                 foreach_sub_(before, [local(p)[0] for _, p in named])
                 for (key, p), split, change, weight in zip(named, splits, norms(before), weight_norms):
-                    self.buffer.eager.add(Record(UPDATE, key, p.numel(), (change, weight), split=split))
+                    self.buffer.eager.add(Record(self._update, key, p.numel(), (change, weight), split=split))
         except Exception as error:
             self.buffer.fail(Part.UPDATE_RATIO, error)
 
@@ -179,7 +192,7 @@ class ParameterRecorder:
             keys = [p.key for p in waiting]
             splits = [split for _, split in wholes]
             found = norms([t for t, _ in wholes])
-            records = [Record(PARAM_GRAD, k, t.numel(), (n,), split=s) for k, (t, s), n in zip(keys, wholes, found)]
+            records = [Record(self._kind, k, t.numel(), (n,), split=s) for k, (t, s), n in zip(keys, wholes, found)]
             samples = self._samples(Root.PARAM_GRAD, keys, [t for t, _ in wholes], splits)
         return records, list(samples.values())
 
@@ -267,7 +280,7 @@ class OptimizerHooks:
             # LBFGS & co. compute gradients inside step(), by calling the closure: read them after it.
             closure = step_closure(args, kwargs)
             if closure is None:
-                self._read(named, amp.grad_scale(optimizer), amp.unscaled_by(self._scaler, optimizer))
+                self._read(named, grad_scale(optimizer), self._unscaled(optimizer))
             self._stepping[id(optimizer)] = (named, closure is not None)
             self.parameters.before_update([(key, p) for key, p in named if p.requires_grad])
         except Exception as error:  # the logger must never stop training
@@ -280,10 +293,19 @@ class OptimizerHooks:
         try:
             named, read_after = stepping
             if read_after:
-                self._read(named, None, amp.unscaled_by(self._scaler, optimizer))
+                self._read(named, None, self._unscaled(optimizer))
             self.parameters.after_update()
         except Exception as error:
             self.parameters.buffer.fail(Part.PARAMETERS, error)
+
+    def _unscaled(self, optimizer: Optimizer) -> Tensor | None:
+        """The loss scale the run's ``GradScaler`` divided ``optimizer``'s gradients by
+        (``unscale_``, which its ``step()`` calls before the optimizer's), on its device; ``None``
+        where it did not."""
+        scaler = self._scaler
+        if scaler is None or not scaler.is_enabled() or not unscaled(scaler, optimizer):
+            return None
+        return loss_scale(scaler)
 
     def _read(self, named: Named, scale: Tensor | None, unscaled: Tensor | None) -> None:
         self.parameters.read(named, scale=scale, unscaled=unscaled)
