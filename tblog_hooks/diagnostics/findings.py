@@ -107,10 +107,12 @@ class Thresholds:
     #: size it started with is not a collapse).
     attention_entropy: float = 0.3
     #: ``fp16_gradient_underflow``: with fp16 written by ``numerics=``, this fraction of a module's
-    #: output gradient is lost to zero in fp16 at the step's loss scale.
+    #: output gradient is lost to zero in fp16 at the step's loss scale (counted where a cast makes
+    #: it zero; estimated from the share at fp16's smallest subnormal where it is fp16 already).
     fp16_underflow: float = 0.01
-    #: ``fp8_underflow``: with e4m3 or e5m2 written, this fraction of a module's output (e4m3) or
-    #: output gradient (e5m2) is lost to zero after per-tensor scaling to its max |x| ...
+    #: ``fp8_underflow``: with e4m3 or e5m2 written, this fraction of what fp8 training casts of a
+    #: watched Linear, its input or weight (e4m3) or its output gradient (e5m2), is lost to zero
+    #: after per-tensor scaling to its max |x| ...
     fp8_underflow: float = 0.01
     #: ... ``fp8_overflow``: more than this fraction becomes NaN/Inf in that cast.
     fp8_overflow: float = 0.0
