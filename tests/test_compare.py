@@ -28,7 +28,7 @@ def _batch(step: int, rank: int = 0, rows: int = 4) -> torch.Tensor:
     return torch.randn(rows, 6, generator=torch.Generator().manual_seed(100 * step + rank))
 
 
-def _train(
+def train_mlp(
     log_dir: Path,
     *,
     every: int = EVERY,
@@ -58,8 +58,8 @@ def _compare(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, di
 
 
 def test_the_same_seed_twice_agrees(tmp_path, capsys) -> None:
-    _train(tmp_path / "a")
-    _train(tmp_path / "b")
+    train_mlp(tmp_path / "a")
+    train_mlp(tmp_path / "b")
     status, doc = _compare(capsys, tmp_path / "a", tmp_path / "b")
     assert status == 0
     assert doc == {
@@ -95,8 +95,8 @@ def test_a_weight_changed_between_logged_steps_parts_there_forward(tmp_path, cap
             with torch.no_grad():
                 model[2].weight.mul_(1.01)
 
-    _train(tmp_path / "a")
-    _train(tmp_path / "b", before_step=change)
+    train_mlp(tmp_path / "a")
+    train_mlp(tmp_path / "b", before_step=change)
     status, doc = _compare(capsys, tmp_path / "a", tmp_path / "b")
     assert status == 1 and doc["diverged"]
     first = doc["first"]
@@ -119,8 +119,8 @@ def test_an_output_gradient_scaled_from_a_step_on_parts_there_backward(tmp_path,
         if step == CHANGED:
             model[2].register_full_backward_pre_hook(lambda module, grad_output: (grad_output[0] * 1.5,))
 
-    _train(tmp_path / "a")
-    _train(tmp_path / "b", before_step=scale)
+    train_mlp(tmp_path / "a")
+    train_mlp(tmp_path / "b", before_step=scale)
     status, doc = _compare(capsys, tmp_path / "a", tmp_path / "b")
     assert status == 1
     first = doc["first"]
@@ -133,8 +133,8 @@ def test_an_output_gradient_scaled_from_a_step_on_parts_there_backward(tmp_path,
 
 
 def test_steps_only_one_run_logged_are_skipped_and_counted(tmp_path, capsys) -> None:
-    _train(tmp_path / "a", every=2)
-    _train(tmp_path / "b", every=4)
+    train_mlp(tmp_path / "a", every=2)
+    train_mlp(tmp_path / "b", every=4)
     status, doc = _compare(capsys, tmp_path / "a", tmp_path / "b")
     assert status == 0 and doc["common_steps"] == len(range(0, STEPS, 4))
     main(["compare", str(tmp_path / "a"), str(tmp_path / "b")])
@@ -146,8 +146,8 @@ def test_steps_only_one_run_logged_are_skipped_and_counted(tmp_path, capsys) -> 
 
 def test_only_the_modules_both_runs_watch_are_compared(tmp_path, capsys) -> None:
     # (Without spikes=: step/grad_norm is the norm of the watched parameters' gradients.)
-    _train(tmp_path / "all", spikes=False)
-    _train(tmp_path / "some", modules=["2"], spikes=False)
+    train_mlp(tmp_path / "all", spikes=False)
+    train_mlp(tmp_path / "some", modules=["2"], spikes=False)
     _, both = _compare(capsys, tmp_path / "all", tmp_path / "all")
     status, doc = _compare(capsys, tmp_path / "all", tmp_path / "some")
     assert status == 0 and 0 < doc["compared"] < both["compared"]
@@ -161,9 +161,9 @@ def test_a_nan_in_one_run_parts_there_nan_in_both_agrees(tmp_path, capsys) -> No
             x[0, 0] = math.nan
         return x
 
-    _train(tmp_path / "a")
-    _train(tmp_path / "nan", batch=poisoned)
-    _train(tmp_path / "nan again", batch=poisoned)
+    train_mlp(tmp_path / "a")
+    train_mlp(tmp_path / "nan", batch=poisoned)
+    train_mlp(tmp_path / "nan again", batch=poisoned)
     status, doc = _compare(capsys, tmp_path / "a", tmp_path / "nan")
     assert status == 1
     first = doc["first"]
@@ -172,7 +172,7 @@ def test_a_nan_in_one_run_parts_there_nan_in_both_agrees(tmp_path, capsys) -> No
     assert _compare(capsys, tmp_path / "nan", tmp_path / "nan again")[0] == 0
 
 
-def _two_loggers(run_dir: Path) -> None:
+def two_loggers(run_dir: Path) -> None:
     """Two MLPs of different initial weights, logged with ``prefix="P"`` and ``prefix="Q"`` into one directory."""
     models = {"P": mlp(6, 12, 3, seed=0), "Q": mlp(6, 12, 3, seed=1)}
     opt = torch.optim.SGD([p for m in models.values() for p in m.parameters()], lr=0.1)
@@ -188,7 +188,7 @@ def _two_loggers(run_dir: Path) -> None:
 
 
 def test_prefixes_choose_the_loggers(tmp_path, capsys) -> None:
-    _two_loggers(tmp_path / "pair")
+    two_loggers(tmp_path / "pair")
     pair = str(tmp_path / "pair")
     assert main(["compare", pair, pair]) == 2
     assert f"{pair!r} holds the loggers of the prefixes 'P', 'Q': choose one with --prefix" in capsys.readouterr().err
@@ -201,7 +201,7 @@ def test_prefixes_choose_the_loggers(tmp_path, capsys) -> None:
 
 
 def test_bad_input_exits_2_with_a_message(tmp_path, capsys) -> None:
-    _train(tmp_path / "run")
+    train_mlp(tmp_path / "run")
     run = str(tmp_path / "run")
     with SummaryWriter(tmp_path / "user") as writer:
         writer.add_scalar("loss", 1.0, 0)

@@ -214,7 +214,9 @@ def _relative(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(a) & np.isfinite(b), rel, np.inf)
 
 
-def _first(step: int, layout: _Layout, where: np.ndarray, rel: np.ndarray, va: np.ndarray, vb: np.ndarray) -> Difference:
+def _first(
+    step: int, layout: _Layout, where: np.ndarray, rel: np.ndarray, va: np.ndarray, vb: np.ndarray
+) -> Difference:
     """Where the difference starts at its first step: the first module in forward order whose
     forward statistics differ, else the last whose backward ones do; its largest difference there."""
     forward = layout.forward[where]
