@@ -18,8 +18,7 @@ def main(a: str, b: str, *, prefixes: tuple[str | None, str | None], tolerance: 
     """Compare run directory ``a`` with ``b``: exit 0 when every common value agrees, 1 when the
     runs part, 2 for bad input (told on stderr)."""
     try:
-        runs = [load(path, prefix) for path, prefix in zip((a, b), prefixes, strict=True)]
-        comparison = compare(*runs, tolerance)
+        comparison = compare(load(a, prefixes[0]), load(b, prefixes[1]), tolerance)
     except (report.ReportError, CompareError, OSError) as error:
         print(f"tblog-hooks compare: {error}", file=sys.stderr)
         return 2

@@ -133,8 +133,8 @@ class HealthPlugin(base_plugin.TBPlugin):  # type: ignore[misc]
         other = self._model(request, ctx, eid, ("other", "other_prefix"))
         try:
             tolerance = Tolerance(**{k: float(request.args[k]) for k in ("rtol", "atol") if k in request.args})
-            runs = [self._source.analysis(ctx, eid, m).run for m in (model, other)]
-            return compare.as_json(compare.compare(*runs, tolerance))
+            a, b = (self._source.analysis(ctx, eid, m).run for m in (model, other))
+            return compare.as_json(compare.compare(a, b, tolerance))
         except ValueError as error:
             raise errors.InvalidArgumentError(f"rtol= and atol= are numbers ({error})") from None
         except compare.CompareError as error:

@@ -58,7 +58,8 @@ class Tolerance:
         with np.errstate(invalid="ignore", over="ignore"):
             close = np.abs(a - b) <= self.atol + self.rtol * np.maximum(np.abs(a), np.abs(b))
             same = (a == b) | (np.isnan(a) & np.isnan(b))
-        return ~(same | (close & np.isfinite(a) & np.isfinite(b)))
+        differ: np.ndarray = ~(same | (close & np.isfinite(a) & np.isfinite(b)))
+        return differ
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,8 @@ class _Layouts:
 
     def unseen(self, layout: _Layout, where: np.ndarray) -> np.ndarray:
         """Which of the tags at ``where`` belong to modules that did not differ before."""
-        return ~self._differed[layout.ids[where]]
+        unseen: np.ndarray = ~self._differed[layout.ids[where]]
+        return unseen
 
     def seen(self, module: str) -> None:
         self._differed[self._ids[module]] = True
