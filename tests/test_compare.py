@@ -101,7 +101,7 @@ def test_a_weight_changed_between_logged_steps_parts_there_forward(tmp_path, cap
     assert status == 1 and doc["diverged"]
     first = doc["first"]
     assert (first["step"], first["module"]) == (CHANGED, "2")
-    assert first["stat"].startswith("activation/") and first["stat"].endswith("/2")
+    assert first["stat"] == "activation/std/2"  # of those that differ, a scale statistic tells it
     assert first["rel"] == pytest.approx(abs(first["a"] - first["b"]) / max(abs(first["a"]), abs(first["b"])))
     assert first["rel"] > 1e-3
     by_module = {m["module"]: m for m in doc["modules"]}

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..stats.tags import GRAD_NORM_TAG, LOSS_TAG, Root, unescape
+from ..stats.tags import GRAD_NORM_TAG, LOSS_TAG, Root, Stat, unescape
 from .replay import Run, forward_key, owner
 
 #: Statistics measured in the forward pass; the other named roots come from backward and the optimizer step.
@@ -30,6 +30,9 @@ FORWARD_ROOTS = (Root.ACTIVATION, Root.INPUT, Root.ATTENTION)
 BACKWARD_ROOTS = (Root.GRADIENT, Root.PARAM_GRAD, Root.PARAM)
 _FORWARD = tuple(f"{r}/" for r in FORWARD_ROOTS)
 _NAMED = (*_FORWARD, *(f"{r}/" for r in BACKWARD_ROOTS))
+#: The statistic a difference is told by, when several of a module differ: the first of these
+#: (scale statistics, which round-off moves least), then the others by name; among equals, the largest.
+TOLD_BY = (Stat.NORM, Stat.STD, Stat.RMS, Stat.AMAX, Stat.MAX, Stat.MIN, Stat.MEDIAN_ABS, Stat.MEAN)
 #: The every-step series of ``spikes=`` compared, by the name the documents give them.
 SERIES = {"loss": LOSS_TAG, "grad_norm": GRAD_NORM_TAG}
 #: How many modules the text lists (the JSON document lists all).
@@ -110,6 +113,7 @@ class _Layout:
     position: np.ndarray  # each tag's module's position in forward order
     forward: np.ndarray  # whether each tag is a forward statistic
     ids: np.ndarray  # each tag's module's number (see :class:`_Layouts`)
+    told: np.ndarray  # each tag's rank in telling a module's difference (:data:`TOLD_BY`; lower first)
 
 
 def compare(a: Run, b: Run, tolerance: Tolerance = Tolerance()) -> Comparison:
@@ -137,7 +141,7 @@ def compare(a: Run, b: Run, tolerance: Tolerance = Tolerance()) -> Comparison:
         new = layouts.unseen(layout, where)
         for module, i, r in sorted(
             zip((layout.modules[j] for j in where[new]), where[new], rel[new], strict=True),
-            key=lambda x: (x[0], not layout.forward[x[1]], -x[2]),
+            key=lambda x: (x[0], not layout.forward[x[1]], layout.told[x[1]], -x[2]),
         ):
             if module not in found:
                 found[module] = _difference(step, layout, i, va, vb, r)
@@ -185,6 +189,7 @@ class _Layouts:
             np.array([self._position.get(m, len(self._order)) for m in modules], dtype=np.int64),
             np.array([t.startswith(_FORWARD) for t in tags], dtype=bool),
             np.array([self._ids[m] for m in modules], dtype=np.int64),
+            np.array([_told(t) for t in tags], dtype=np.int64),
         )
         self._last = (shared, layout)
         return layout
@@ -205,6 +210,15 @@ class _Layouts:
         return (self._key(self._module(full)), full)
 
 
+_ORDINALS = sorted(Stat, key=lambda s: (s not in TOLD_BY, TOLD_BY.index(s) if s in TOLD_BY else 0, s))
+_RANK = {str(s): i for i, s in enumerate(_ORDINALS)}
+
+
+def _told(full: str) -> int:
+    """The tag's rank in :data:`TOLD_BY` (statistics named per format, ``underflow_fp16``, after all)."""
+    return _RANK.get(full.split("/")[1], len(_RANK))
+
+
 def _values(scalars: Mapping[str, float], tags: list[str]) -> np.ndarray:
     return np.fromiter((scalars[t] for t in tags), dtype=np.float64, count=len(tags))
 
@@ -220,13 +234,13 @@ def _first(
     step: int, layout: _Layout, where: np.ndarray, rel: np.ndarray, va: np.ndarray, vb: np.ndarray
 ) -> Difference:
     """Where the difference starts at its first step: the first module in forward order whose
-    forward statistics differ, else the last whose backward ones do; its largest difference there."""
+    forward statistics differ, else the last whose backward ones do; told by :data:`TOLD_BY`."""
     forward = layout.forward[where]
     side = forward if forward.any() else ~forward
     positions = layout.position[where]
     module = positions[side].min() if forward.any() else positions[side].max()
     chosen = np.flatnonzero(side & (positions == module))
-    best = chosen[np.argmax(rel[chosen])]
+    best = min(chosen, key=lambda i: (layout.told[where[i]], -rel[i]))
     return _difference(step, layout, where[best], va, vb, rel[best])
 
 
