@@ -45,6 +45,12 @@ def scaled_copy(source: Path, target: Path, from_step: int, factor: float) -> No
     writer.close()
 
 
+def cli(a: Path, b: Path) -> None:
+    """``tblog-hooks compare a b`` in a process of its own (its imports included)."""
+    code = "import sys; from tblog_hooks.cli import main; sys.exit(main())"
+    subprocess.run([sys.executable, "-c", code, "compare", str(a), str(b)], capture_output=True, check=False)
+
+
 def best(call: object, repeat: int) -> float:
     times = []
     for _ in range(repeat):
@@ -68,10 +74,9 @@ def main() -> None:
         runs = {name: report.load(root / name, name) for name in ("a", "same", "b")}
         values = sum(len(s) for s in runs["a"].scalars.values())
         print(f"{modules} watched modules, {args.steps} logged steps, {values:,} scalars a run")
-        command = [sys.executable, "-c", "import sys; from tblog_hooks.cli import main; sys.exit(main())", "compare"]
         rows = [
-            ("`tblog-hooks compare` (agree)", lambda: subprocess.run([*command, root / "a", root / "same"], capture_output=True)),
-            ("`tblog-hooks compare` (part)", lambda: subprocess.run([*command, root / "a", root / "b"], capture_output=True)),
+            ("`tblog-hooks compare` (agree)", lambda: cli(root / "a", root / "same")),
+            ("`tblog-hooks compare` (part)", lambda: cli(root / "a", root / "b")),
             ("reading both runs", lambda: [report.load(root / n, n) for n in ("a", "b")]),
             ("comparing (agree)", lambda: compare(runs["a"], runs["same"])),
             ("comparing (part)", lambda: compare(runs["a"], runs["b"])),
