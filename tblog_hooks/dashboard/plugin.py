@@ -5,7 +5,7 @@ Routes (JSON, documented in ``docs/dashboard.md``): ``runs``, ``heatmap?run=&tag
 ``findings?run=``, ``modules?run=``, ``series?run=&module=``, ``spikes?run=``, ``heads?run=&step=``,
 ``numerics?run=&step=``, ``compare?run=&other=``; each route of one
 run also takes ``prefix=`` (needed only when the run holds several loggers' prefixes). The page
-itself is ``index.js`` (an ES module) and ``style.css``.
+itself is ``index.js`` (an ES module; its difference view in ``compare.js``) and ``style.css``.
 """
 
 from __future__ import annotations
