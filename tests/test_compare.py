@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +19,8 @@ from torch.utils.tensorboard import SummaryWriter
 
 from tblog_hooks import HookLogger
 from tblog_hooks.cli import main
+from tblog_hooks.cli.report import load
+from tblog_hooks.diagnostics.compare import Tolerance
 
 STEPS, EVERY = 12, 2
 #: The run changes from this step on (a logged step: ``EVERY`` divides it).
@@ -82,8 +85,6 @@ def test_the_same_seed_twice_agrees(tmp_path, capsys) -> None:
 
 
 def _named_scalars(run_dir: Path) -> int:
-    from tblog_hooks.cli.report import load
-
     run = load(run_dir, "x")
     roots = ("activation/", "input/", "attention/", "gradient/", "param_grad/", "param/")
     return sum(1 for s in run.scalars.values() for t in s if t.startswith(roots) and t.count("/") == 2)
@@ -255,3 +256,11 @@ def test_two_ranks_with_reduce_ranks_agree_with_one_process(tmp_path, capsys) ->
             hooks.step()
     status, doc = _compare(capsys, tmp_path / "one", tmp_path / "ranks")
     assert doc["modules"] == [] and status == 0 and doc["common_steps"] == 3
+
+
+def test_the_rule_of_two_values() -> None:
+    inf, nan = math.inf, math.nan
+    pairs = [(1.0, 1.0009), (1.0, 1.0011), (0.0, 1e-9), (nan, nan), (inf, inf), (inf, -inf), (nan, 1.0), (inf, 1.0)]
+    a, b = (np.array(side) for side in zip(*pairs, strict=True))
+    assert Tolerance().differ(a, b).tolist() == [False, True, True, False, False, True, True, True]
+    assert Tolerance(rtol=0.0, atol=1e-8).differ(a, b).tolist()[:3] == [True, True, False]

@@ -107,7 +107,7 @@ def test_the_difference_view_names_and_outlines_where_the_runs_part(page, server
     frame(page).locator("#compare").select_option(label="b")
     frame(page).locator(f'#difference-title[data-step="{CHANGED}"]').wait_for(timeout=READY_MS)
     title = frame(page).locator("#difference-title").inner_text()
-    assert title.startswith(f"they part at step {CHANGED} in 2 (forward): {first['stat']}")
+    assert title.startswith(f"they part at step {CHANGED} in 2: {first['stat']}")
     view = "page.difference.map"
     assert health(page, f"{view}.first") == first
     assert health(page, f"{view}.marks.map((m) => [m.module, m.step])") == [

@@ -106,8 +106,7 @@ function describe(compared, stat) {
   const { first } = compared;
   const series = Object.entries(compared.per_step).filter(([, d]) => d).map(([name, d]) => `step/${name} first differs at step ${d.step}`);
   if (!first) return [compared.diverged ? 'the logged statistics agree' : 'every common value agrees', ...series].join(' · ');
-  const side = /^(activation|input|attention)\//.test(first.stat) ? 'forward' : 'backward';
-  return [`they part at step ${first.step} in ${first.module} (${side}): ${first.stat} ${format(first.a)} against ${format(first.b)}`
+  return [`they part at step ${first.step} in ${first.module}: ${first.stat} ${format(first.a)} against ${format(first.b)}`
     + ` (relative difference ${format(first.rel)})${first.stat.startsWith(`${stat}/`) ? '' : `; shown: ${stat}`}`, ...series].join(' · ');
 }
 
