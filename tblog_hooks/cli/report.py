@@ -6,6 +6,7 @@ logger uses (``diagnostics/replay.py``). Each tag prefix in a directory is a run
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -101,6 +102,10 @@ class _EventFile:
     purges: list[int] = field(default_factory=list)  # the steps of its SessionLog.START events (before its values)
 
 
+#: :func:`split_prefix` of each tag once: a run's tags recur at every logged step.
+_split = functools.lru_cache(maxsize=1 << 17)(split_prefix)
+
+
 def _read_file(path: Path) -> _EventFile:
     """The logged steps and forward orders of one event file (other tags are left out)."""
     file = _EventFile((math.inf, path.name), [], {})
@@ -112,7 +117,7 @@ def _read_file(path: Path) -> _EventFile:
                 file.purges.append(event.step)
             by_prefix: dict[str, dict[str, float]] = {}
             for value in event.summary.value:
-                if value.HasField("simple_value") and (split := split_prefix(value.tag)):
+                if value.HasField("simple_value") and (split := _split(value.tag)):
                     by_prefix.setdefault(split[0], {})[split[1]] = value.simple_value
                 elif (match := _ORDER_TEXT.fullmatch(value.tag)) and value.tensor.string_val:
                     text = value.tensor.string_val[0].decode("utf-8", "replace")
