@@ -81,6 +81,7 @@ def test_the_same_seed_twice_agrees(tmp_path, capsys) -> None:
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     assert f"{STEPS // EVERY} logged steps in common, {doc['compared']:,} values compared" in out
+    assert f"step/loss agrees at the {STEPS} steps both runs hold" in out
     assert out.rstrip().endswith("every common value agrees")
 
 

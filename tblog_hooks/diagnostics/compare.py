@@ -96,6 +96,7 @@ class Comparison:
     first: Difference | None  # where the logged statistics part
     modules: list[Difference]  # each module's first difference, by step then forward order
     per_step: dict[str, Difference | None] = field(default_factory=dict)  # each series' first difference
+    series_steps: dict[str, int] = field(default_factory=dict)  # the steps each series was compared at
     tolerance: Tolerance = Tolerance()
 
     @property
@@ -158,8 +159,8 @@ def compare(a: Run, b: Run, tolerance: Tolerance = Tolerance()) -> Comparison:
         tolerance=tolerance,
     )
     for name, series_tag in SERIES.items():
-        comparison.per_step[name], count = _series(a.series, b.series, series_tag, tolerance)
-        comparison.compared += count
+        comparison.per_step[name], comparison.series_steps[name] = _series(a.series, b.series, series_tag, tolerance)
+        comparison.compared += comparison.series_steps[name]
     return comparison
 
 
@@ -312,6 +313,8 @@ def as_text(comparison: Comparison) -> str:
         d = c.per_step.get(name)
         if d is not None:
             lines.append(f"{tag} first differs at step {d.step}: {_value(d)}")
+        elif c.series_steps.get(name):
+            lines.append(f"{tag} agrees at the {c.series_steps[name]} steps both runs hold")
     lines.append("the runs part" if c.diverged else "every common value agrees")
     return "\n".join(lines)
 
