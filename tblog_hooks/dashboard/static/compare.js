@@ -24,7 +24,7 @@ class DifferenceMap extends Heatmap {
   show(doc, pair, marks, first) {
     this.pair = pair;
     this.first = first;
-    this.set(doc, 'difference', marks, new Scale(doc.values, 'difference', false));
+    this.set(doc, 'difference', marks, new Scale(doc.values, 'log'));  // log10 over the values, zeros grey
     this.legendBox.replaceChildren(legend(this.scale, false), el('div', { class: 'legend' },
       el('span', { class: 'swatch' }, el('i', { style: 'border:2px solid #ff1744;background:none' }), 'a module\'s first difference'),
       el('span', { class: 'swatch' }, el('i', { style: `border:2px solid ${FIRST_RGB};background:none` }), 'where the runs part')));
@@ -126,7 +126,9 @@ export async function showDifference(page, other, stat, doc, otherDoc) {
   if (!other) return;
   try {
     await view.show(other, stat, doc, otherDoc);
+    view.map.node.style.display = '';
   } catch (error) {
     view.title.textContent = String(error.message || error);  // the runs cannot be compared (no common step)
+    view.map.node.style.display = 'none';
   }
 }
