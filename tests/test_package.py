@@ -80,7 +80,7 @@ def _imports(path: Path) -> set[str]:
 _MODULES = {".".join(p.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__") for p in SOURCES}
 #: The data flow, downhill: a module imports from its own layer or those before it, never after.
 _LAYERS = [
-    {"errors", "_compat"},
+    {"errors", "_compat", "keywords"},
     {"stats", "topology"},
     {"capture", "transport"},
     {"output"},

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from ..errors import HookLoggerError
+from ..keywords import keywords
 
 
 class FindingKind(enum.StrEnum):
@@ -52,6 +53,11 @@ LOG_WORST, TABLE_ROWS = 3, 20
 log = logging.getLogger("tblog_hooks.health")
 
 
+@keywords(
+    fp16_underflow=FindingKind.FP16_GRADIENT_UNDERFLOW.value,
+    massive_value=FindingKind.MASSIVE_ACTIVATION.value,
+    skipped_steps=FindingKind.AMP_SKIPPED_STEPS.value,
+)
 @dataclass(frozen=True)
 class Thresholds:
     """When a finding starts. A rule is switched off by a value that is never crossed:
@@ -89,7 +95,7 @@ class Thresholds:
     #: what zero-initialised layers show before their first update: it must last this many logged steps.
     zero_steps: int = 3
     #: ``amp_skipped_steps``: the ``GradScaler`` skipped this many logged steps in a row.
-    skipped_steps: float = 20
+    amp_skipped_steps: float = 20
     #: ``attention_logit_growth``: with ``attention=``, a module's max attention logit is above this
     #: (a key whose logit is 30 above the others takes all the weight among 1e12 keys) ...
     attention_logit: float = 30.0
@@ -104,7 +110,7 @@ class Thresholds:
     attention_entropy: float = 0.3
     #: ``fp16_gradient_underflow``: with fp16 written by ``numerics=``, this fraction of a module's
     #: output gradient is lost to zero in fp16 at the step's loss scale.
-    fp16_underflow: float = 0.01
+    fp16_gradient_underflow: float = 0.01
     #: ``fp8_underflow``: with e4m3 or e5m2 written, this fraction of a module's output (e4m3) or
     #: output gradient (e5m2) is lost to zero after per-tensor scaling to its max |x| ...
     fp8_underflow: float = 0.01
@@ -112,7 +118,7 @@ class Thresholds:
     fp8_overflow: float = 0.0
     #: ``massive_activation``: with ``numerics=``, a module's max |output| is above this (Sun et
     #: al. 2024's 100) ...
-    massive_value: float = 100.0
+    massive_activation: float = 100.0
     #: ... and above this multiple of the median |output| of the same tensor (their ~1,000).
     massive_ratio: float = 1000.0
 
@@ -125,15 +131,15 @@ class Thresholds:
             "growth_window": (1.0, math.inf, True, False, True, "a whole number of logged steps, at least 1"),
             "dead_fraction": (0.0, math.inf, False, True, False, "a fraction in (0, 1] (above 1: off)"),
             "zero_steps": (1.0, math.inf, True, False, True, "a whole number of logged steps, at least 1"),
-            "skipped_steps": (1.0, math.inf, True, True, True, "a whole number of logged steps, at least 1 (inf: off)"),
+            "amp_skipped_steps": (1.0, math.inf, True, True, True, "a whole number of logged steps >= 1 (inf: off)"),
             "attention_logit": (0.0, math.inf, False, True, False, "a positive number (inf: off)"),
             "attention_growth": (1.0, math.inf, False, True, False, "a number above 1 (inf: off)"),
             "attention_floor": (0.0, math.inf, True, False, False, "a finite number >= 0"),
             "attention_entropy": (0.0, math.inf, True, False, False, "a number of nats >= 0 (0: off)"),
-            "fp16_underflow": (0.0, math.inf, False, True, False, "a fraction in (0, 1] (above 1: off)"),
+            "fp16_gradient_underflow": (0.0, math.inf, False, True, False, "a fraction in (0, 1] (above 1: off)"),
             "fp8_underflow": (0.0, math.inf, False, True, False, "a fraction in (0, 1] (above 1: off)"),
             "fp8_overflow": (0.0, math.inf, True, True, False, "a fraction >= 0 (1 or more: off)"),
-            "massive_value": (0.0, math.inf, True, True, False, "a number >= 0 (inf: off)"),
+            "massive_activation": (0.0, math.inf, True, True, False, "a number >= 0 (inf: off)"),
             "massive_ratio": (1.0, math.inf, True, True, False, "a number >= 1 (inf: off)"),
         }  # fmt: skip
         check_fields(self, limits)

@@ -60,13 +60,13 @@ class NumericsRules:
         return judged, found
 
     def _massive(self, step: int, scalars: Mapping[str, float], amax: Mapping[str, float]) -> Candidates:
-        """Activations whose max |x| is above ``massive_value`` and ``massive_ratio`` times their
+        """Activations whose max |x| is above ``massive_activation`` and ``massive_ratio`` times their
         median |x|; not of a mostly-zero output (median 0: a ReLU's), whose ratio means nothing."""
         t = self.thresholds
         found: Candidates = {}
         for m, peak in amax.items():
             median = scalars.get(tag(Root.ACTIVATION, Stat.MEDIAN_ABS, m), math.nan)
-            if not (median > 0 and peak > t.massive_value and peak > t.massive_ratio * median):
+            if not (median > 0 and peak > t.massive_activation and peak > t.massive_ratio * median):
                 continue
             channel = scalars.get(tag(Root.ACTIVATION, Stat.AMAX_CHANNEL, m))
             where = "" if channel is None else f" in channel {channel:.0f}"
@@ -84,7 +84,7 @@ class NumericsRules:
     def _fp16(
         self, step: int, scalars: Mapping[str, float], order: Sequence[str], underflow: Mapping[str, float]
     ) -> Candidates:
-        """Modules whose output gradients lose at least ``fp16_underflow`` of their elements to
+        """Modules whose output gradients lose at least ``fp16_gradient_underflow`` of their elements to
         zero in fp16 at the step's loss scale. A gradient computed in fp16 (under autocast) has
         lost them already, so its zeros count as lost where the rest of it reaches fp16's
         subnormal range (or it is all zero)."""
@@ -96,7 +96,7 @@ class NumericsRules:
             subnormal = scalars.get(tag(Root.GRADIENT, per_format(Lost.SUBNORMAL, "fp16"), m), 0.0)
             at_floor = subnormal > 0 or scalars.get(tag(Root.GRADIENT, Stat.AMAX, m)) == 0
             fraction = max(underflow[m], zeros if at_floor else 0.0)
-            if fraction >= self.thresholds.fp16_underflow:
+            if fraction >= self.thresholds.fp16_gradient_underflow:
                 lost[m] = fraction
         if not lost:
             return {}

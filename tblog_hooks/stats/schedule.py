@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..errors import HookLoggerError
+from ..keywords import Renamed, keywords
 from .kinds import HISTOGRAM_KINDS
 from .tags import Root
 
@@ -22,6 +23,15 @@ from .tags import Root
 DEFAULT_KINDS = tuple(k for k in HISTOGRAM_KINDS if k != Root.GRADIENT)
 
 
+@keywords(
+    every="every_logged",
+    param_every=Renamed(
+        "weights_every_logged",
+        "param_every counted histogram steps, weights_every_logged counts logged steps: "
+        "weights_every_logged = every_logged * param_every",
+        lambda value, given: given["every_logged"] * value,
+    ),
+)
 @dataclass(frozen=True)
 class Histograms:
     """Which histograms logged steps write, counted in the logged steps that recorded something
@@ -91,11 +101,11 @@ def schedule(value: object) -> Histograms | None:
         return value
     if value is True:
         return Histograms()
-    if value is False:
+    if value is False or value is None:
         return None
-    if isinstance(value, int) and value >= 1:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return Histograms(every_logged=value, weights_every_logged=2 * value)
     raise HookLoggerError(
-        "histograms must be True (the defaults, Histograms()), False (none), a positive int n "
+        "histograms must be True (the defaults, Histograms()), False or None (none), a positive int n "
         f"(histograms on every n-th logged step, weights on every 2n-th) or a tblog_hooks.Histograms, got {value!r}"
     )
