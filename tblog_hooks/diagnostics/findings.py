@@ -64,11 +64,16 @@ class Thresholds:
     ``vanishing_ratio=0``, ``math.inf`` for the others (``zero_steps`` is no rule of its own).
 
     Each field below is a keyword with a default; values are Python or NumPy numbers (not
-    bools), and counts of logged steps are whole numbers.
+    bools), and counts (of logged steps, not optimizer steps) are whole numbers. A field is named
+    as the finding kind it tunes (``amp_skipped_steps``, ``fp16_gradient_underflow``,
+    ``massive_activation``, ...) or starts with the kind's first word (``vanishing_ratio``,
+    ``dead_fraction``, ``attention_entropy``); ``growth_window`` and ``zero_steps`` serve several
+    rules. The old names ``fp16_underflow``, ``massive_value`` and ``skipped_steps`` still work
+    for this release, with a ``DeprecationWarning``.
 
     Raises:
-        HookLoggerError: a field that is not such a number or is out of its range; the message
-            names the field, the value and what is valid.
+        HookLoggerError: a field that is not such a number or is out of its range, or an unknown
+            keyword; the message names the field, the value and what is valid.
     """
 
     #: ``vanishing_gradient``: every output-gradient norm from the input up to a module (in
@@ -83,7 +88,7 @@ class Thresholds:
     #: ... or above this absolute value (off by default: norms scale with the loss reduction,
     #: batch and layer sizes, so no one number suits every model).
     exploding_norm: float = math.inf
-    #: Earlier logged steps (the latest ones without the finding) the growth rules of
+    #: Earlier logged steps (not optimizer steps: the latest ones without the finding) the growth rules of
     #: ``exploding_gradient`` and ``attention_logit_growth`` compare with: a bounded window keeps
     #: the cost of a step constant.
     growth_window: int = 64

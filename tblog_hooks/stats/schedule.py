@@ -9,6 +9,7 @@ device work (sampling and binning) too.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -47,12 +48,21 @@ class Histograms:
         weights_every_logged: weight histograms (``param/...``) on logged steps ``0,
             weights_every_logged, ...``; the other kinds follow ``every_logged``.
         kinds: the tag roots to write histograms of, among
-            :data:`~tblog_hooks.stats.kinds.HISTOGRAM_KINDS`; kept as a tuple in that order. By
-            default all but ``gradient``, of those the logger's options produce; kinds given
-            here must all be produced (``input`` needs ``inputs=True``, ...).
+            :data:`~tblog_hooks.stats.kinds.HISTOGRAM_KINDS`; kept as a tuple in that order. A
+            kind is named as its histograms' tags are (``activation/{module}``), singular, where
+            the options that produce them are plural: ``activations=`` produces ``activation``,
+            ``inputs=`` ``input``, ``gradients=`` ``gradient`` and ``gradient_log10``,
+            ``parameters=`` ``param_grad`` and ``param`` (the weights). By default all but
+            ``gradient``, of those the logger's options produce; kinds given here must all be
+            produced (``input`` needs ``inputs=True``, ...).
+
+    ``every=`` and ``param_every=``, the old keywords, still work for this release, with a
+    ``DeprecationWarning``: ``every`` is ``every_logged``, and ``weights_every_logged = every_logged
+    * param_every``.
 
     Raises:
-        HookLoggerError: a count that is not a positive int, an empty ``kinds`` or an unknown kind.
+        HookLoggerError: a count that is not a positive int, an empty ``kinds``, an unknown kind
+            or an unknown keyword.
     """
 
     every_logged: int = 5
@@ -72,11 +82,15 @@ class Histograms:
         given: object = self.kinds
         object.__setattr__(self, "explicit", given is not DEFAULT_KINDS)
         kinds = list(given) if isinstance(given, Iterable) and not isinstance(given, str) else [given]
-        unknown = [repr(k) for k in kinds if k not in HISTOGRAM_KINDS]
+        unknown = [k for k in kinds if k not in HISTOGRAM_KINDS]
         if unknown or not kinds:
-            what = f"holds {', '.join(unknown)}" if unknown else "is empty (pass histograms=False for none)"
+            what = (
+                f"holds {', '.join(map(_named, unknown))}" if unknown else "is empty (pass histograms=False for none)"
+            )
             raise HookLoggerError(
-                f"Histograms(kinds={given!r}) {what}; kinds are tag roots among {', '.join(HISTOGRAM_KINDS)}"
+                f"Histograms(kinds={given!r}) {what}; kinds are the tag roots histograms are written under "
+                f"(activation/{{module}}, ...: singular, unlike the options activations=, ...), among "
+                f"{', '.join(HISTOGRAM_KINDS)}"
             )
         chosen = frozenset(str(k) for k in kinds)
         weights = chosen & {Root.PARAM}
@@ -93,6 +107,12 @@ class Histograms:
         """The kinds logged step number ``index`` (0, 1, 2, ... in logged steps that record) writes."""
         others, weights = index % self.every_logged == 0, index % self.weights_every_logged == 0
         return self._steps[others + 2 * weights]
+
+
+def _named(kind: object) -> str:
+    """An unknown kind, with the kind it is closest to (``'activations'``: ``'activation'``)."""
+    close = difflib.get_close_matches(str(kind), HISTOGRAM_KINDS, n=1, cutoff=0.7)
+    return f"{kind!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
 
 
 def schedule(value: object) -> Histograms | None:
