@@ -79,7 +79,7 @@ def _new_keywords(
         warnings.warn(
             f"{owner}({name}=...) is deprecated and will be removed in the next release: use {rename.new}={how}",
             DeprecationWarning,
-            stacklevel=4,
+            stacklevel=3,  # (the caller of the constructor)
         )
     olds = [name for name in given if name in table]
     kwargs |= {table[name].new: given[name] for name in olds if table[name].convert is None}
