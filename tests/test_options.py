@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 import subprocess
 import sys
+import uuid
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -218,7 +219,7 @@ def test_callbacks_check_values_at_construction() -> None:
 
 
 def test_mypy_sees_a_misspelt_option(tmp_path) -> None:
-    source = tmp_path / "typo.py"
+    source = tmp_path / f"typo_{uuid.uuid4().hex}.py"  # a module name the cache holds no entry for
     source.write_text(
         "from torch import nn\nfrom tblog_hooks import HookLogger\n"
         "HookLogger(nn.Linear(2, 2), evry=3)\nHookLogger(nn.Linear(2, 2), every='3')\n"
