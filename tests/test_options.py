@@ -153,7 +153,7 @@ def test_an_unknown_keyword_is_a_hook_logger_error_with_the_closest(call: object
 def test_histogram_kinds_are_singular_tag_roots_and_the_plural_is_pointed_out() -> None:
     message = _error(Histograms, kinds=("activations", "inputs"))
     assert "'activations' (did you mean 'activation'?)" in message and "'inputs' (did you mean 'input'?)" in message
-    assert "singular, unlike the options activations=" in message
+    assert "(singular, as the tags are: activation/{module}; unlike the options activations=" in message
 
 
 def test_spike_counts_say_their_unit() -> None:

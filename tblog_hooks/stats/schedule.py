@@ -88,9 +88,8 @@ class Histograms:
                 f"holds {', '.join(map(_named, unknown))}" if unknown else "is empty (pass histograms=False for none)"
             )
             raise HookLoggerError(
-                f"Histograms(kinds={given!r}) {what}; kinds are the tag roots histograms are written under "
-                f"(activation/{{module}}, ...: singular, unlike the options activations=, ...), among "
-                f"{', '.join(HISTOGRAM_KINDS)}"
+                f"Histograms(kinds={given!r}) {what}; kinds are tag roots among {', '.join(HISTOGRAM_KINDS)} "
+                "(singular, as the tags are: activation/{module}; unlike the options activations=, inputs=, ...)"
             )
         chosen = frozenset(str(k) for k in kinds)
         weights = chosen & {Root.PARAM}
