@@ -333,7 +333,7 @@ def _check_optimizer(config: Options, *, averaged: bool, split: bool, graded: bo
     if config.optimizer is None and graded and (split or averaged):
         what = "a sharded model" if split else f"a model trained over {rank_and_world()[1]} ranks (DDP)"
         raise HookLoggerError(
-            f"got optimizer=None for {what}, whose parameter gradients are final only when the optimizer steps "
+            f"optimizer= is required for {what}, whose parameter gradients are final only when the optimizer steps "
             "(DDP averages them during backward): pass optimizer=your_optimizer, or parameters=False"
         )
 
@@ -445,7 +445,8 @@ def _make_writer(log_dir: str | os.PathLike[str] | None, purge_step: int | None)
                 pass
         return SummaryWriter(log_dir=None if log_dir is None else os.fspath(log_dir), purge_step=purge_step)
     except OSError as error:
+        where = "SummaryWriter()'s default directory (no log_dir= given)" if log_dir is None else f"log_dir={log_dir!r}"
         raise HookLoggerError(
-            f"log_dir={log_dir!r} must be a directory this process can create files in: "
+            f"{where} must be a directory this process can create files in: "
             f"{type(error).__name__}: {error}; pass a writable path, or writer=SummaryWriter(...)"
         ) from None

@@ -181,6 +181,13 @@ def test_spikes_window_alone_does_not_blame_a_warmup_never_given() -> None:
     assert _error(Spikes, window=40, warmup=50).startswith("Spikes(warmup=50) is larger than window=40:")
 
 
+def test_an_unwritable_default_directory_is_not_called_log_dir(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").write_text("a file where SummaryWriter() makes its directory")
+    message = _error(HookLogger, _model())
+    assert message.startswith("SummaryWriter()'s default directory (no log_dir= given) must be a directory"), message
+
+
 # -- 13: the constructors' signatures are the options ---------------------------------------------
 
 
