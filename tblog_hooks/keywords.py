@@ -68,7 +68,8 @@ def _new_keywords(
 ) -> dict[str, Any]:
     """``given`` with each old keyword replaced by its new one, warning once per old keyword."""
     kwargs = {name: value for name, value in given.items() if name not in table}
-    for name in [name for name in given if name in table]:
+    olds = [name for name in given if name in table]
+    for name in olds:
         rename = table[name]
         if rename.new in given:
             raise HookLoggerError(
@@ -81,7 +82,6 @@ def _new_keywords(
             DeprecationWarning,
             stacklevel=3,  # (the caller of the constructor)
         )
-    olds = [name for name in given if name in table]
     kwargs |= {table[name].new: given[name] for name in olds if table[name].convert is None}
     for name in olds:  # after the plain renames, so that a conversion sees their values
         rename = table[name]
@@ -100,6 +100,8 @@ def unknown_keywords(owner: str, unknown: Sequence[str], names: Sequence[str], w
 
 
 def _old_attribute(owner: str, old: str, new: str) -> property:
+    """A read of ``new`` under its old name, with the warning."""
+
     def read(self: object) -> Any:
         warnings.warn(
             f"{owner}.{old} is deprecated and will be removed in the next release: use {owner}.{new}",
