@@ -272,7 +272,7 @@ def test_amax_and_rms_of_gradients_are_unscaled_and_fractions_judged_at_the_scal
         (("fp32",), "unknown format(s) ['fp32']"),
         (("fp16", "fp16"), "a format named twice"),
         ((), "a non-empty tuple"),
-        (None, "got None"),
+        ("off", "got 'off'"),
         (1, "got 1"),
     ],
 )
