@@ -14,20 +14,24 @@ import inspect
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
-from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from ._compat import writer_closed
-from .capture.selection import Selector
 from .diagnostics.findings import Thresholds
 from .diagnostics.spikes import Spikes, spikes_option
 from .errors import HookLoggerError
 from .keywords import unknown_keywords
 from .stats import numerics
+from .stats.kinds import Measure
+from .stats.recipe import Recipe
 from .stats.schedule import Histograms, schedule
 from .stats.tags import Root
+
+if TYPE_CHECKING:
+    from .capture.selection import Selector
 
 #: The options that are True or False, and nothing else (``"no"`` is not off).
 _SWITCHES = ("activations", "gradients", "parameters", "eval_passes", "reduce_ranks", "inputs")
@@ -81,6 +85,10 @@ class WatchOptions:
     #: among ``"fp16"``, ``"bf16"``, ``"e4m3"``, ``"e5m2"`` for those; every format is in the
     #: ``health/numerics_*`` pictures. ``False`` or ``None``: off.
     numerics: bool | Sequence[str] | None = False
+    #: Statistics of one's own (:class:`~tblog_hooks.stats.kinds.Measure`), by the source they
+    #: measure: ``"output"``, ``"input"`` (with ``inputs=True``) or ``"output_gradient"``
+    #: (``docs/architecture.md``, "Adding a statistic"). This logger's only.
+    measures: Mapping[str, Sequence[Measure]] | None = None
 
     def __post_init__(self) -> None:
         for name in _SWITCHES:
@@ -110,7 +118,7 @@ class WatchOptions:
                 f"attention must be True, False or None (off), or one or more selectors (as for modules=), "
                 f"got {self.attention!r}"
             )
-        _ = self.thresholds, self.spike_config, self.numerics_formats  # (checked)
+        _ = self.thresholds, self.spike_config, self.numerics_formats, self.recipe  # (checked)
         self._check_histogram_kinds()
 
     @functools.cached_property
@@ -145,6 +153,11 @@ class WatchOptions:
             return numerics.check(self.numerics)
         except ValueError as error:
             raise HookLoggerError(str(error)) from None
+
+    @functools.cached_property
+    def recipe(self) -> Recipe:
+        """What the logger records (``stats/recipe.py``), built from these options."""
+        return Recipe.build(inputs=self.inputs, numerics=self.numerics_formats is not None, measures=self.measures)
 
     def _check_histogram_kinds(self) -> None:
         """Histogram kinds asked for by name must be ones the other options produce."""
