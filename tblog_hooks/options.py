@@ -1,7 +1,8 @@
 """The options of :class:`~tblog_hooks.HookLogger`, validated once: the fields of :class:`Options`
-are the option list. They are also the constructors' signatures (:func:`takes`: what ``help()``,
-editors and mypy see) and the options page (``tests/test_docs.py`` holds ``docs/options.md`` to
-them); the framework callbacks take the fields of :class:`WatchOptions`.
+are the option list. They are also the constructors' signatures (:func:`logger_signature`,
+:func:`callback_signature`: what ``help()``, editors and mypy see) and the options page
+(``tests/test_docs.py`` holds ``docs/options.md`` to them); the framework callbacks take the
+fields of :class:`WatchOptions`.
 
 "Off" is spelled ``False`` or ``None`` alike for every option that switches a watch off
 (``histograms``, ``feature_maps``, ``attention``, ``health``, ``spikes``, ``numerics``).
@@ -233,12 +234,13 @@ def check_names(options: Mapping[str, object], names: Sequence[str] = NAMES, own
 
 P = ParamSpec("P")
 S = TypeVar("S")
+M = TypeVar("M")
 Init = TypeVar("Init", bound=Callable[..., None])
 
 
 def logger_signature(
     source: Callable[P, object],
-) -> Callable[[Callable[Concatenate[S, Any, ...], None]], Callable[Concatenate[S, Any, P], None]]:
+) -> Callable[[Callable[Concatenate[S, M, ...], None]], Callable[Concatenate[S, M, P], None]]:
     """Decorator of ``HookLogger.__init__(self, model, **options)``: its options are the fields of
     ``source`` (:class:`Options`) as keyword-only parameters, for mypy and editors (the type) and for
     ``help()`` and :func:`inspect.signature` (the signature made from the fields)."""
