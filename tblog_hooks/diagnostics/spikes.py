@@ -116,7 +116,7 @@ def spikes_option(value: object) -> Spikes | None:
         return Spikes()
     if value is False or value is None:
         return None
-    raise HookLoggerError(f"spikes must be True, False or a tblog_hooks.Spikes, got {value!r}")
+    raise HookLoggerError(f"spikes must be True, a tblog_hooks.Spikes, or False or None (off), got {value!r}")
 
 
 class Detector:
