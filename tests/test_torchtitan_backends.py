@@ -62,12 +62,8 @@ def _backends(rank: int, root: str) -> None:
 
 BACKENDS = ("spmd_types",)
 #: Under spmd_types, what is said of the modules whose layout cannot be known (and is not logged):
-#: the final norm's gradient is a partial sum (its output is Replicate), the fused query, key and
-#: value split apart and the rotary embedding on them are placed as nothing says.
-UNKNOWN = {
-    "norm": "holds a term of its gradient",
-    **{f"layers.{i}.attention.{m}": "another size than the data" for i in (0, 1) for m in ("qkv_linear", "rope")},
-}
+#: the final norm's output is Replicate, so each rank holds a term of its gradient.
+UNKNOWN = {"norm": "holds a term of its gradient"}
 
 
 def test_each_torchtitan_backend_at_tp2_logs_what_one_process_logs(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 DIM, HEADS, VOCAB, SEQ = 32, 4, 64, 8
+HIDDEN = 96  # (its pieces, 48 wide, unlike the model width: see docs/sharded.md, Limits)
 
 
 def config(*, sp: bool = True) -> Any:
@@ -31,7 +32,7 @@ def config(*, sp: bool = True) -> Any:
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     rope = ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=64, theta=10000, scaling="none")
-    layers = _build_llama3_layers(n_layers=2, dim=DIM, n_heads=HEADS, hidden_dim=64, rope=rope, attn_backend="flex")
+    layers = _build_llama3_layers(n_layers=2, dim=DIM, n_heads=HEADS, hidden_dim=HIDDEN, rope=rope, attn_backend="flex")
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     cfg = Llama3Model.Config(

@@ -55,6 +55,10 @@ UNKNOWN_PIECE = (
 )
 
 
+#: How many of the latest boundaries' data a plain tensor past a torchtitan layout is matched against.
+_KEPT = 4
+
+
 class TensorParallel:
     """The tensor-parallel styles of a model's modules, and how the data of a logged step is placed."""
 
@@ -63,9 +67,8 @@ class TensorParallel:
         self._styles: dict[int, tuple[DeviceMesh, tuple[Placement, ...] | None]] = {}  # id(module) -> its style
         self._prepared: dict[int, tuple[DeviceMesh, Placement]] = {}  # id(module) -> its prepared input
         self._titan: dict[int, titan.Layouts] = {}  # id(module) -> its torchtitan sharding layouts
-        #: How the data the latest boundary left is placed, and its local shape (first, and the
-        #: data as it was before, where a torchtitan module's forward redistributes its input);
-        #: an error where that cannot be told; ``None``: whole (no boundary yet in this forward).
+        #: How the data the latest boundaries left is placed, and its local shape (the latest
+        #: first); an error where that cannot be told; ``None``: whole (no boundary yet in this forward).
         self._flow: list[tuple[Split | None, torch.Size]] | ValueError | None = None
         self._strict = False  # whether a tensor of no such size is unknown (past a torchtitan layout), not whole
         self._following = False
@@ -187,12 +190,14 @@ class TensorParallel:
         flow = self._flow
         if isinstance(flow, ValueError):
             raise flow
-        for split, shape in flow or []:
-            if split is None:
-                return None
+        if not flow or (flow[0][0] is None and not self._strict):
+            return None
+        for split, shape in flow if self._strict else flow[:1]:
             if t.numel() == shape.numel():
+                if split is None:
+                    return None
                 return split if _same_axis(t.shape, shape, split.axis) else dataclasses.replace(split, axis=None)
-        if flow and self._strict:
+        if self._strict:
             raise ValueError(UNKNOWN_PIECE)
         return None
 
@@ -216,8 +221,7 @@ class TensorParallel:
             return
         shape = titan.handed_shape(first.shape, layouts.given, placement, mesh.size())
         handed = self._boundary(first, lambda t: placed(mesh, (placement,), len(shape)))
-        before = self._flow if isinstance(self._flow, list) else []
-        self._follow(handed if isinstance(handed, ValueError) else (handed[0], shape), module, before)
+        self._follow(handed if isinstance(handed, ValueError) else (handed[0], shape), module)
 
     def _leave_styled(self, module: nn.Module, args: object, output: object) -> None:
         if torch.compiler.is_compiling() or not self._following:  # (compiled hooks record whole tensors)
@@ -227,14 +231,12 @@ class TensorParallel:
             mesh, placements = self._styles[id(module)]
             self._follow(self._boundary(first, lambda t: placed(mesh, _known(placements), t.dim())), module)
 
-    def _follow(
-        self,
-        boundary: tuple[Split | None, torch.Size] | ValueError,
-        module: nn.Module,
-        before: list[tuple[Split | None, torch.Size]] | None = None,
-    ) -> None:
-        """The data is placed as ``boundary`` left it (then as ``before``) from here on."""
-        self._flow = boundary if isinstance(boundary, ValueError) else [boundary, *(before or [])[:1]]
+    def _follow(self, boundary: tuple[Split | None, torch.Size] | ValueError, module: nn.Module) -> None:
+        """The data is placed as ``boundary`` left it from here on. Past torchtitan layouts,
+        a tensor of another size may still be data an earlier boundary placed (the input of a
+        feed-forward's second projection, beside its first's output): the latest few are kept."""
+        previous = self._flow if isinstance(self._flow, list) else []
+        self._flow = boundary if isinstance(boundary, ValueError) else [boundary, *previous][:_KEPT]
         self._strict = self._strict or id(module) in self._titan
 
     @staticmethod
