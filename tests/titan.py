@@ -73,11 +73,11 @@ def parallel(backend: str, world: int, *, tp: int, sp: bool = True, **parallelis
     (the rest data parallel, FSDP2), under ``backend``, with :func:`one_process`'s weights;
     and its ``ParallelDims``."""
     import torchtitan.distributed.parallel_dims as parallel_dims
+    from torch.distributed.tensor import DTensor, distribute_tensor
     from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.llama3 import parallelize_llama
-    from torch.distributed.tensor import DTensor, distribute_tensor
 
     parallel_dims.device_type = "cpu"  # (torchtitan's device choice: the accelerator it finds, else CUDA)
     options = ParallelismConfig(
