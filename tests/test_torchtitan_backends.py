@@ -68,8 +68,8 @@ BACKENDS = (("spmd_types",), ("partial_dtensor", "full_dtensor"))
 #: spmd_types a plain tensor).
 UNKNOWN = {
     "spmd_types": {"norm": "holds a term of its gradient"},
-    "partial_dtensor": {"norm": "Partial(sum)) holds partial values"},
-    "full_dtensor": {"norm": "Partial(sum)) holds partial values"},
+    "partial_dtensor": {"norm": "holds partial values"},
+    "full_dtensor": {"norm": "holds partial values"},
 }
 
 
