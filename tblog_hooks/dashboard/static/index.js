@@ -744,8 +744,19 @@ class Host {
 
   listen(type, listener) { this.listeners.set(type, listener); }
 
+  // The tab's state in the URL: as TensorBoard gives it, and as this tab wrote it into the hash of
+  // TensorBoard's page (TensorBoard 2.21 keeps its tabs' URL state apart from the hash it shows).
   async state() {
-    return (await this.send('experimental.GetURLPluginData', { pluginName: this.plugin })) || {};
+    const given = (await this.send('experimental.GetURLPluginData', { pluginName: this.plugin })) || {};
+    const mine = `p.${this.plugin}.`;
+    const written = {};
+    try {
+      for (const part of window.parent.location.hash.slice(1).split('&')) {
+        const [key, value] = part.split('=').map(decodeURIComponent);
+        if (value !== undefined && key.startsWith(mine)) written[key.slice(mine.length)] = value;
+      }
+    } catch { /* another origin's page */ }
+    return { ...written, ...given };
   }
 
   // Keep `state` in the URL of TensorBoard's page (replacing this tab's entries, keeping the others'),
@@ -906,6 +917,7 @@ class Page {
   // where the run has them. `restore`: the state from the URL (its selection is the run's own).
   async open(model, keep = false, restore = false) {
     hideTooltip();
+    this.opening = model;  // until it is all drawn (the browser tests wait for it)
     const started = performance.now();
     const stat = this.wantedStat ?? this.statSelect.value;
     this.wantedStat = undefined;
@@ -951,6 +963,7 @@ class Page {
     await Promise.all([this.drawAttention(), ...Object.values(this.tables).map((card) => card.show(this, keep))]);
     if (this.selection) await this.select(this.selection.module, this.selection.step);
     this.openTook = performance.now() - started;
+    if (this.opening === model) this.opening = null;
   }
 
   // Whether the run shown has a module (or parameter) of that name.
