@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -21,7 +22,16 @@ from typing import Any
 import health_runs
 import numpy as np
 import pytest
-from conftest import get, read_run, read_tags, read_tensors, read_text, tensorboard, wait_until_loaded
+from conftest import (
+    TENSORBOARD_READY_S,
+    get,
+    read_run,
+    read_tags,
+    read_tensors,
+    read_text,
+    tensorboard,
+    wait_until_loaded,
+)
 from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
 from tensorboard.context import RequestContext
 from tensorboard.plugins import base_plugin
@@ -385,3 +395,41 @@ def test_the_scales_are_the_statistics_declarations(server) -> None:
     }
     held = {stat.split("/")[1] for r in get(server, f"{ROUTE}/runs") for stat in r["stats"]}  # type: ignore[union-attr, index]
     assert held <= set(scales)  # type: ignore[arg-type]
+
+
+#: The flag docs/dashboard.md gives for reading every value of a run of up to 100,000 logged steps.
+EVERY_VALUE = ("--samples_per_plugin", "scalars=100000,tblog_hooks=100000")
+
+
+def test_the_documented_flag_keeps_every_value_and_the_page_says_when_a_sample_is_read(tmp_path) -> None:
+    assert " ".join(EVERY_VALUE) in (Path(__file__).parents[1] / "docs" / "dashboard.md").read_text()
+    logdir = tmp_path / "runs"
+    health_runs.write_net(logdir / "net")
+    with SummaryWriter(logdir / "many") as writer:  # more logged steps than TensorBoard keeps by default
+        for step in range(1200):
+            writer.add_scalar("gradient/norm/0", 1.0 + step % 3, step)
+    tables = read_tensors(logdir / "net", HEADS_TABLE_TAG)
+    assert len(tables) > 10  # more than TensorBoard keeps of a tensor tag by default
+    with tensorboard(logdir, *EVERY_VALUE) as url:
+        wait_until_loaded(url, logdir)
+        assert get(url, f"{ROUTE}/heads", run="net")["steps"] == sorted(tables)  # type: ignore[index]
+        doc = get(url, f"{ROUTE}/heatmap", run="many", tag="gradient/norm")
+        assert len(doc["steps"]) == 1200 and doc["sampled"] is False  # type: ignore[index]
+        assert get(url, f"{ROUTE}/modules", run="many")["sampled"] is False  # type: ignore[index]
+    with tensorboard(logdir) as url:  # TensorBoard's defaults: 1,000 values of a scalar tag
+        deadline = time.monotonic() + TENSORBOARD_READY_S
+        while not any(r["run"] == "many" and r["max_step"] == 1199 for r in _runs(url)):
+            assert time.monotonic() < deadline, "tensorboard did not load the run"
+            time.sleep(0.5)
+        doc = get(url, f"{ROUTE}/heatmap", run="many", tag="gradient/norm")
+        assert len(doc["steps"]) == 1000 and doc["sampled"] is True  # type: ignore[index]
+        modules = get(url, f"{ROUTE}/modules", run="many")
+        assert modules["sampled"] is True and modules["logged_steps"] == 1000  # type: ignore[index]
+        assert get(url, f"{ROUTE}/modules", run="net")["sampled"] is False  # type: ignore[index]
+
+
+def _runs(url: str) -> list[dict[str, Any]]:
+    try:
+        return get(url, f"{ROUTE}/runs")  # type: ignore[return-value]
+    except (urllib.error.URLError, ConnectionError):
+        return []  # not listening yet

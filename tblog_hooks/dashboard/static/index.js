@@ -981,7 +981,7 @@ class Page {
       parts.push(`TensorBoard kept a sample of ${(table?.logged_steps ?? steps.length).toLocaleString()} of this run's logged steps (steps ${steps[0]} to ${steps[steps.length - 1]}, more were written): the heatmap shows them and the findings are judged on them.`);
     }
     this.sampling.style.display = parts.length ? '' : 'none';
-    this.sampling.textContent = parts.length ? `${parts.join(' ')} tblog-hooks report reads every value; or start TensorBoard with --samples_per_plugin scalars=0,tblog_hooks=0.` : '';
+    this.sampling.textContent = parts.length ? `${parts.join(' ')} tblog-hooks report reads every value; or start TensorBoard with --samples_per_plugin scalars=100000,tblog_hooks=100000.` : '';
     this.findingsHint.textContent = table?.sampled ? `judged on TensorBoard's sample of ${table.logged_steps.toLocaleString()} logged steps · click one (or Enter) to see its cell` : 'click one (or Enter) to see its cell';
   }
 
