@@ -402,3 +402,37 @@ def test_a_browser_reload_keeps_the_run_statistic_comparison_and_selection(page)
 
 def test_no_errors_in_the_browser(page, console) -> None:
     assert console == []
+
+
+def test_a_tab_opened_before_any_run_shows_the_first_and_says_it_is_sampled(playwright_api, tmp_path) -> None:
+    logdir = tmp_path / "runs"
+    logdir.mkdir()
+    with tensorboard(logdir) as url, playwright_api() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            tab = browser.new_page(viewport={"width": 1400, "height": 1000})
+            deadline = time.monotonic() + TENSORBOARD_READY_S
+            while True:
+                try:
+                    get(url, "/data/plugin/tblog_hooks/runs")
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "tensorboard did not start"
+                    time.sleep(0.5)
+            tab.goto(f"{url}/#tblog_hooks")
+            frame(tab).locator("#no-runs").wait_for(timeout=READY_MS)
+            with SummaryWriter(logdir / "many") as writer:  # more logged steps than TensorBoard keeps
+                for step in range(1200):
+                    writer.add_scalar("gradient/norm/0", 1.0 + step % 3, step)
+            while not get(url, "/data/plugin/tblog_hooks/runs"):
+                assert time.monotonic() < deadline + TENSORBOARD_READY_S, "tensorboard did not load the run"
+                time.sleep(0.5)
+            tab.locator("app-header-reload button.reload-button").click()  # TensorBoard's own reload
+            frame(tab).locator("#modules table").wait_for(timeout=READY_MS)
+            sampling = frame(tab).locator("#sampling")
+            sampling.wait_for(timeout=READY_MS)
+            assert "a sample of 1,000 of this run's logged steps" in sampling.inner_text()
+            assert "scalars=100000" in sampling.inner_text()
+            assert "sample of 1,000 logged steps" in frame(tab).locator("#findings-hint").inner_text()
+        finally:
+            browser.close()
