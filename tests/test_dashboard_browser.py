@@ -389,6 +389,8 @@ def test_a_browser_reload_keeps_the_run_statistic_comparison_and_selection(page)
     frame(page).locator("#compare").select_option(label="net")
     frame(page).locator('#modules tbody tr[data-module="2"]').click()
     assert "p.tblog_hooks.run=gan%20%5BG%5D" in page.url
+    drawn = "page.seriesTitle.textContent === 'Module 2' && !page.opening && page.compare.marks.length"
+    _wait(page, drawn)  # nothing in flight that the reload would abort
     page.reload()
     frame(page).locator("#modules table").wait_for(timeout=READY_MS)
     _wait(page, "page.analysis && page.selection")
@@ -404,13 +406,12 @@ def test_no_errors_in_the_browser(page, console) -> None:
     assert console == []
 
 
-def test_a_tab_opened_before_any_run_shows_the_first_and_says_it_is_sampled(playwright_api, tmp_path) -> None:
+def test_a_tab_opened_before_any_run_shows_the_first_and_says_it_is_sampled(page, tmp_path) -> None:
     logdir = tmp_path / "runs"
     logdir.mkdir()
-    with tensorboard(logdir) as url, playwright_api() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    with tensorboard(logdir) as url:
+        tab = page.context.browser.new_page(viewport={"width": 1400, "height": 1000})  # the fixture's browser
         try:
-            tab = browser.new_page(viewport={"width": 1400, "height": 1000})
             deadline = time.monotonic() + TENSORBOARD_READY_S
             while True:
                 try:
@@ -435,4 +436,4 @@ def test_a_tab_opened_before_any_run_shows_the_first_and_says_it_is_sampled(play
             assert "scalars=100000" in sampling.inner_text()
             assert "sample of 1,000 logged steps" in frame(tab).locator("#findings-hint").inner_text()
         finally:
-            browser.close()
+            tab.close()
