@@ -557,10 +557,10 @@ function lineChart({ steps, values, width = 300, height = 130, log = false, mark
     ctx.strokeStyle = '#eeeeee';
     ctx.textAlign = 'right';
     ctx.textBaseline = 'middle';
-    for (const t of [0, 0.5, 1]) {
+    for (const [t, text] of distinct([0, 0.5, 1], (t) => (log ? 10 ** (lo + t * (hi - lo)) : lo + t * (hi - lo)))) {
       const y = lo + t * (hi - lo);
       ctx.beginPath(); ctx.moveTo(pad.l, Y(y)); ctx.lineTo(width - pad.r, Y(y)); ctx.stroke();
-      ctx.fillText(format(log ? 10 ** y : y), pad.l - 4, Y(y));
+      ctx.fillText(text, pad.l - 4, Y(y));
     }
     ctx.textAlign = 'center';
     ctx.textBaseline = 'top';
