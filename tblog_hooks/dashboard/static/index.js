@@ -1013,6 +1013,7 @@ class Page {
     if (this.analysis) this.showSampling();
     if (other && other !== model) {
       this.compareTitle.textContent = compared ? `${other.name} · ${stat} · same step axis and colour scale` : `${other.name} holds no ${stat}`;
+      import('./compare.js').then((m) => m.showDifference(this, otherShown && other, stat, shown, otherShown));
       if (otherShown) {
         this.compare.set(otherShown, stat, [], scale);
         const found = await fetchJson('findings', { run: other.run, prefix: other.prefix }).catch(() => []);
@@ -1162,3 +1163,6 @@ export async function render() {
     throw error;
   }
 }
+
+// For the difference view (compare.js), which draws with the same pieces.
+export { Heatmap, Scale, el, escapeHtml, fetchJson, format, legend, showTooltip };
