@@ -43,7 +43,6 @@ class ActivationRecorder:
         recipe = buffer.recipe
         self._output, self._image = recipe[Source.OUTPUT], recipe[Source.IMAGE]
         self._input = recipe[Source.INPUT if inputs else Source.NONFINITE_INPUT]
-        self._numeric_output = recipe.numerics.get(Source.OUTPUT) if numerics is not None else None
         self.activations, self.inputs, self.feature_maps = activations, inputs, feature_maps
         self.passes = PassFilter(eval_passes=eval_passes)
         #: Per watched module, the dim of its outputs that holds its units (``reductions.units_dim``).
@@ -91,8 +90,6 @@ class ActivationRecorder:
                 if self.activations and counted.activations:
                     for t, split in pieces:
                         self._remember(mode, t, mode.record(self._output, name, t, units, split))
-                        if self._numeric_output is not None:
-                            mode.measure(self._numeric_output, name, t, units, split)
                     if self.numerics is not None and not mode.compiled:
                         self.numerics.see(pieces[0][0].device.type)
             if counted.gradients and self.gradients is not None:
