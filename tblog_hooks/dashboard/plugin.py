@@ -22,11 +22,11 @@ from tensorboard.context import RequestContext
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
-from ..stats.tags import HEADS_TABLE_TAG, NUMERICS_TABLE_TAG, split_prefix
+from ..stats.tags import HEADS_TABLE_TAG, NUMERICS_TABLE_TAG, TABLE_PLUGIN, split_prefix
 from . import documents
 from .source import Model, Source, names_of
 
-PLUGIN_NAME = "tblog_hooks"
+PLUGIN_NAME = TABLE_PLUGIN
 _STATIC = {"/index.js": "application/javascript", "/style.css": "text/css"}
 
 #: What TensorBoard serves a route with: a WSGI application.
