@@ -158,6 +158,15 @@ def grad_scale(optimizer: torch.optim.Optimizer) -> Tensor | None:
     return scale if isinstance(scale, Tensor) else None
 
 
+def unscaled(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the scaler's ``unscale_`` divided ``optimizer``'s gradients by the loss scale this
+    step (its per-optimizer ``stage``, between ``unscale_`` or ``step()`` and ``update()``)."""
+    from torch.amp.grad_scaler import OptState
+
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    return state is not None and state["stage"] is not OptState.READY
+
+
 def found_inf(scaler: torch.amp.GradScaler) -> list[Tensor]:
     """The scaler's inf/NaN flags of this step, per optimizer and device, between its ``step()``
     and ``update()`` (``_per_optimizer_states``); empty otherwise."""

@@ -134,9 +134,9 @@ def declared_tags() -> dict[str, set[str]]:
     per_module = (
         *(k for s, k in full.kinds.items() if s not in on_params),
         counted[Source.NONFINITE_INPUT],
-        *(k for s, k in full.numerics.items() if s not in on_params),
+        *(k for s, k in full.numerics.items() if s not in (*on_params, Source.FP8_WEIGHT)),
     )
-    per_parameter = (*(full[s] for s in on_params), full.numerics[Source.PARAM_GRAD])
+    per_parameter = (*(full[s] for s in on_params), full.numerics[Source.PARAM_GRAD], full.numerics[Source.FP8_WEIGHT])
 
     def stat(name: str) -> str:  # a per-format statistic with the format's placeholder
         fmt = format_of(name)

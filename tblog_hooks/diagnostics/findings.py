@@ -90,23 +90,29 @@ class Thresholds:
     zero_steps: int = 3
     #: ``amp_skipped_steps``: the ``GradScaler`` skipped this many logged steps in a row.
     skipped_steps: float = 20
-    #: ``attention_logit_growth``: with ``attention=``, a module's max attention logit is above this
-    #: (a key whose logit is 30 above the others takes all the weight among 1e12 keys) ...
-    attention_logit: float = 30.0
-    #: ... or above this multiple of the median of its latest ``growth_window`` logged steps without
-    #: the finding, and above ``attention_floor`` ...
-    attention_growth: float = 100.0
+    #: ``attention_logit_growth``: with ``attention=``, if you set it, the magnitude of a module's
+    #: max attention logit is above this (off by default: qk-layernorm runs that learn let their
+    #: logits creep to 30-40, some pretrained LLMs run with more) ...
+    attention_logit: float = math.inf
+    #: ... or at least this multiple of the lowest magnitude it had over its latest ``growth_window``
+    #: logged steps without the finding (that lowest taken as 1 where smaller), and above
+    #: ``attention_floor`` ...
+    attention_growth: float = 20.0
     #: ... below which a max logit is never called growth: max logits start near 0.1 and grow
     #: tenfold as training begins, while attention stays soft.
     attention_floor: float = 10.0
     #: ``attention_entropy_collapse``: a module's (in the live logger: a head's) mean attention entropy is below
-    #: this many nats (``exp(0.3)``: each query spreads its attention over about 1.35 keys).
+    #: this many nats (``exp(0.3)``: each query spreads its attention over about 1.35 keys) while its
+    #: logits have grown ``attention_growth``-fold (a head that learned to copy with logits of the
+    #: size it started with is not a collapse).
     attention_entropy: float = 0.3
     #: ``fp16_gradient_underflow``: with fp16 written by ``numerics=``, this fraction of a module's
-    #: output gradient is lost to zero in fp16 at the step's loss scale.
+    #: output gradient is lost to zero in fp16 at the step's loss scale (counted where a cast makes
+    #: it zero; estimated from the share at fp16's smallest subnormal where it is fp16 already).
     fp16_underflow: float = 0.01
-    #: ``fp8_underflow``: with e4m3 or e5m2 written, this fraction of a module's output (e4m3) or
-    #: output gradient (e5m2) is lost to zero after per-tensor scaling to its max |x| ...
+    #: ``fp8_underflow``: with e4m3 or e5m2 written, this fraction of what fp8 training casts of a
+    #: watched Linear, its input or weight (e4m3) or its output gradient (e5m2), is lost to zero
+    #: after per-tensor scaling to its max |x| ...
     fp8_underflow: float = 0.01
     #: ... ``fp8_overflow``: more than this fraction becomes NaN/Inf in that cast.
     fp8_overflow: float = 0.0
@@ -199,6 +205,10 @@ class Trailing:
     def median(self) -> float:
         """The median of the values kept; NaN before the first."""
         return statistics.median(self.values) if self.values else math.nan
+
+    def lowest(self) -> float:
+        """The smallest of the values kept; NaN before the first."""
+        return min(self.values) if self.values else math.nan
 
     def __len__(self) -> int:
         return len(self.values)
