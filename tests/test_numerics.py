@@ -362,7 +362,7 @@ def test_parameter_gradients_unscaled_for_the_optimizer_are_judged_at_the_loss_s
         (("fp32",), "unknown format(s) ['fp32']"),
         (("fp16", "fp16"), "a format named twice"),
         ((), "a non-empty tuple"),
-        (None, "got None"),
+        ("off", "got 'off'"),
         (1, "got 1"),
     ],
 )

@@ -82,6 +82,8 @@ class ActivationRecorder:
             counted = self.passes.classify(name, training, mode.in_backward())
             if not any(counted):
                 return None
+            if counted.gradients and self.gradients is not None and not mode.compiled:
+                self.parallel.check_gradient(module)
             units = self.units.get(name, -1)
             tensors = loggable_leaves(output)
             if not tensors:

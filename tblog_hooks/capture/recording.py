@@ -75,7 +75,7 @@ class Recording:
             AttentionRecorder(
                 self.buffer, model, config.attention, eval_passes=config.eval_passes, parallel=self.parallel
             )
-            if config.attention is not False
+            if config.attention is not False and config.attention is not None
             else None
         )
         #: With ``optimizer=``, parameters are read when an optimizer steps them; else during backward.

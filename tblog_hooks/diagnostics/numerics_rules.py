@@ -66,13 +66,13 @@ class NumericsRules:
         return judged, found
 
     def _massive(self, step: int, scalars: Mapping[str, float], amax: Mapping[str, float]) -> Candidates:
-        """Activations whose max |x| is above ``massive_value`` and ``massive_ratio`` times their
+        """Activations whose max |x| is above ``massive_activation`` and ``massive_ratio`` times their
         median |x|; not of a mostly-zero output (median 0: a ReLU's), whose ratio means nothing."""
         t = self.thresholds
         found: Candidates = {}
         for m, peak in amax.items():
             median = scalars.get(tag(Root.ACTIVATION, Stat.MEDIAN_ABS, m), math.nan)
-            if not (median > 0 and peak > t.massive_value and peak > t.massive_ratio * median):
+            if not (median > 0 and peak > t.massive_activation and peak > t.massive_ratio * median):
                 continue
             channel = scalars.get(tag(Root.ACTIVATION, Stat.AMAX_CHANNEL, m))
             where = "" if channel is None else f" in channel {channel:.0f}"
@@ -90,7 +90,7 @@ class NumericsRules:
     def _fp16(
         self, step: int, scalars: Mapping[str, float], order: Sequence[str], underflow: Mapping[str, float]
     ) -> Candidates:
-        """Modules whose output gradients lose at least ``fp16_underflow`` of their elements to
+        """Modules whose output gradients lose at least ``fp16_gradient_underflow`` of their elements to
         zero in fp16 at the step's loss scale. Counted: the elements the cast makes zero that were
         not (``gradient/underflow_fp16``); zeros already there (a ReLU's, a zero-initialised
         branch's) are not losses. Where the cast makes none zero, as of a gradient computed in fp16
@@ -106,7 +106,7 @@ class NumericsRules:
             fraction, estimated = (underflow[m], False) if underflow[m] > 0 else (floor, True)
             if scalars.get(tag(Root.GRADIENT, Stat.AMAX, m)) == 0:
                 fraction = 1.0
-            if fraction >= self.thresholds.fp16_underflow:
+            if fraction >= self.thresholds.fp16_gradient_underflow:
                 lost[m] = (fraction, estimated)
         if not lost:
             return {}
