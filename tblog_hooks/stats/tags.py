@@ -197,7 +197,8 @@ ORDER_TAG = tag(Root.HEALTH, "forward_order")
 #: gradients, each format's underflow, overflow, subnormal and floor fractions, :class:`Lost`);
 #: each with its rows' module names in the string tensor :func:`rows_tag`.
 HEADS_TABLE_TAG, NUMERICS_TABLE_TAG = tag(Root.HEALTH, "attention_heads"), tag(Root.HEALTH, "numerics")
-#: The plugin the value tables are written for (the dashboard's; TensorBoard's other tabs skip them).
+#: The dashboard plugin's name, declared once: the value tables are written for it (TensorBoard's
+#: other tabs skip them), and it titles the custom-scalars layout.
 TABLE_PLUGIN = "tblog_hooks"
 
 
