@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 
 from .._compat import in_backward, step_closure
 from ..errors import HookLoggerError
-from ..stats.reductions import loggable, norms
+from ..stats.reductions import loggable, stacked_norms
 from ..topology.sharding import is_dtensor, is_partial, local
 from ..transport import amp
 from ..transport.distributed import rank_and_world
@@ -61,7 +61,7 @@ class StepNorms:
         self._stepped: dict[int, Tensor] = {}  # id(optimizer) -> its per-module squares this step
         self._device = torch.device("cpu")  # of the squares
         self._after: set[int] = set()  # optimizers stepping with a closure: read after their step
-        self._host: Tensor | None = None  # [steps, modules + 1] float32, pinned on CUDA
+        self._host: Tensor | None = None  # [steps, modules + 1] float64, pinned on CUDA
         self._pinned = False
         # (step, row, the copies' events (none on the CPU), whether a loss was given)
         self._pending: deque[tuple[int, int, tuple[torch.cuda.Event, ...], bool]] = deque()
@@ -149,7 +149,7 @@ class StepNorms:
             if stepped:
                 rows = torch.stack(on_one_device(stepped)).sum(0).view(blocks, len(self.modules))
             else:  # (this rank stepped nothing it watches, or stopped watching: it joins with zeros)
-                rows = torch.zeros(blocks, len(self.modules), device=self._device)
+                rows = torch.zeros(blocks, len(self.modules), dtype=torch.float64, device=self._device)
             for block, groups in enumerate(self._group_sets.values(), 1):
                 for group in groups:
                     dist.all_reduce(rows[block], group=group)
@@ -206,7 +206,7 @@ class StepNorms:
     def _squares(self, grads: list[Tensor], slots: tuple[int, ...], scale: Tensor | None) -> Tensor:
         """Per-module sums of the squared gradient norms (over the shard groups too), on the device."""
         with torch.no_grad():
-            squares = torch.stack(on_one_device(norms(grads))).float().square()
+            squares = stacked_norms(grads).square()
             device = squares.device
             index = self._indices.get(slots)
             if index is None:
@@ -214,7 +214,7 @@ class StepNorms:
             self._device = device
             sums = squares.new_zeros((1 + len(self._group_sets)) * len(self.modules)).index_add_(0, index, squares)
             if scale is not None:  # a fused optimizer's gradients, still scaled
-                sums = sums / scale.to(device).reshape(()).float().square()
+                sums = sums / scale.to(device).reshape(()).double().square()
             return sums
 
     def _copy(self, step: int, sums: Tensor | None, loss: Tensor | float | None) -> None:
@@ -224,7 +224,7 @@ class StepNorms:
         if self._host is None or (cuda and not self._pinned):
             # Pinned once a CUDA tensor comes (a first step without an optimizer step has none):
             # a copy into pageable memory blocks.
-            ring = torch.empty((self.steps, width), dtype=torch.float32, pin_memory=cuda)
+            ring = torch.empty((self.steps, width), dtype=torch.float64, pin_memory=cuda)
             if self._host is not None:
                 ring.copy_(self._host)  # (rows of CPU values: their copies are done)
             self._host, self._pinned = ring, cuda

@@ -285,7 +285,7 @@ GRADIENT.declare(
         fields=(Field(name="norm", pool=NORM),),
         stats=(Stat.NORM,),
         scalars=lambda v, n: {Stat.NORM: float(v["norm"][0])},
-        compute=lambda g, units: {"norm": torch.linalg.vector_norm(g, dtype=reductions.acc_dtype(g.dtype))},
+        compute=lambda g, units: {"norm": reductions.norm(g)},
         scaled=True,
     )
 )
