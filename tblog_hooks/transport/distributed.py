@@ -56,6 +56,13 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def collective_device() -> torch.device:
+    """Where a tensor for the default process group's collectives lives: the current CUDA device
+    under NCCL, else the CPU (gloo)."""
+    backend = str(dist.get_backend())
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+
+
 class Told(NamedTuple):
     """What one rank told the others about its logged step (see :meth:`Ranks.agree`)."""
 
