@@ -333,15 +333,16 @@ class _HandWritten:
 def test_nothing_to_judge_holds_nothing_and_is_said_once(tmp_path) -> None:
     model = mlp(16, 32, 4, seed=0)
     opt = _HandWritten(list(model.parameters()))
-    with pytest.warns(
-        UserWarning, match=r"nothing to judge for 20 steps: no torch\.optim optimizer .*hooks\.step\(loss=loss\)"
-    ) as said:
-        with HookLogger(model, log_dir=tmp_path, every=1000, spikes=True) as hooks:
-            for _ in range(400):
-                nn.functional.cross_entropy(model(_teacher()[0]), _teacher()[1]).backward()
-                opt.step()
-                hooks.step()  # no loss
-            assert _largest_container(hooks._spikes) < 100
+    said_once = r"nothing to judge for 20 steps: no torch\.optim optimizer .*hooks\.step\(loss=loss\)"
+    with (
+        pytest.warns(UserWarning, match=said_once) as said,
+        HookLogger(model, log_dir=tmp_path, every=1000, spikes=True) as hooks,
+    ):
+        for _ in range(400):
+            nn.functional.cross_entropy(model(_teacher()[0]), _teacher()[1]).backward()
+            opt.step()
+            hooks.step()  # no loss
+        assert _largest_container(hooks._spikes) < 100
     assert len([w for w in said if "nothing to judge" in str(w.message)]) == 1
     assert _largest_container(hooks._spikes) < 100
 
@@ -355,13 +356,15 @@ def test_after_the_norms_fail_nothing_is_held(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(StepNorms, "_squares", broken)
     model = mlp(16, 32, 4, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with pytest.warns(RuntimeWarning, match="reading the per-step gradient norms failed"):
-        with HookLogger(model, log_dir=tmp_path, every=1000, spikes=True) as hooks:
-            for _ in range(400):
-                nn.functional.cross_entropy(model(_teacher()[0]), _teacher()[1]).backward()
-                opt.step()
-                opt.zero_grad()
-                hooks.step()
+    with (
+        pytest.warns(RuntimeWarning, match="reading the per-step gradient norms failed"),
+        HookLogger(model, log_dir=tmp_path, every=1000, spikes=True) as hooks,
+    ):
+        for _ in range(400):
+            nn.functional.cross_entropy(model(_teacher()[0]), _teacher()[1]).backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step()
     assert _largest_container(hooks._spikes) < 100
 
 
