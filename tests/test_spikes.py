@@ -3,6 +3,7 @@ attributed to a module, the steps after them logged in full, at a fixed handful 
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter, deque
 from pathlib import Path
@@ -265,6 +266,34 @@ def test_a_one_sample_last_batch_is_not_judged(tmp_path) -> None:
     assert samples == {s: 1.0 if s % 3 == 2 else 32.0 for s in range(120)}
     (run,) = report.load_all(tmp_path, "run")  # the report judges the steps the logger judged
     assert [(f.kind, f.step, f.module) for f in report.findings(run) if f.kind in SPIKE_KINDS] == spikes
+
+
+def test_the_report_judges_a_small_batch_as_the_live_logger(tmp_path, capsys) -> None:
+    """A one-sample batch right after a spike, inside the stretch of written per-module norms, then
+    a spike of one module's own norm: the report goes on judging the stretch through the small
+    batch, as the live logger does, and finds what it found."""
+    model = mlp(16, 32, 32, 32, 4, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    with HookLogger(model, log_dir=tmp_path, every=1000, optimizer=opt, spikes=True) as hooks:
+        for step in range(70):
+            x, y = _teacher(batch=1 if step == 61 else 32)
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            if step == 60:
+                model[2].weight.grad.mul_(100)  # a spike: the 64 steps before it and 3 after are written
+            if step == 62:
+                model[0].bias.grad.mul_(300)  # its module's own norm spikes, the global one barely moves
+            opt.step()
+            opt.zero_grad()
+            hooks.step(loss=loss)
+        live = hooks.findings
+    assert [(f.kind, f.step, f.module) for f in live] == [("gradient_spike", 60, "2"), ("gradient_spike", 62, "0")]
+    assert read_run(tmp_path).scalars["step/samples"][61] == 1.0
+    assert main(["report", "--json", str(tmp_path)]) == 0
+    document = json.loads(capsys.readouterr().out)
+    replayed = document["findings"]
+    assert [(f["kind"], f["step"], f["module"]) for f in replayed] == [(f.kind, f.step, f.module) for f in live]
+    assert [f["value"] for f in replayed] == pytest.approx([f.value for f in live], rel=1e-5)
 
 
 def test_loss_spike_without_optimizer_given(tmp_path) -> None:
