@@ -1,8 +1,9 @@
 """Data parallelism on the CPU with gloo (DDP and FSDP2 on two processes, HSDP on four): each rank's
 share of a global batch of four, against one process with the whole batch. Every statistic is one
 process's: the output gradients as of the averaged loss whose gradients the optimizer applies
-(each rank's own are of its own mean loss, world-size times larger), and with ``reduce_ranks=True``
-the samples of a step are those of every rank."""
+(each rank's own are of its own mean loss, world-size times larger; under a loss normalised over
+the global batch with FSDP2's divide factor set to 1, as torchtitan trains, they already are), and
+with ``reduce_ranks=True`` the samples of a step are those of every rank."""
 
 from __future__ import annotations
 
@@ -69,13 +70,21 @@ def _ranks(rank: int, root: str, kind: str) -> None:
     for reduce in (True, False):
         if kind == "ddp":
             model = nn.parallel.DistributedDataParallel(_model())
+        elif kind == "fsdp2_global":  # torchtitan's way: a loss normalised over the global batch, summed
+            model = _sharded()
+            for module in model.modules():
+                if hasattr(module, "set_gradient_divide_factor"):
+                    module.set_gradient_divide_factor(1.0)
+                    module.set_force_sum_reduction_for_comms(True)  # (gloo has no PREMUL_SUM)
+            _train(model, f"{root}/{reduce}", rank, world, divide=world, reduce_ranks=reduce)
+            continue
         else:
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if kind == "hsdp" else None
             model = _sharded(mesh)
         _train(model, f"{root}/{reduce}", rank, world, reduce_ranks=reduce)
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2", "hsdp"])
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2", "hsdp", "fsdp2_global"])
 def test_data_parallel_statistics_are_those_of_one_process(tmp_path: Path, kind: str) -> None:
     world = 4 if kind == "hsdp" else 2
     spawn_ranks(functools.partial(_ranks, kind=kind), tmp_path, world, TIMEOUT)
