@@ -305,7 +305,7 @@ GRADIENT_NORM = Measure(
     fields=(Field(name="norm", pool=NORM),),
     stats=(Stat.NORM,),
     scalars=lambda v, n: {Stat.NORM: float(v["norm"][0])},
-    compute=lambda g, units: {"norm": torch.linalg.vector_norm(g, dtype=reductions.acc_dtype(g.dtype))},
+    compute=lambda g, units: {"norm": reductions.norm(g)},
     scaled=True,
 )
 #: The NaN/Inf count of an output gradient, recorded as it is: a probe's summed records do not
