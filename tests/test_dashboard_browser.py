@@ -389,7 +389,10 @@ def test_a_browser_reload_keeps_the_run_statistic_comparison_and_selection(page)
     frame(page).locator("#compare").select_option(label="net")
     frame(page).locator('#modules tbody tr[data-module="2"]').click()
     assert "p.tblog_hooks.run=gan%20%5BG%5D" in page.url
-    drawn = "page.seriesTitle.textContent === 'Module 2' && !page.opening && page.compare.marks.length"
+    drawn = (
+        "page.seriesTitle.textContent === 'Module 2' && !page.opening && page.compare.marks.length"
+        " && page.difference && !page.difference.pending"
+    )
     _wait(page, drawn)  # nothing in flight that the reload would abort
     page.reload()
     frame(page).locator("#modules table").wait_for(timeout=READY_MS)
