@@ -1,2 +1,83 @@
-"""Fused kernels for a logged step's statistics (``fused.py``, Triton), and the switch that says
-where they run."""
+"""Where a logger computes its statistics: the fused Triton kernels (``fused.py``) or the torch
+reductions (``stats/``), as the ``TBLOG_HOOKS_KERNELS`` environment variable says.
+
+``auto`` (the default): the kernels take CUDA tensors where Triton is importable, torch the rest.
+``triton``: the kernels take CUDA tensors, and CPU tensors too under ``TRITON_INTERPRET=1``
+(Triton's interpreter; Triton has no CPU backend, so without it CPU tensors stay on torch); an
+error at construction where Triton is not importable. ``torch``: the torch reductions only.
+The variable is read once per logger, when it is made. ``fused.py`` is imported only when a
+tensor is first sent to the kernels (or at construction, with ``triton``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+from types import ModuleType
+
+from torch import Tensor
+
+from ..errors import HookLoggerError
+
+#: The environment variable, and its values.
+VARIABLE = "TBLOG_HOOKS_KERNELS"
+CHOICES = ("auto", "triton", "torch")
+
+
+class Kernels:
+    """One logger's choice of path, from ``TBLOG_HOOKS_KERNELS`` when it was made."""
+
+    def __init__(self, choice: str) -> None:
+        if choice not in CHOICES:
+            raise HookLoggerError(
+                f"{VARIABLE}={choice!r} is not a kernel path: set it to one of {', '.join(map(repr, CHOICES))} "
+                "(auto, the default: the Triton kernels for CUDA tensors where Triton is importable)"
+            )
+        self.choice = choice
+        self._fused: ModuleType | None = None
+        self._off = choice == "torch" or (choice == "auto" and importlib.util.find_spec("triton") is None)
+        if choice == "triton":
+            try:
+                self._fused = _import_fused()
+            except ImportError as error:
+                raise HookLoggerError(
+                    f"{VARIABLE}=triton, but Triton is not importable ({error}); install it (it ships with "
+                    "the CUDA builds of torch) or set auto or torch"
+                ) from error
+
+    @classmethod
+    def from_environment(cls) -> Kernels:
+        return cls(os.environ.get(VARIABLE, "auto"))
+
+    def takes(self, t: Tensor) -> bool:
+        """Whether ``t``'s statistics go through the kernels."""
+        if self._off:
+            return False
+        if t.is_cuda:
+            return True
+        return self.choice == "triton" and t.device.type == "cpu" and self.fused.INTERPRETED
+
+    @property
+    def fused(self) -> ModuleType:
+        """``fused.py``, imported on first use."""
+        if self._fused is None:
+            self._fused = _import_fused()
+        return self._fused
+
+    def fail(self, error: BaseException) -> None:
+        """The kernels failed (Triton unusable on this machine): said once, torch from now on."""
+        if not self._off:
+            self._off = True
+            warnings.warn(
+                f"tblog_hooks: the Triton kernels failed ({type(error).__name__}: {error}); the statistics are "
+                f"computed with torch from now on (set {VARIABLE}=torch to choose that from the start)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
+def _import_fused() -> ModuleType:
+    from . import fused
+
+    return fused

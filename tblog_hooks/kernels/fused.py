@@ -94,7 +94,7 @@ def _chan(n1, m1, q1, n2, m2, q2):  # type: ignore[no-untyped-def]
 @triton.jit
 def _reciprocal(x, ACC: tl.constexpr):  # type: ignore[no-untyped-def]
     """``1 / x`` correctly rounded, as ``torch.reciprocal`` (float32 division is approximate on a GPU)."""
-    if ACC == tl.float64:
+    if ACC == tl.float64:  # noqa: SIM300 (a constexpr compared at compile time)
         return 1.0 / x
     else:
         return tl.math.div_rn(1.0, x)
@@ -151,10 +151,10 @@ def _partials(  # type: ignore[no-untyped-def]
     tl.store(counts + 2, tl.sum((valid & (x - x == 0)).to(tl.int32)))
     if NUMERICS:
         for i in tl.static_range(N_UNSCALED):
-            flushed, top, normal = tl.load(const_ptr + 1 + 3 * i), tl.load(const_ptr + 2 + 3 * i), tl.load(const_ptr + 3 + 3 * i)
-            tl.store(counts + 3 + 3 * i, tl.sum((valid & (a <= flushed)).to(tl.int32)))
-            tl.store(counts + 4 + 3 * i, tl.sum((valid & (a <= top)).to(tl.int32)))
-            tl.store(counts + 5 + 3 * i, tl.sum((valid & (a < normal)).to(tl.int32)))
+            bounds = const_ptr + 1 + 3 * i  # flush to zero, max, smallest normal
+            tl.store(counts + 3 + 3 * i, tl.sum((valid & (a <= tl.load(bounds))).to(tl.int32)))
+            tl.store(counts + 4 + 3 * i, tl.sum((valid & (a <= tl.load(bounds + 1))).to(tl.int32)))
+            tl.store(counts + 5 + 3 * i, tl.sum((valid & (a < tl.load(bounds + 2))).to(tl.int32)))
     if UNITS:
         cols = pu * BU + tl.arange(0, BU)
         tl.store(unit_ptr + pr * U + cols, _nan_max(x, ok, nan, -float("inf"), 0), mask=cols < U)
@@ -292,7 +292,8 @@ def _buckets(  # type: ignore[no-untyped-def]
     m = at < N
     v = tl.load(v_ptr + at, mask=m, other=0.0)
     row = tl.load(row_ptr + at, mask=m, other=0)
-    position = tl.floor((v * 0.5 - tl.load(half_start_ptr + row, mask=m, other=0.0)) * tl.load(scale_ptr + row, mask=m, other=0.0))
+    half_start = tl.load(half_start_ptr + row, mask=m, other=0.0)
+    position = tl.floor((v * 0.5 - half_start) * tl.load(scale_ptr + row, mask=m, other=0.0))
     inside = m & (position >= 0) & (position < BINS)
     bucket = row * BINS + tl.where(inside, position, 0.0).to(tl.int64)
     tl.atomic_add(count_ptr + bucket, tl.full([BLOCK], 1, tl.int32), mask=inside)

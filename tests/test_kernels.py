@@ -1,0 +1,255 @@
+"""The fused Triton kernels (``tblog_hooks/kernels/fused.py``) against the torch reductions, in
+Triton's interpreter on CPU tensors (``conftest`` sets ``TRITON_INTERPRET=1`` without a GPU).
+
+Counts, extremes, amax and per-unit peaks equal torch's exactly; the moments (mean, centred norm,
+norm, the powers behind RMS and kurtosis) to float32 rounding: within ``1e-5`` relative (``1e-12``
+for float64 tensors) plus, for the mean, ``1e-6`` of the tensor's RMS (a mean near 0 is the
+difference of large sums, rounded in another order). Every run gives the same bits, deterministic
+algorithms or not (no float atomics). The tensors are small: the interpreter runs each program
+as Python.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_numerics import _tensors
+from torch import Tensor
+
+from tblog_hooks import HookLoggerError
+from tblog_hooks.kernels import VARIABLE, Kernels
+from tblog_hooks.stats import numerics, reductions
+
+fused = pytest.importorskip("tblog_hooks.kernels.fused", reason="Triton is not importable")
+pytestmark = [
+    pytest.mark.skipif(not (torch.cuda.is_available() or fused.INTERPRETED), reason="no GPU, no Triton interpreter"),
+    pytest.mark.filterwarnings("ignore::RuntimeWarning:numpy"),  # (the interpreter's NaN/Inf arithmetic)
+    pytest.mark.filterwarnings("ignore::RuntimeWarning:triton"),
+]
+
+#: Values a kernel must give exactly (the rest are sums, rounded in another order).
+EXACT = {*fused.COUNTS, "min", "max", "amax", "ref", "peak", "unit_amax"}
+
+
+def reference(x: Tensor, units: int, *, per_unit: bool, with_numerics: bool) -> dict[str, Tensor]:
+    """The torch reductions' values of ``x``, by the names the kernels give them."""
+    out = {
+        **reductions.mean_and_centred_norm(x, units),
+        **reductions.extremes(x, units),
+        "nonzero": torch.count_nonzero(x),
+        "finite": reductions.finite(x),
+        "nonfinite": reductions.nonfinite(x),
+        "norm": torch.linalg.vector_norm(x, dtype=reductions.acc_dtype(x.dtype)),
+    }
+    if per_unit:
+        out.update(reductions.unit_peaks(x, units))
+    if with_numerics:
+        out.update(numerics.measure(x, units, channels=per_unit))
+        del out["median"]  # (a selection: the torch path keeps it)
+    return out
+
+
+def assert_same(got: dict[str, Tensor], x: Tensor, want: dict[str, Tensor]) -> None:
+    rtol = 1e-12 if x.dtype == torch.float64 else 1e-5
+    rms = x.double().square().mean().sqrt().item()
+    for name, w in want.items():
+        g, w = got[name].double(), w.double()
+        assert g.shape == w.shape, name
+        if name in EXACT:
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True, msg=name)
+        else:
+            atol = 1e-6 * rms if name == "mean" and math.isfinite(rms) else 0.0
+            torch.testing.assert_close(g, w, rtol=rtol, atol=atol, equal_nan=True, msg=name)
+
+
+def _check(x: Tensor, units: int = -1) -> None:
+    for per_unit, with_numerics in ((False, False), (True, True)):
+        got = fused.statistics(x, units, per_unit=per_unit, numerics=with_numerics)
+        assert_same(got, x, reference(x, units, per_unit=per_unit, with_numerics=with_numerics))
+
+
+SHAPES = {"one": ((1,), -1), "vector": ((1000,), -1), "rows": ((16, 300), -1), "channels first": ((4, 70, 5, 3), 1)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_random_tensors_equal_torch(shape: str, dtype: torch.dtype) -> None:
+    size, units = SHAPES[shape]
+    g = torch.Generator().manual_seed(0)
+    _check((torch.randn(size, generator=g) * 3 + 1).to(dtype), units)
+
+
+def _special() -> dict[str, Tensor]:
+    nan, inf = math.nan, math.inf
+    g = torch.Generator().manual_seed(1)
+    one_unit_nan = torch.randn(5, 4, generator=g)
+    one_unit_nan[2, 1] = nan
+    return {
+        "nan": torch.tensor([[nan, 1.0, -2.0], [0.0, 3.0, 4.0]]),
+        "inf": torch.tensor([[inf, 1.0], [-2.0, 0.0]]),
+        "both infinities": torch.tensor([-inf, inf, 1.0]),
+        "all nan": torch.full((2, 3), nan),
+        "zero": torch.zeros(1),
+        "float32 subnormals": torch.tensor([[1e-40, -1e-41, 0.0], [1e-45, 2e-38, -3e-39]]),
+        "large mean": 1e4 + torch.randn(64, 8, generator=g),
+        "nan in one unit": one_unit_nan,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(_special()))
+def test_special_values_equal_torch(name: str) -> None:
+    _check(_special()[name])
+
+
+@pytest.mark.parametrize("name", list(_tensors()))
+def test_the_numerics_boundary_tensors_equal_torch(name: str) -> None:
+    """``test_numerics``' tensors: magnitudes a few ulps around every format's rounding
+    boundaries, 1e-45 to 1e35, NaN/Inf, 16-bit gradients, a massive channel."""
+    x = _tensors()[name]
+    _check(x.reshape(-1, 32) if x.numel() % 32 == 0 else x)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiles of 64 elements and 4 units, 4 partials combined at a time: every loop and lane of
+    the combining runs."""
+    for name, value in (("BLOCK", 64), ("TILE_UNITS", 4), ("CHUNK", 4), ("UNIT_CHUNK", 4)):
+        monkeypatch.setattr(fused, name, value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_many_tiles_combine_as_one(small_blocks: None, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 10, 13, generator=g) * 2 - 5).to(dtype)
+    x[1, 3, 4] = 0.0
+    _check(x, 1)
+    _check(x, -1)
+
+
+def test_many_tiles_with_nan_and_inf(small_blocks: None) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 30, generator=g)
+    x[7, 5], x[11, 29] = math.nan, math.inf
+    _check(x)
+
+
+def test_the_same_bits_on_every_run_and_under_deterministic_algorithms(small_blocks: None) -> None:
+    x = torch.randn(24, 40, generator=torch.Generator().manual_seed(4)) * 1e3
+    first = fused.statistics(x, -1, per_unit=True, numerics=True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        again = fused.statistics(x, -1, per_unit=True, numerics=True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, value in first.items():
+        assert torch.equal(value, again[name]) or (value.isnan().all() and again[name].isnan().all()), name
+
+
+def test_bucket_counts_equal_histc_and_the_deterministic_count() -> None:
+    """The step's histogram counts: each value's bucket in its row, as ``binning.bin_rows``
+    positions it, counted as ``histc`` and the sort-and-search of deterministic mode count."""
+    from tblog_hooks.stats.binning import BINS, _counts
+
+    g = torch.Generator().manual_seed(5)
+    values = torch.randn(3000, generator=g) * 4
+    values[2000:] = 0.5  # a constant row
+    values[::97] = math.nan
+    values[5], values[6] = math.inf, -math.inf
+    rows = torch.arange(3).repeat_interleave(1000)
+    finite = values.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).view(3, 1000)
+    lo, hi = finite.amin(1), finite.amax(1)  # (as bin_rows ranges its rows: every value is inside)
+    half_span = torch.where(hi > lo, (hi / 2 - lo / 2), 0.5)
+    start = torch.where(hi > lo, lo, lo - 0.5)
+    scale = BINS * (1 - 2**-16) / half_span
+    position = (values * 0.5 - (start / 2)[rows]) * scale[rows]
+    position = position.floor() + (rows * BINS + 0.5)
+    got = fused.bucket_counts(values, rows, start / 2, scale, BINS)
+    assert got.dtype == torch.int32 and got.shape == (3, BINS)
+    want = _counts(position, 3 * BINS).view(3, BINS)
+    assert torch.equal(got.double(), want.double())
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.equal(got.double(), _counts(position, 3 * BINS).view(3, BINS).double())
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_compiled_code_traces_the_kernels_as_one_op() -> None:
+    """Under ``torch.compile`` (fullgraph: no graph break) the custom op's fake implementation
+    gives the shapes, and the compiled call gives the eager values."""
+    x = torch.randn(6, 10, generator=torch.Generator().manual_seed(6))
+
+    def stats(t: Tensor) -> dict[str, Tensor]:
+        return fused.statistics(t, -1, per_unit=True, numerics=True)
+
+    compiled = torch.compile(stats, fullgraph=True, backend="aot_eager")
+    got, want = compiled(x), stats(x)
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+# -- the switch --------------------------------------------------------------------------------------
+def test_the_switch_refuses_an_unknown_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(VARIABLE, "cuda")
+    with pytest.raises(HookLoggerError, match=r"TBLOG_HOOKS_KERNELS='cuda' .*'auto', 'triton', 'torch'"):
+        Kernels.from_environment()
+
+
+def test_the_switch_says_which_tensors_the_kernels_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.zeros(3)
+    for choice, takes in (("torch", False), ("auto", False), ("triton", fused.INTERPRETED)):
+        monkeypatch.setenv(VARIABLE, choice)
+        assert Kernels.from_environment().takes(cpu) is takes, choice
+    monkeypatch.delenv(VARIABLE)
+    assert Kernels.from_environment().choice == "auto"
+
+
+def test_triton_without_triton_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tblog_hooks.kernels
+
+    monkeypatch.delattr(tblog_hooks.kernels, "fused")
+    monkeypatch.setitem(sys.modules, "tblog_hooks.kernels.fused", None)  # (an import of it fails)
+    with pytest.raises(HookLoggerError, match="TBLOG_HOOKS_KERNELS=triton, but Triton is not importable"):
+        Kernels("triton")
+
+
+# -- on a GPU ----------------------------------------------------------------------------------------
+_COMPILE = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from tblog_hooks.kernels import fused as f
+
+def compile(fn, signature, constants):
+    signature = dict(signature, **{name: "constexpr" for name in constants})
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constants)
+    assert "cubin" in triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm
+
+for x, acc in (("*bf16", tl.float32), ("*fp32", tl.float32), ("*fp64", tl.float64)):
+    a = "*fp64" if acc == tl.float64 else "*fp32"
+    common = dict(ACC=acc, UNITS=True, NUMERICS=True, NF=f._NF, NC=f._NC, N_UNSCALED=len(f._UNSCALED))
+    sizes = {"R": "i64", "U": "i32", "INNER": "i32", "PU": "i32", "PR": "i32"}
+    compile(f._partials, {"x_ptr": x, "part_ptr": a, "count_ptr": "*i32", "unit_ptr": a, "const_ptr": a, **sizes},
+            dict(BR=64, BU=64, **common))
+    compile(f._combine, {"part_ptr": a, "count_ptr": "*i32", "unit_ptr": a, "out_ptr": "*fp64", "cnt_ptr": "*i64",
+                         "per_unit_ptr": "*fp64", "P": "i32", "PR": "i32", "U": "i32", "NUMEL": "i64"},
+            dict(C=1024, CR=32, CU=32, N_COUNTS=len(f.COUNTS), **common))
+    compile(f._scaled_counts, {"x_ptr": x, "out_ptr": "*fp64", "cnt_ptr": "*i64", "const_ptr": a, "NUMEL": "i64"},
+            dict(BLOCK=4096, ACC=acc, N_UNSCALED=len(f._UNSCALED), N_SCALED=len(f._SCALED), FIRST=f._FIRST_SCALED))
+    compile(f._buckets, {"v_ptr": a, "row_ptr": "*i64", "half_start_ptr": a, "scale_ptr": a, "count_ptr": "*i32",
+                         "N": "i64"}, dict(BINS=32, BLOCK=4096))
+print("compiled")
+"""
+
+
+def test_the_kernels_compile_for_a_gpu() -> None:
+    """What the interpreter does not check: every kernel lowers to a cubin for an H100 (sm_90),
+    for 16-bit, float32 and float64 tensors (Triton compiles without a GPU; the interpreter is
+    off in this process)."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
