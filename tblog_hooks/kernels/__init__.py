@@ -65,6 +65,20 @@ class Kernels:
             self._fused = _import_fused()
         return self._fused
 
+    def bucket_counts(
+        self, values: Tensor, rows: Tensor, half_start: Tensor, scale: Tensor, bins: int
+    ) -> Tensor | None:
+        """``fused.bucket_counts`` of the step's histogram values (``binning.bin_rows``), or
+        ``None`` where the kernels do not take them (or failed: torch counts them then)."""
+        if not self.takes(values):
+            return None
+        try:
+            counts: Tensor = self.fused.bucket_counts(values, rows, half_start, scale, bins)
+        except Exception as error:  # (Triton unusable here: a driver, a compiler)
+            self.fail(error)
+            return None
+        return counts
+
     def fail(self, error: BaseException) -> None:
         """The kernels failed (Triton unusable on this machine): said once, torch from now on."""
         if not self._off:
