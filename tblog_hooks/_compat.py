@@ -150,6 +150,14 @@ def initial_scale(scaler: torch.amp.GradScaler) -> float:
     return float(scaler._init_scale)
 
 
+def grad_scale(optimizer: torch.optim.Optimizer) -> Tensor | None:
+    """The loss scale still in ``.grad`` when ``GradScaler.step`` calls an optimizer that unscales
+    inside its own ``step()`` (``fused=True`` Adam, AdamW, SGD): the scaler hands it over as
+    ``optimizer.grad_scale`` for the length of the step (``None`` once ``unscale_`` ran)."""
+    scale = getattr(optimizer, "grad_scale", None)
+    return scale if isinstance(scale, Tensor) else None
+
+
 def found_inf(scaler: torch.amp.GradScaler) -> list[Tensor]:
     """The scaler's inf/NaN flags of this step, per optimizer and device, between its ``step()``
     and ``update()`` (``_per_optimizer_states``); empty otherwise."""

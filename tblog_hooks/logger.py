@@ -17,10 +17,9 @@ from torch import Tensor, nn
 from torch.utils.tensorboard import SummaryWriter
 
 from ._compat import compiled_code_ran, fast_checksum, forward_hooks, is_compiled
-from .capture.hooks import ours
-from .capture.recording import Recording
+from .capture.recording import Recording, ScaleWatch
 from .capture.selection import named_modules, select_modules
-from .capture.watched import Watched
+from .capture.watched import Watched, ours
 from .diagnostics.findings import Finding
 from .diagnostics.per_step import Diagnostics
 from .errors import HookLoggerError
@@ -30,7 +29,6 @@ from .output.event_files import frame
 from .output.outbox import Outbox, WriteError
 from .spike_log import SpikeLog
 from .topology.parallel import TensorParallel
-from .transport import amp
 from .transport.distributed import Ranks, rank_and_world
 
 
@@ -103,7 +101,7 @@ class HookLogger:
         )
         _check_optimizer(config, averaged=averaged, split=split, graded=bool(self._recording.params()))
         scaler = config.scaler
-        self._amp = amp.ScaleWatch(scaler) if scaler is not None and scaler.is_enabled() else None
+        self._amp = ScaleWatch(scaler) if scaler is not None and scaler.is_enabled() else None
         self._ranks = Ranks(reduce=config.reduce_ranks, split=split, lead=parallel.first_of_groups())
         self._diagnostics = Diagnostics(self._module_names, self._recording.forward_order, config.health)
         # Rank 0 writes, into writer= or a writer of its own; another rank only into a writer it was given.

@@ -8,18 +8,23 @@ import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from ._compat import writer_closed
-from .capture.selection import Selector
 from .diagnostics.findings import Thresholds
 from .diagnostics.spikes import Spikes, spikes_option
 from .errors import HookLoggerError
 from .stats import numerics
+from .stats.kinds import Measure
+from .stats.recipe import Recipe
 from .stats.schedule import Histograms, schedule
 from .stats.tags import Root
+
+if TYPE_CHECKING:
+    from .capture.selection import Selector
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +85,10 @@ class Options:
     #: among ``"fp16"``, ``"bf16"``, ``"e4m3"``, ``"e5m2"`` for those; every format is in the
     #: ``health/numerics_*`` pictures. ``False``: off.
     numerics: bool | Sequence[str] = False
+    #: Statistics of one's own (:class:`~tblog_hooks.stats.kinds.Measure`), by the source they
+    #: measure: ``"output"``, ``"input"`` (with ``inputs=True``) or ``"output_gradient"``
+    #: (``docs/architecture.md``, "Adding a statistic"). This logger's only.
+    measures: Mapping[str, Sequence[Measure]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -118,6 +127,7 @@ class Options:
             )
         _ = self.spike_config  # (checked)
         _ = self.numerics_formats  # (checked)
+        _ = self.recipe  # (checked)
         self._check_histogram_kinds()
 
     @functools.cached_property
@@ -137,6 +147,11 @@ class Options:
             return numerics.check(self.numerics)
         except ValueError as error:
             raise HookLoggerError(str(error)) from None
+
+    @functools.cached_property
+    def recipe(self) -> Recipe:
+        """What the logger records (``stats/recipe.py``), built from these options."""
+        return Recipe.build(inputs=self.inputs, numerics=self.numerics_formats is not None, measures=self.measures)
 
     def _check_histogram_kinds(self) -> None:
         """Histogram kinds asked for by name must be ones the other options produce."""

@@ -15,8 +15,7 @@ from .capture.spikes import Samples, StepNorms, any_split, check_loss, whole_los
 from .diagnostics.spikes import SpikeWatch
 
 if TYPE_CHECKING:
-    from .capture.hooks import Handles
-    from .capture.watched import Watched
+    from .capture.watched import Handles, Watched
     from .diagnostics.health import Health
     from .options import Options
     from .output.destination import Destination

@@ -1,11 +1,11 @@
-"""A statistic is declared once (``stats/kinds.py``): a test declares two here, each in one place,
-and sees it logged, pooled over two calls of a module and over two ranks, and, when it does not
-scale with the loss, left alone by the ``GradScaler``'s unscaling."""
+"""A statistic is declared once (``stats/kinds.py``) and added to one logger's recipe
+(``measures=``): a test declares two here, each in one place, and sees it logged, pooled over two
+calls of a module and over two ranks, and, when it does not scale with the loss, left alone by the
+``GradScaler``'s unscaling; another logger in the same process does not record it."""
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,11 +13,12 @@ import torch
 from conftest import read_run, spawn_ranks
 from torch import nn
 
-from tblog_hooks import HookLogger
-from tblog_hooks.stats.kinds import ACTIVATION, GRADIENT, MAX, MOMENTS, NORM, Field, Measure
+from tblog_hooks import HookLogger, HookLoggerError
+from tblog_hooks.stats.kinds import MAX, MOMENTS, NORM, Field, Measure
 
 #: max|g| / ||g|| of an output gradient: does not scale with the loss.
 PEAK_RATIO = Measure(
+    name="peak ratio",
     fields=(Field(name="absmax", pool=MAX), Field(name="l2", pool=NORM)),
     stats=("peak_ratio",),
     scalars=lambda v, n: {"peak_ratio": float(v["absmax"][0] / v["l2"][0])},
@@ -39,6 +40,7 @@ def _kurtosis(v: dict, n: int) -> dict[str, float]:  # type: ignore[type-arg]
 
 #: Excess kurtosis of an activation, from central moments up to the fourth pooled pairwise.
 KURTOSIS = Measure(
+    name="kurtosis",
     fields=(Field(name="central", pool=MOMENTS, parts=("k_mean", "k_norm", "k_m3", "k_m4")),),
     stats=("kurtosis",),
     scalars=_kurtosis,
@@ -53,12 +55,8 @@ def _reference_kurtosis(x: torch.Tensor) -> float:
     return float(c.pow(4).mean() / c.pow(2).mean() ** 2 - 3)
 
 
-@pytest.fixture
-def declared() -> Iterator[None]:
-    handles = [GRADIENT.declare(PEAK_RATIO), ACTIVATION.declare(KURTOSIS)]
-    yield
-    for handle in handles:
-        handle.remove()
+#: Both statistics, added to a logger's recipe.
+MEASURES = {"output_gradient": [PEAK_RATIO], "output": [KURTOSIS]}
 
 
 class Twice(nn.Module):
@@ -73,9 +71,7 @@ class Twice(nn.Module):
         return self.head(torch.tanh(self.shared(torch.tanh(self.shared(x)))))
 
 
-def test_a_declared_statistic_is_logged_pooled_over_calls_and_left_alone_by_unscale(
-    tmp_path: Path, declared: None
-) -> None:
+def test_a_declared_statistic_is_logged_pooled_over_calls_and_left_alone_by_unscale(tmp_path: Path) -> None:
     model = Twice()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
@@ -87,7 +83,9 @@ def test_a_declared_statistic_is_logged_pooled_over_calls_and_left_alone_by_unsc
         out.register_hook(lambda g: grads.append(g.detach().clone() / 2.0**10))  # as unscaled
 
     handle = model.shared.register_forward_hook(keep)
-    with HookLogger(model, log_dir=tmp_path, every=1, modules=["shared"], optimizer=opt, scaler=scaler) as hooks:
+    with HookLogger(
+        model, log_dir=tmp_path, every=1, modules=["shared"], optimizer=opt, scaler=scaler, measures=MEASURES
+    ) as hooks:
         scaler.scale(model(x).square().mean()).backward()
         scaler.step(opt)
         scaler.update()
@@ -104,11 +102,45 @@ def test_a_declared_statistic_is_logged_pooled_over_calls_and_left_alone_by_unsc
     )
 
 
-def test_declaring_a_counted_statistic_on_a_kind_without_counts_is_refused() -> None:
-    with pytest.raises(ValueError, match="element count"):
-        GRADIENT.declare(KURTOSIS)
-    with pytest.raises(ValueError, match="already records"):
-        ACTIVATION.declare(Measure(fields=(Field(name="min", pool=MAX),), scalars=lambda v, n: {}))
+def test_a_second_logger_in_the_process_is_untouched(tmp_path: Path) -> None:
+    """Two loggers alive at once, one with the measures: only its run has their tags, and the
+    other's tags are those of a logger made alone."""
+    x = torch.randn(16, 6)
+
+    def run(log_dir: Path, **options: object) -> HookLogger:
+        torch.manual_seed(0)
+        model = Twice()
+        hooks = HookLogger(model, log_dir=log_dir, every=1, modules=["shared"], **options)
+        model(x).square().mean().backward()
+        return hooks
+
+    alone = run(tmp_path / "alone")
+    alone.step()
+    alone.close()
+    extended, plain = run(tmp_path / "extended", measures=MEASURES), run(tmp_path / "plain")
+    for hooks in (extended, plain):
+        hooks.step()
+        hooks.close()
+    assert {"activation/kurtosis/shared", "gradient/peak_ratio/shared"} <= set(read_run(tmp_path / "extended").scalars)
+    assert read_run(tmp_path / "plain").scalars == read_run(tmp_path / "alone").scalars
+
+
+def test_a_measure_a_source_cannot_take_is_refused_at_construction() -> None:
+    model = Twice()
+    with pytest.raises(HookLoggerError, match="element count"):
+        HookLogger(model, measures={"output_gradient": [KURTOSIS]})
+    twice = Measure(name="my min", fields=(Field(name="min", pool=MAX),), scalars=lambda v, n: {}, compute=_central)
+    with pytest.raises(HookLoggerError, match=r"my min.*extremes|extremes.*my min"):
+        HookLogger(model, measures={"output": [twice]})
+    with pytest.raises(HookLoggerError, match=r"kurtosis.*kurtosis"):
+        HookLogger(model, measures={"output": [KURTOSIS, KURTOSIS]})
+    for source in ("param_grad", "update"):  # (records built by the logger, not by a measure)
+        with pytest.raises(HookLoggerError, match=f"cannot be added to '{source}'.*output, input, output_gradient"):
+            HookLogger(model, measures={source: [PEAK_RATIO]})
+    with pytest.raises(HookLoggerError, match="inputs=True"):
+        HookLogger(model, measures={"input": [KURTOSIS]})
+    with pytest.raises(HookLoggerError, match=r"'activations'.*none"):
+        HookLogger(model, measures={"activations": [KURTOSIS]})
 
 
 def _batch(rank: int) -> torch.Tensor:
@@ -116,15 +148,19 @@ def _batch(rank: int) -> torch.Tensor:
 
 
 def _worker(rank: int, root: str) -> None:
-    handle = ACTIVATION.declare(KURTOSIS)
     torch.manual_seed(0)
     model = Twice()
     with HookLogger(
-        model, log_dir=f"{root}/run", every=1, modules=["shared"], reduce_ranks=True, parameters=False
+        model,
+        log_dir=f"{root}/run",
+        every=1,
+        modules=["shared"],
+        reduce_ranks=True,
+        parameters=False,
+        measures={"output": [KURTOSIS]},
     ) as hooks:
         model(_batch(rank)).sum().backward()
         hooks.step()
-    handle.remove()
 
 
 def test_a_declared_statistic_is_pooled_over_ranks(tmp_path: Path) -> None:

@@ -18,20 +18,9 @@ from tblog_hooks.diagnostics.attention_rules import PICTURES
 from tblog_hooks.diagnostics.findings import FINDING_KINDS
 from tblog_hooks.diagnostics.numerics_rules import PICTURE_TAGS
 from tblog_hooks.diagnostics.per_step import FINDINGS_TAG, FLOW_TAG
-from tblog_hooks.stats.kinds import (
-    ACTIVATION,
-    ATTENTION,
-    GRADIENT,
-    HISTOGRAM_KINDS,
-    INPUT,
-    NONFINITE_COUNT,
-    NUMERIC_ACTIVATION,
-    NUMERIC_GRADIENT,
-    NUMERIC_PARAM_GRAD,
-    PARAM_GRAD,
-    UPDATE,
-)
+from tblog_hooks.stats.kinds import HISTOGRAM_KINDS
 from tblog_hooks.stats.numerics import FORMATS, format_of
+from tblog_hooks.stats.recipe import Recipe, Source
 from tblog_hooks.stats.tags import (
     HEADS_TABLE_TAG,
     NUMERICS_TABLE_TAG,
@@ -132,8 +121,14 @@ def documented_tags() -> dict[str, set[str]]:
 
 def declared_tags() -> dict[str, set[str]]:
     """``{type: tag patterns}`` as the code declares them."""
-    per_module = (ACTIVATION, INPUT, GRADIENT, NONFINITE_COUNT, ATTENTION, NUMERIC_ACTIVATION, NUMERIC_GRADIENT)
-    per_parameter = (PARAM_GRAD, UPDATE, NUMERIC_PARAM_GRAD)
+    full, counted = Recipe.build(inputs=True, numerics=True), Recipe.build()  # (inputs counted only)
+    on_params = (Source.PARAM_GRAD, Source.UPDATE)
+    per_module = (
+        *(k for s, k in full.kinds.items() if s not in on_params),
+        counted[Source.NONFINITE_INPUT],
+        *(k for s, k in full.numerics.items() if s not in on_params),
+    )
+    per_parameter = (*(full[s] for s in on_params), full.numerics[Source.PARAM_GRAD])
 
     def stat(name: str) -> str:  # a per-format statistic with the format's placeholder
         fmt = format_of(name)

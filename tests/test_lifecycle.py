@@ -24,7 +24,7 @@ from torch.optim.swa_utils import AveragedModel
 from torch.utils.tensorboard import SummaryWriter
 
 from tblog_hooks import HookLogger, HookLoggerError
-from tblog_hooks.capture.hooks import NOOP
+from tblog_hooks.capture.watched import NOOP
 
 
 def _shaped_net() -> nn.Sequential:

@@ -18,8 +18,9 @@ from torch import Tensor, nn
 
 from tblog_hooks import HookLogger, HookLoggerError
 from tblog_hooks.diagnostics.numerics_rules import PICTURE_TAGS
-from tblog_hooks.stats.kinds import NUMERIC_ACTIVATION, NUMERIC_GRADIENT, Kind
+from tblog_hooks.stats.kinds import Kind
 from tblog_hooks.stats.numerics import AMAX_FLOOR, FORMATS
+from tblog_hooks.stats.recipe import Recipe, Source
 from tblog_hooks.stats.tags import NUMERICS_TABLE_TAG, Lost, rows_tag
 
 ALL = tuple(FORMATS)
@@ -52,6 +53,10 @@ def magnitudes(x: Tensor) -> dict[str, float]:
     d = x.double()
     m2, m4 = d.square().mean().item(), d.pow(4).mean().item()  # (float64: no overflow below 1e77)
     return {"amax": d.abs().max().item(), "rms": math.sqrt(m2), "kurtosis": m4 / m2**2 - 3}
+
+
+#: The numerics kinds, by the source they measure.
+NUMERIC = Recipe.build(numerics=True).numerics
 
 
 def measured(kind: Kind, x: Tensor, units: int = -1) -> dict[str, float]:
@@ -102,7 +107,7 @@ def _tensors() -> dict[str, Tensor]:
 @pytest.mark.parametrize("name", list(_tensors()))
 def test_every_fraction_equals_cast_and_count(name: str) -> None:
     x = _tensors()[name]
-    got = measured(NUMERIC_GRADIENT, x)
+    got = measured(NUMERIC[Source.OUTPUT_GRADIENT], x)
     for fmt in ALL:
         if FORMATS[fmt].scaled and not torch.isfinite(x).all():
             continue  # (amax is inf: every finite element is scaled to 0, as in the reference)
@@ -120,7 +125,7 @@ def test_every_fraction_equals_cast_and_count(name: str) -> None:
 def test_every_fraction_equals_cast_and_count_on_cuda(name: str) -> None:
     """The same on the GPU, whose kernels must keep the float32 subnormals the bf16 boundaries are."""
     x = _tensors()[name].cuda()
-    got = measured(NUMERIC_GRADIENT, x)
+    got = measured(NUMERIC[Source.OUTPUT_GRADIENT], x)
     for fmt in ALL:
         if not (FORMATS[fmt].scaled and not torch.isfinite(x).all()):
             for stat, want in reference(x, fmt).items():
@@ -137,7 +142,7 @@ def test_the_boundaries_are_exercised() -> None:
 
 
 def test_torchtitan_test_vector() -> None:
-    got = measured(NUMERIC_GRADIENT, torch.tensor([0.0, 1.0, -2.0, 3.0]))
+    got = measured(NUMERIC[Source.OUTPUT_GRADIENT], torch.tensor([0.0, 1.0, -2.0, 3.0]))
     assert got["rms"] == pytest.approx(math.sqrt(3.5), rel=1e-7)
     assert got["kurtosis"] == pytest.approx(-1.0, abs=1e-7)
     assert got["amax"] == 3.0
@@ -146,10 +151,10 @@ def test_torchtitan_test_vector() -> None:
 def test_scaled_formats_scale_each_tensor_to_its_own_amax() -> None:
     """e4m3 of an outlier channel: the rest is flushed; scaling is what keeps a small tensor whole."""
     x = _tensors()["outlier"]
-    got = measured(NUMERIC_ACTIVATION, x)
+    got = measured(NUMERIC[Source.OUTPUT], x)
     assert got["underflow_e4m3"] > 0.1 and got["overflow_e4m3"] == 0
     assert got["amax_channel"] == 7 and got["median_abs"] == pytest.approx(x.abs().median().item())
-    small = measured(NUMERIC_ACTIVATION, x[:, :7] * 1e-9)
+    small = measured(NUMERIC[Source.OUTPUT], x[:, :7] * 1e-9)
     assert small["underflow_e4m3"] == 0 and small["underflow_fp16"] > 0.5  # unscaled fp16 flushes it
 
 

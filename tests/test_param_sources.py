@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from tblog_hooks import HookLogger, HookLoggerError
-from tblog_hooks.transport import amp
+from tblog_hooks.capture import parameters
 
 
 def _loss(out: torch.Tensor) -> torch.Tensor:
@@ -295,7 +295,7 @@ def test_fault_in_the_optimizer_hooks_is_reported_once_and_training_unchanged(tm
     def broken(optimizer: object) -> None:
         raise RuntimeError("injected fault")
 
-    monkeypatch.setattr(amp, "grad_scale", broken)
+    monkeypatch.setattr(parameters, "grad_scale", broken)
     model = mlp(6, 16, 16, 3)
     reference = copy.deepcopy(model)
     x = torch.randn(8, 6)

@@ -17,8 +17,8 @@ from tblog_hooks.capture.activations import ActivationRecorder
 from tblog_hooks.capture.step import StepBuffer
 from tblog_hooks.output.summarize import summarize
 from tblog_hooks.stats import binning, reductions, sampling
-from tblog_hooks.stats.kinds import ACTIVATION, GRADIENT
 from tblog_hooks.stats.packing import pack_step
+from tblog_hooks.stats.recipe import Recipe, Source
 from tblog_hooks.topology.parallel import TensorParallel
 
 SETTINGS = settings(max_examples=100, deadline=None, database=None)
@@ -43,6 +43,10 @@ def tensors(draw: st.DrawFn, *, extreme: bool = False) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64).reshape(shape).to(dtype)
 
 
+#: The recipe of a logger of the default options.
+RECIPE = Recipe.build()
+
+
 def _reference(x: torch.Tensor) -> np.ndarray:
     return x.double().numpy()  # the tensor's own (rounded) values, in float64
 
@@ -55,7 +59,8 @@ def _tolerance(a: np.ndarray, dtype: torch.dtype) -> float:
 
 
 def _tensor_stats(x: torch.Tensor, units: int = 1) -> list[np.ndarray]:
-    return [t.double().numpy() for t in ACTIVATION.values(ACTIVATION.compute(x, units))]
+    kind = RECIPE[Source.OUTPUT]
+    return [t.double().numpy() for t in kind.values(kind.compute(x, units))]
 
 
 @SETTINGS
@@ -90,7 +95,7 @@ def test_tensor_stats_counts_and_extremes_are_exact_anywhere_in_range(x: torch.T
 @SETTINGS
 @given(tensors())
 def test_gradient_stats(g: torch.Tensor) -> None:
-    named = GRADIENT.compute(g, -1)
+    named = RECIPE[Source.OUTPUT_GRADIENT].compute(g, -1)
     norm, nonfinite = float(named["norm"]), float(named["nonfinite"])
     a = _reference(g)
     assert nonfinite == np.count_nonzero(~np.isfinite(a))
@@ -153,7 +158,7 @@ def test_samples_of_large_tensors_are_spread_over_every_position() -> None:
 @given(st.lists(tensors(), min_size=1, max_size=4))
 def test_pooled_calls_match_the_concatenation(parts: list[torch.Tensor]) -> None:
     """Several calls of one module in a step (packed by pack_step, merged by summarize)."""
-    buffer = StepBuffer(Histograms())
+    buffer = StepBuffer(Histograms(), RECIPE)
     recorder = ActivationRecorder(
         buffer,
         None,
@@ -166,7 +171,7 @@ def test_pooled_calls_match_the_concatenation(parts: list[torch.Tensor]) -> None
     buffer.begin(0)  # the first logged step: it takes histograms
     for x in parts:
         recorder.on_output("m", torch.nn.Identity(), (x,), x)
-    packed, layout = pack_step(*buffer.drain(), buffer.kinds, buffer.indices)  # type: ignore[misc]
+    packed, layout = pack_step(*buffer.drain(), buffer.kinds, buffer.indices, RECIPE)  # type: ignore[misc]
     summary = summarize(0, packed.numpy(), layout)
     a = np.concatenate([_reference(x).reshape(-1) for x in parts])
     scalars = summary.scalars

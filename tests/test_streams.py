@@ -36,10 +36,10 @@ def test_a_step_recorded_on_a_side_stream_is_packed_after_it_and_keeps_its_memor
     packed: list[int] = []
     real_pack = packing.pack
 
-    def spy(records, device):  # type: ignore[no-untyped-def]
+    def spy(records, device, recipe):  # type: ignore[no-untyped-def]
         events.append(("pack", None))
         packed.extend(id(t) for record in records for t in record.values)
-        return real_pack(records, device)
+        return real_pack(records, device, recipe)
 
     monkeypatch.setattr(packing, "pack", spy)
     model = mlp(4, 8, 2, act=nn.ReLU, seed=0)

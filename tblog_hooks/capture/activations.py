@@ -11,9 +11,9 @@ from torch import Tensor, nn
 
 from .._compat import tree_flatten, version
 from ..stats.feature_maps import feature_grid
-from ..stats.kinds import ACTIVATION, IMAGE, INPUT, NONFINITE_COUNT, NUMERIC_ACTIVATION
 from ..stats.numerics import Written
 from ..stats.packing import Record
+from ..stats.recipe import Source
 from ..stats.reductions import finite, loggable
 from ..topology.parallel import CONTEXT_PARALLEL, TensorParallel, along_units
 from ..topology.sharding import Split
@@ -40,6 +40,10 @@ class ActivationRecorder:
         """``numerics``: with ``numerics=``, the formats written, told each logged forward's autocast state."""
         self.buffer, self.gradients, self.parallel = buffer, gradients, parallel
         self.numerics = numerics
+        recipe = buffer.recipe
+        self._output, self._image = recipe[Source.OUTPUT], recipe[Source.IMAGE]
+        self._input = recipe[Source.INPUT if inputs else Source.NONFINITE_INPUT]
+        self._numeric_output = recipe.numerics.get(Source.OUTPUT) if numerics is not None else None
         self.activations, self.inputs, self.feature_maps = activations, inputs, feature_maps
         self.passes = PassFilter(eval_passes=eval_passes)
         #: Per watched module, the dim of its outputs that holds its units (``reductions.units_dim``).
@@ -86,9 +90,9 @@ class ActivationRecorder:
                     self._add_feature_map(mode, name, [t for t, _ in pieces])
                 if self.activations and counted.activations:
                     for t, split in pieces:
-                        self._remember(mode, t, mode.record(ACTIVATION, name, t, units, split))
-                        if self.numerics is not None:
-                            mode.measure(NUMERIC_ACTIVATION, name, t, units, split)
+                        self._remember(mode, t, mode.record(self._output, name, t, units, split))
+                        if self._numeric_output is not None:
+                            mode.measure(self._numeric_output, name, t, units, split)
                     if self.numerics is not None and not mode.compiled:
                         self.numerics.see(pieces[0][0].device.type)
             if counted.gradients and self.gradients is not None:
@@ -117,10 +121,10 @@ class ActivationRecorder:
             with torch.no_grad():
                 for t, split in pieces:
                     if self.inputs:
-                        mode.record(INPUT, name, t, units, along_units(split, units, t.dim()))
+                        mode.record(self._input, name, t, units, along_units(split, units, t.dim()))
                     else:
                         count = (self._finite_input(mode, t),)
-                        mode.add(Record(NONFINITE_COUNT, name, t.numel(), count, split=split))
+                        mode.add(Record(self._input, name, t.numel(), count, split=split))
         except Exception as error:
             self.buffer.fail(name, error)
 
@@ -175,7 +179,7 @@ class ActivationRecorder:
         if maps:
             self._mapped.add(name)
             grid = feature_grid(maps[0][0])
-            mode.add(Record(IMAGE, name, grid.numel(), (grid,), tuple(grid.shape)))
+            mode.add(Record(self._image, name, grid.numel(), (grid,), tuple(grid.shape)))
 
 
 def loggable_leaves(tree: object) -> list[Tensor]:

@@ -31,13 +31,13 @@ from torch.overrides import TorchFunctionMode
 from .._compat import function_mode_on_top
 from ..errors import HookLoggerError
 from ..stats.attention import attention_statistics, mha_arguments, sdpa_arguments
-from ..stats.kinds import ATTENTION
 from ..stats.packing import Record
+from ..stats.recipe import Source
 from ..topology.parallel import TensorParallel
-from .hooks import _Hook
 from .passes import PassFilter
 from .selection import ROOT_NAME, Selector, named_modules, select_modules
 from .step import Part, StepBuffer
+from .watched import _Hook
 
 _SDPA = F.scaled_dot_product_attention
 _MHA = F.multi_head_attention_forward
@@ -149,7 +149,8 @@ class AttentionRecorder:
                 found["query"], found["key"] = found["query"].detach(), found["key"].detach()
                 values = attention_statistics(**found)
             split = self.parallel.heads(module)
-            mode.add(Record(ATTENTION, name, found["query"].shape[:-1].numel(), values, split=split))
+            kind = self.buffer.recipe[Source.ATTENTION]
+            mode.add(Record(kind, name, found["query"].shape[:-1].numel(), values, split=split))
         except Exception as error:  # the logger must never stop training
             self.buffer.fail(Part.ATTENTION, error)
 

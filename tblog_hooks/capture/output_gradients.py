@@ -14,23 +14,26 @@ from torch import Tensor, nn
 from .._compat import tree_flatten, tree_unflatten
 from ..stats import sampling
 from ..stats.binning import Sample
-from ..stats.kinds import ACTIVATION, GRADIENT, NUMERIC_GRADIENT
 from ..stats.packing import Record
+from ..stats.recipe import Source
 from ..stats.reductions import loggable
 from ..stats.tags import Root
 from ..topology.sharding import Split, is_dtensor, local
 from . import probes
-from .hooks import Handles
 from .step import Mode, StepBuffer
+from .watched import Handles
 
 
 class OutputGradientRecorder:
     """Records ``gradient/*`` of the watched modules' outputs during a logged step's backward."""
 
     def __init__(self, buffer: StepBuffer, *, histograms: bool, numerics: bool = False) -> None:
-        """``numerics``: also record ``numerics=``'s statistics (eagerly: a compiled probe sums ``GRADIENT``'s only)."""
+        """``numerics``: also record ``numerics=``'s statistics (eagerly: a compiled probe sums the
+        output-gradient kind's only)."""
         self.buffer = buffer
-        self._numerics = numerics
+        recipe = buffer.recipe
+        self._output, self._kind = recipe[Source.OUTPUT], recipe[Source.OUTPUT_GRADIENT]
+        self._numerics = recipe.numerics.get(Source.OUTPUT_GRADIENT) if numerics else None
         self._width = sampling.SAMPLE_CAP if histograms else 0  # of a probe's histogram sample
         self._handles = Handles()  # this step's tensor hooks
         self._probe_handles = Handles()  # the probes' own hooks, live until release()
@@ -67,9 +70,9 @@ class OutputGradientRecorder:
                 if is_dtensor(grad):  # (its units are where its output's were)
                     grad, placed = local(grad)
                     split = placed and dataclasses.replace(placed, axis=split.axis if split else placed.axis)
-                self.buffer.eager.record(GRADIENT, name, grad, split=split)
-                if self._numerics:
-                    self.buffer.eager.measure(NUMERIC_GRADIENT, name, grad, split=split)
+                self.buffer.eager.record(self._kind, name, grad, split=split)
+                if self._numerics is not None:
+                    self.buffer.eager.measure(self._numerics, name, grad, split=split)
         except Exception as error:
             self.buffer.fail(name, error)
 
@@ -85,10 +88,10 @@ class OutputGradientRecorder:
             with torch.no_grad():
                 buffer.keep_traced()
                 summed = summed.clone()
-                # Elements are on the device only; GRADIENT's fields pool without them.
-                buffer.eager.add(Record(GRADIENT, name, 0, probes.gradient(summed)))
+                # Elements are on the device only; the kind's fields pool without them.
+                buffer.eager.add(Record(self._kind, name, 0, probes.gradient(summed, self._kind)))
                 if buffer.eager.takes_histogram(Root.GRADIENT):
-                    sample, lo, hi, weight = probes.histogram(summed)
+                    sample, lo, hi, weight = probes.histogram(summed, self._kind)
                     buffer.eager.add(Sample(Root.GRADIENT, name, sample, sample.numel(), lo, hi, weight))
         except Exception as error:
             buffer.fail(name, error)
@@ -113,7 +116,7 @@ class OutputGradientRecorder:
         self._handles.remove_all()
         for record in records:
             probe = self._probes.get(record.name)
-            if record.kind is ACTIVATION and probe is not None and probe.device != record.values[0].device:
+            if record.kind is self._output and probe is not None and probe.device != record.values[0].device:
                 self._place_probe(record.name, record.values[0].device)
 
     def release(self) -> None:
@@ -125,7 +128,7 @@ class OutputGradientRecorder:
     def _place_probe(self, name: str, device: torch.device) -> None:
         # A weak reference: the probe's tensor hook must not keep the recorder alive.
         deliver = functools.partial(_on_probe, weakref.ref(self), name)
-        self._probes[name] = probes.Probe(device, self._width, deliver, self._probe_handles)
+        self._probes[name] = probes.Probe(device, self._width, self._kind, deliver, self._probe_handles)
 
     def _tap(self, name: str, output: object) -> object | None:
         """The output with each tensor that carries a gradient passed through the module's

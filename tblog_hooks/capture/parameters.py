@@ -15,14 +15,13 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .._compat import at_end_of_backward, foreach_copy, foreach_div, foreach_sub_, step_closure
+from .._compat import at_end_of_backward, foreach_copy, foreach_div, foreach_sub_, grad_scale, step_closure
 from ..stats.binning import Sample
-from ..stats.kinds import NUMERIC_PARAM_GRAD, PARAM_GRAD, UPDATE
 from ..stats.packing import Record
+from ..stats.recipe import Source
 from ..stats.reductions import FLOAT_DTYPES, loggable, norms, sparse_values
 from ..stats.tags import Root
 from ..topology.sharding import Pending, Split, local, pending
-from ..transport import amp
 from .step import Part, StepBuffer
 from .watched import Watched
 
@@ -37,7 +36,9 @@ class ParameterRecorder:
     def __init__(self, buffer: StepBuffer, *, numerics: bool = False) -> None:
         """``numerics``: also record ``numerics=``'s statistics of the gradients."""
         self.buffer = buffer
-        self._numerics = numerics
+        recipe = buffer.recipe
+        self._kind, self._update = recipe[Source.PARAM_GRAD], recipe[Source.UPDATE]
+        self._numerics = recipe.numerics.get(Source.PARAM_GRAD) if numerics else None
         # Parameters whose gradient was read this step: its record and histogram sample, and with
         # numerics= (of a dense gradient read at the loss scale it was made at, or unscaled) that record.
         self._graded: dict[str, tuple[Record, Sample | None, Record | None]] = {}
@@ -60,7 +61,7 @@ class ParameterRecorder:
 
     def read(self, named: Named, scale: Tensor | None = None) -> None:
         """Record gradient norms (and histograms) of parameters whose ``.grad`` is final; divided
-        on the device by ``scale``, the loss scale still in ``.grad`` (see ``amp.grad_scale``).
+        on the device by ``scale``, the loss scale still in ``.grad`` (see ``_compat.grad_scale``).
         Of a ``DTensor`` gradient, this rank's piece, combined with the others' at the end of the
         step (``topology/sharding.py``)."""
         buffer = self.buffer
@@ -85,7 +86,7 @@ class ParameterRecorder:
                 # A later read (the next micro-batch's accumulated gradient) replaces an earlier one.
                 dense = {key for key, p in named if p.grad is not None and p.grad.layout == torch.strided}
                 for key, grad, norm, split in zip(keys, grads, found, splits):
-                    record = Record(PARAM_GRAD, key, grad.numel(), (norm,), split=split)
+                    record = Record(self._kind, key, grad.numel(), (norm,), split=split)
                     self._graded[key] = (record, samples.get(key), self._numeric(key, grad, split, scale, dense))
         except Exception as error:
             buffer.fail(named[0][0] if len(named) == 1 else Part.PARAMETERS, error)
@@ -97,10 +98,10 @@ class ParameterRecorder:
         """``numerics=``'s record of a gradient; none of a sparse one, nor of one a fused
         optimizer still holds scaled (its norm is unscaled on the device, these would not be),
         nor of a sharded parameter's piece."""
-        if not self._numerics or scale is not None or split is not None or key not in dense:
+        kind = self._numerics
+        if kind is None or scale is not None or split is not None or key not in dense:
             return None
-        values = NUMERIC_PARAM_GRAD.values(NUMERIC_PARAM_GRAD.compute(grad, -1))
-        return Record(NUMERIC_PARAM_GRAD, key, grad.numel(), values, split=split)
+        return Record(kind, key, grad.numel(), kind.values(kind.compute(grad, -1)), split=split)
 
     def weights(self, params: Callable[[], Named]) -> None:
         """Histograms of the weights whose gradients this step recorded, as they are at the end
@@ -145,7 +146,7 @@ class ParameterRecorder:
             with torch.no_grad():
                 foreach_sub_(before, [local(p)[0] for _, p in named])
                 for (key, p), split, change, weight in zip(named, splits, norms(before), weight_norms):
-                    self.buffer.eager.add(Record(UPDATE, key, p.numel(), (change, weight), split=split))
+                    self.buffer.eager.add(Record(self._update, key, p.numel(), (change, weight), split=split))
         except Exception as error:
             self.buffer.fail(Part.UPDATE_RATIO, error)
 
@@ -167,7 +168,7 @@ class ParameterRecorder:
             keys = [p.key for p in waiting]
             splits = [split for _, split in wholes]
             found = norms([t for t, _ in wholes])
-            records = [Record(PARAM_GRAD, k, t.numel(), (n,), split=s) for k, (t, s), n in zip(keys, wholes, found)]
+            records = [Record(self._kind, k, t.numel(), (n,), split=s) for k, (t, s), n in zip(keys, wholes, found)]
             samples = self._samples(Root.PARAM_GRAD, keys, [t for t, _ in wholes], splits)
         return records, list(samples.values())
 
@@ -251,7 +252,7 @@ class OptimizerHooks:
             # LBFGS & co. compute gradients inside step(), by calling the closure: read them after it.
             closure = step_closure(args, kwargs)
             if closure is None:
-                self._read(named, amp.grad_scale(optimizer))
+                self._read(named, grad_scale(optimizer))
             self._stepping[id(optimizer)] = (named, closure is not None)
             self.parameters.before_update([(key, p) for key, p in named if p.requires_grad])
         except Exception as error:  # the logger must never stop training

@@ -21,49 +21,49 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..stats.kinds import GRADIENT
+from ..stats.kinds import Kind
 from ..stats.sampling import traced_sample
-from .hooks import Handles
+from .watched import Handles
 
 #: Positions in a summary: the gradients summed into it (more than one when the module ran
 #: twice in one forward: autograd adds up the probe's gradients within a backward), elements; then
-#: ``kinds.GRADIENT``'s fields in the form that adds up (``Pool.summed``), the min and max, and
-#: the histogram sample, padded with NaN (:func:`summary`).
+#: the fields of the logger's output-gradient kind in the form that adds up (``Pool.summed``), the
+#: min and max, and the histogram sample, padded with NaN (:func:`summary`).
 S_CALLS, S_NUMEL, S_FIELDS = range(3)
 
 
-def _fields() -> int:
-    """How many values ``kinds.GRADIENT`` records (0-d each)."""
-    return sum(len(f.names) for f in GRADIENT.fields)
+def _fields(kind: Kind) -> int:
+    """How many values ``kind`` (the output gradient's) records (0-d each)."""
+    return sum(len(f.names) for f in kind.fields)
 
 
-def head() -> int:
+def head(kind: Kind) -> int:
     """Where a summary's histogram sample starts."""
-    return S_FIELDS + _fields() + 2
+    return S_FIELDS + _fields(kind) + 2
 
 
 class _Tap(torch.autograd.Function):
     """Identity on the output; its backward sends the gradient's summary to the probe."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, probe: Tensor, width: int) -> Tensor:
-        ctx.width = width
+    def forward(ctx: Any, x: Tensor, probe: Tensor, width: int, kind: Kind) -> Tensor:
+        ctx.width, ctx.kind = width, kind
         return x.clone()  # not x itself: that would be a view, and in-place ops on views of this fail
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
-        return grad, summary(grad, ctx.width), None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
+        return grad, summary(grad, ctx.width, ctx.kind), None, None
 
 
-def summary(grad: Tensor, width: int) -> Tensor:
-    """``[1, elements, GRADIENT's fields..., min, max]`` of ``grad`` in float64, then its histogram
+def summary(grad: Tensor, width: int, kind: Kind) -> Tensor:
+    """``[1, elements, kind's fields..., min, max]`` of ``grad`` in float64, then its histogram
     sample (``sampling.traced_sample``: it runs in the compiled backward) padded with NaN to
     ``width`` (0: no histogram)."""
-    named = GRADIENT.compute(grad, -1)
+    named = kind.compute(grad, -1)
     wide = torch.float64
     fields = [
         f.pool.summed[0](named[n].to(wide)) if f.pool.summed else named[n].to(wide)
-        for f in GRADIENT.fields
+        for f in kind.fields
         for n in f.names
     ]
     lo, hi = torch.aminmax(grad)
@@ -75,33 +75,37 @@ def summary(grad: Tensor, width: int) -> Tensor:
     return torch.cat(parts)
 
 
-def gradient(summed: Tensor) -> tuple[Tensor, ...]:
-    """``kinds.GRADIENT``'s values from a summary, or several added up: the summable fields stay
-    right, the others are NaN (their sums mean nothing)."""
-    pools = [f.pool for f in GRADIENT.fields for _ in f.names]
+def gradient(summed: Tensor, kind: Kind) -> tuple[Tensor, ...]:
+    """``kind``'s values from a summary, or several added up: the summable fields stay right,
+    the others are NaN (their sums mean nothing)."""
+    pools = [f.pool for f in kind.fields for _ in f.names]
     return tuple(
         pool.summed[1](v) if pool.summed else torch.where(summed[S_CALLS] == 1, v, math.nan)
         for pool, v in zip(pools, (summed[S_FIELDS + i] for i in range(len(pools))))
     )
 
 
-def histogram(summed: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def histogram(summed: Tensor, kind: Kind) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The sample, exact min and max, and the elements each sampled one stands for, from a
-    summary; all NaN where several summaries were added up (their sums mean nothing)."""
+    summary of ``kind``'s; all NaN where several summaries were added up (their sums mean nothing)."""
     kept = torch.where(summed[S_CALLS] == 1, summed, math.nan)
-    low = S_FIELDS + _fields()
+    low = S_FIELDS + _fields(kind)
     sample, numel = kept[low + 2 :], summed[S_NUMEL]
     return sample, kept[low], kept[low + 1], numel / numel.clamp(max=sample.numel())
 
 
 class Probe:
     """One watched module's leaf tensor; ``deliver`` receives each summary that reaches it (one
-    per backward through the module's tapped outputs)."""
+    per backward through the module's tapped outputs), of ``kind``'s fields (its layout is fixed
+    with the logger's recipe)."""
 
-    def __init__(self, device: torch.device, width: int, deliver: Callable[[Tensor], None], handles: Handles) -> None:
-        self.width = width
+    def __init__(
+        self, device: torch.device, width: int, kind: Kind, deliver: Callable[[Tensor], None], handles: Handles
+    ) -> None:
+        self.width, self.kind = width, kind
         # Stride 0: one element of storage whatever the summary's length.
-        self.tensor = torch.empty_strided((head() + width,), (0,), dtype=torch.float64, device=device).requires_grad_()
+        self.tensor = torch.empty_strided((head(kind) + width,), (0,), dtype=torch.float64, device=device)
+        self.tensor.requires_grad_()
         # The hook holds neither the probe nor its tensor: no reference cycle through a tensor hook.
         handles.add(self.tensor.register_post_accumulate_grad_hook(functools.partial(_take, deliver)))
 
@@ -111,7 +115,7 @@ class Probe:
 
     def tap(self, x: Tensor) -> Tensor:
         """``x`` (a copy) whose gradient will be summarised into the probe."""
-        return _Tap.apply(x, self.tensor, self.width)  # type: ignore[no-any-return]
+        return _Tap.apply(x, self.tensor, self.width, self.kind)  # type: ignore[no-any-return]
 
 
 def _take(deliver: Callable[[Tensor], None], tensor: Tensor) -> None:

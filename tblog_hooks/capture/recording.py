@@ -1,5 +1,6 @@
 """The recorders of a logger wired to one step buffer and to the model's watched modules: what
-:class:`~tblog_hooks.HookLogger` starts and ends each logged step with."""
+:class:`~tblog_hooks.HookLogger` starts and ends each logged step with; and the ``GradScaler``'s
+recorder (:class:`ScaleWatch`)."""
 
 from __future__ import annotations
 
@@ -7,22 +8,25 @@ import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from .._compat import found_inf, initial_scale, loss_scale
 from ..stats.binning import Sample
 from ..stats.numerics import Written
 from ..stats.packing import Record, StepLayout, pack_step
 from ..stats.reductions import units_dim
+from ..stats.tags import SCALE_TAG, SKIPPED_TAG
 from ..topology.parallel import TensorParallel
 from ..topology.sharding import Pending
 from .activations import ActivationRecorder
 from .attention import AttentionRecorder
-from .hooks import ForwardHook, ForwardPreHook, Handles, KeepTraced, ParamGradHook, PlacementHook
+from .hooks import ForwardHook, ForwardPreHook, KeepTraced, ParamGradHook, PlacementHook
 from .output_gradients import OutputGradientRecorder
 from .parameters import OptimizerHooks, ParameterRecorder
 from .step import Part, StepBuffer
-from .watched import Watched
+from .watched import Handles, Watched
 
 if TYPE_CHECKING:
     from ..options import Options
@@ -45,7 +49,7 @@ class Recording:
         histograms = config.histogram_schedule
         self.watched = watched
         self._parameters = config.parameters
-        self.buffer = StepBuffer(histograms)
+        self.buffer = StepBuffer(histograms, config.recipe)
         formats = config.numerics_formats
         #: With ``numerics=``, the formats whose scalars are written.
         self.numerics = None if formats is None else Written(formats)
@@ -182,13 +186,13 @@ class Recording:
         stop, said once: no scalar depends on them."""
         buffer = self.buffer
         try:
-            return pack_step(records, samples, buffer.kinds, buffer.indices)
+            return pack_step(records, samples, buffer.kinds, buffer.indices, buffer.recipe)
         except Exception as error:
             if not samples:
                 raise
             buffer.fail(Part.HISTOGRAMS, error)
             buffer.kinds = frozenset()
-            return pack_step(records, [], buffer.kinds, buffer.indices)
+            return pack_step(records, [], buffer.kinds, buffer.indices, buffer.recipe)
 
     def check_stepped(self, step: int) -> None:
         """Warn once when, at the end of logged step ``step``, a watched parameter holds a gradient
@@ -225,3 +229,34 @@ def _tensors(records: list[Record], samples: list[Sample], waiting: list[Pending
         yield from (t for t in (h.sample, h.lo, h.hi, h.weight) if t is not None)
     for p in waiting:
         yield p.terms
+
+
+class ScaleWatch:
+    """Records one enabled ``GradScaler``'s state around a logged step, on its device, never on
+    the host: during backward every gradient is multiplied by the loss scale; the scale in use
+    and whether the scaler skipped the step (inf/nan found) are read from the scaler's own device
+    tensors and recorded as ``amp/loss_scale`` and ``amp/skipped_step``, so they travel in the
+    logged step's one transfer; ``output/scaling.py`` applies them on the host."""
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+        self._before: Tensor | None = None
+
+    def begin(self) -> None:
+        """At the start of a logged step: the scale its backward passes will use."""
+        scale = loss_scale(self.scaler)
+        self._before = None if scale is None else scale.detach().clone()
+
+    def finish(self, buffer: StepBuffer) -> None:
+        """Record the scale used by the step's backward, and whether the scaler skipped the step."""
+        scale = loss_scale(self.scaler)
+        if scale is None:  # the scaler was not used in this step
+            return
+        found = found_inf(self.scaler)
+        if found:  # step() ran but update() has not: the current scale is the one backward used
+            used, skipped = scale, torch.stack([f.to(scale.device) for f in found]).sum() > 0
+        else:  # update() ran: it lowers the scale exactly when it skipped the step
+            before = self._before if self._before is not None else torch.full_like(scale, initial_scale(self.scaler))
+            used, skipped = before, scale < before
+        buffer.record_scalar(SCALE_TAG, used)
+        buffer.record_scalar(SKIPPED_TAG, skipped)

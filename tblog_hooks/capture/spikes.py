@@ -32,14 +32,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from .._compat import in_backward, step_closure
+from .._compat import grad_scale, in_backward, step_closure
 from ..errors import HookLoggerError
 from ..stats.reductions import loggable, norms
 from ..topology.sharding import is_dtensor, is_partial, local
-from ..transport import amp
 from ..transport.distributed import rank_and_world
-from .hooks import _Hook
-from .watched import Watched
+from .watched import Watched, _Hook
 
 Groups = tuple[dist.ProcessGroup, ...]
 #: The squares of a step whose gradients were not read (squares are never negative).
@@ -112,7 +110,7 @@ class StepNorms:
             if partial:
                 self._say_partial(partial)
             if grads:
-                scale = amp.grad_scale(optimizer)
+                scale = grad_scale(optimizer)
                 squares = self._squares(grads, tuple(slots), scale)
                 if scale is not None:  # a step the scaler skips runs (on inf gradients): not read
                     squares = squares.where(optimizer.found_inf.to(squares.device) == 0, NOT_READ)  # type: ignore[attr-defined]

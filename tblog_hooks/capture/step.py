@@ -21,8 +21,9 @@ from torch import Tensor
 from .._compat import TORCH_VERSION, in_backward, in_functorch_transform
 from ..stats import sampling
 from ..stats.binning import Sample
-from ..stats.kinds import SCALAR, Kind
+from ..stats.kinds import Kind
 from ..stats.packing import Record
+from ..stats.recipe import Recipe, Source
 from ..stats.sampling import IndexCache
 from ..stats.schedule import Histograms
 from ..stats.tags import Root, Stat
@@ -56,7 +57,10 @@ class StepBuffer:
     """Per-step buffer of device results, fed by the recorders; holds no module or model.
     Hooks may run on several threads (backward on one thread per device): they only append."""
 
-    def __init__(self, histograms: Histograms | None) -> None:
+    def __init__(self, histograms: Histograms | None, recipe: Recipe) -> None:
+        #: What hooks record (the logger's recipe).
+        self.recipe = recipe
+        self._scalar = recipe[Source.SCALAR]
         #: Whether hooks record now: during a logged step of a logger that is logging.
         self.active = False
         #: Modules (by name) and parts whose logging failed or ended.
@@ -94,7 +98,7 @@ class StepBuffer:
 
     def record_scalar(self, key: str, value: Tensor) -> None:
         """A device value logged under the tag ``key`` as it is (the first, if recorded twice)."""
-        self._records.append(Record(SCALAR, key, 1, (value,)))
+        self._records.append(Record(self._scalar, key, 1, (value,)))
 
     def keep_traced(self) -> None:
         """Copy what compiled hooks recorded since the last call out of the memory of the graph

@@ -1,8 +1,9 @@
 """Gradients as training sees them without the ``GradScaler``'s loss scale, on the host.
 
 The scale a logged step's backward used and whether the scaler skipped the step travel in the
-step's transfer (``transport/amp.py``); here the step's gradient statistics that scale with the
-loss are divided by it, and on a skipped step they are dropped (they would be garbage).
+step's transfer (``capture/recording.py``'s ``ScaleWatch``); here the step's gradient statistics that scale with the
+loss are divided by it, and on a skipped step they are dropped (they would be garbage). Which
+values those are the step's summary says, from the logger's recipe (``stats/recipe.py``).
 """
 
 from __future__ import annotations
@@ -10,34 +11,33 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..stats.kinds import GRADIENT, NUMERIC_KINDS, PARAM_GRAD
-from ..stats.tags import SCALE_TAG, SKIPPED_TAG, Root, tag
+from ..stats.recipe import Source
+from ..stats.tags import SCALE_TAG, SKIPPED_TAG
 from .summary import Histogram, StepSummary
 
 
 def unscale(summary: StepSummary, *, param_grads_scaled: bool) -> None:
-    """Divide the step's gradient statistics that scale with the loss (as their measures declare,
-    ``stats/kinds.py``) and its gradient histograms by the loss scale (shift log10 histograms by
-    its log10), or drop them if the scaler skipped the step (counts and fractions stay: the
-    non-finite counts show where the overflow came from). A no-op for steps without a scale."""
+    """Divide the step's gradient statistics that scale with the loss (``summary.scaled``) and
+    its gradient histograms (``summary.scaled_histograms``) by the loss scale (shift log10
+    histograms by its log10), or drop them if the scaler skipped the step (counts and fractions
+    stay: the non-finite counts show where the overflow came from). Parameter gradients carry
+    the scale only where ``param_grads_scaled`` (read before ``unscale_``), or on a skipped step.
+    A no-op for steps without a scale."""
     if SCALE_TAG not in summary.scalars:
         return
     scale, skipped = summary.scalars[SCALE_TAG], bool(summary.scalars[SKIPPED_TAG])
-    raw = (GRADIENT, PARAM_GRAD) if param_grads_scaled or skipped else (GRADIENT,)
-    kinds = (*raw, *(NUMERIC_KINDS[kind] for kind in raw))
-    scaled = tuple(tag(kind.name, stat, "") for kind in kinds for stat in kind.scaled_stats())
-    totals = {tag(kind.name, stat) for kind in kinds for stat in kind.scaled_stats()}
-    for key in [k for k in summary.scalars if k.startswith(scaled) or k in totals]:
+    sources = {Source.OUTPUT_GRADIENT, Source.PARAM_GRAD} if param_grads_scaled or skipped else {Source.OUTPUT_GRADIENT}
+    for key in [k for k, source in summary.scaled.items() if source in sources and k in summary.scalars]:
         if skipped:
             del summary.scalars[key]
         else:
             summary.scalars[key] /= scale
-    prefixes = tuple(tag(kind.name, "") for kind in kinds)
-    log10 = tag(Root.GRADIENT_LOG10, "")
-    for key in [k for k in summary.histograms if k.startswith((*prefixes, log10))]:
+    for key, (source, log10) in summary.scaled_histograms.items():
+        if source not in sources or key not in summary.histograms:
+            continue
         if skipped:
             del summary.histograms[key]
-        elif key.startswith(log10):
+        elif log10:
             summary.histograms[key] = _affine(summary.histograms[key], 1.0, -math.log10(scale))
         else:
             summary.histograms[key] = _affine(summary.histograms[key], 1.0 / scale, 0.0)

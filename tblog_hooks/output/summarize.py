@@ -1,8 +1,9 @@
 """Turn one logged step's numbers (on the host) into TensorBoard scalars and histograms.
 
 Several records of the same module in one step (a module called more than once, or
-several forward/backward passes per optimizer step) are pooled as ``stats/kinds.py`` declares,
-so the statistics cover every call.
+several forward/backward passes per optimizer step) are pooled as the logger's recipe
+(``stats/recipe.py``) says, so the statistics cover every call; the recipe also says which
+values carry a ``GradScaler``'s loss scale.
 """
 
 from __future__ import annotations
@@ -11,32 +12,41 @@ import numpy as np
 
 from ..stats import packing
 from ..stats.binning import BINS, H_HALF_SPAN, H_MAX, H_MIN, H_START, HIST_WIDTH, RowInfo
-from ..stats.kinds import ATTENTION, BINNED, IMAGE, SCALAR_KINDS
+from ..stats.kinds import Kind
 from ..stats.packing import StepLayout
+from ..stats.recipe import HISTOGRAM_SOURCES, LOSS_SCALED, Source
 from ..stats.tags import tag
 from .summary import Heads, Histogram, StepSummary
 
 
 def summarize(step: int, values: np.ndarray, layout: StepLayout) -> StepSummary:
     """Decode the packed array of one step (see ``packing.pack_step``) into tags."""
+    recipe = layout.recipe
+    scaled: dict[str, Kind] = {}
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf activations are data, not warnings
-        scalars = packing.scalars(layout.of(*SCALAR_KINDS), values)
+        scalars = packing.scalars(layout.of(*recipe.scalar_kinds), values, scaled)
         attention, heads = attention_summary(layout, values)
         scalars.update(attention)
     images = {
         tag(e.kind.name, e.name): np.round(e.read(values)["pixels"].reshape(e.shape) * 255).astype(np.uint8)
-        for e in layout.of(IMAGE)
+        for e in layout.of(recipe[Source.IMAGE])
     }
     histograms = {}
-    for entry in layout.of(BINNED):
+    for entry in layout.of(recipe[Source.BINNED]):
         histograms = decode_histograms(layout.rows, entry.read(values)["rows"].reshape(entry.shape))
-    return StepSummary(step, scalars, histograms, images, heads)
+    sources = {k: s.value for s in LOSS_SCALED for k in recipe.scaled_by(s)}
+    summary = StepSummary(step, scalars, histograms, images, heads)
+    summary.scaled = {key: sources[kind] for key, kind in scaled.items() if kind in sources}
+    summary.scaled_histograms = {
+        tag(m.kind, m.name): HISTOGRAM_SOURCES[m.kind] for m in layout.rows if m.kind in HISTOGRAM_SOURCES
+    }
+    return summary
 
 
 def attention_summary(layout: StepLayout, values: np.ndarray) -> tuple[dict[str, float], dict[str, Heads]]:
     """The ``attention/*`` scalars of a packed step, and per module (in the order of their first
     call) each head's largest logit and mean entropy (NaN for a head whose every query was masked out)."""
-    entries = layout.of(ATTENTION)
+    entries = layout.of(layout.recipe[Source.ATTENTION])
     heads: dict[str, Heads] = {}
     for (_, name), (fields, _) in packing.pooled(entries, values).items():
         with np.errstate(invalid="ignore", divide="ignore"):

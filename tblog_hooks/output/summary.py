@@ -41,3 +41,8 @@ class StepSummary:
     numerics: dict[str, float] = field(default_factory=dict)
     #: The value tables of the pictures (``diagnostics/``), written as tensors.
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    #: The scalars that carry a ``GradScaler``'s loss scale (as the recipe's measures say), by tag:
+    #: the source they measure (``"output_gradient"``, ``"param_grad"``; ``stats/recipe.py``).
+    scaled: dict[str, str] = field(default_factory=dict)
+    #: The same of histograms: their source, and whether they bin log10 magnitudes.
+    scaled_histograms: dict[str, tuple[str, bool]] = field(default_factory=dict)

@@ -7,10 +7,8 @@ computed together): its device function, returning named tensors; its :class:`Fi
 how each pools over the records of one module (several calls, micro-batches, ranks: sum, min, max,
 norm, moments up to the fourth); the scalars it yields and their :class:`~tblog_hooks.stats.tags.Stat`
 names; whether they scale with the loss under a ``GradScaler``; whether they need the record's
-element count. Recording (``capture/step.py``), the compiled output-gradient probes
-(``capture/probes.py``), packing and pooling (``packing.py``), unscaling (``output/scaling.py``)
-and the docs' tag table are derived from the declarations, so a new statistic is one
-:meth:`Kind.declare`.
+element count. Kinds and measures are immutable; which kinds a logger records, with which
+measures, is its :class:`~tblog_hooks.stats.recipe.Recipe`.
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..errors import HookLoggerError
 from . import numerics, reductions
 from .tags import Root, Stat
 
@@ -110,6 +109,8 @@ class Field:
 class Measure:
     """One statistic, or a few computed together, declared once."""
 
+    #: What error messages call it (default: its statistics).
+    name: str = ""
     #: What it records, and how each field pools.
     fields: tuple[Field, ...]
     #: The statistics its scalars are tagged with (``{kind}/{stat}/{module}``).
@@ -129,22 +130,22 @@ class Measure:
     total: str | None = None
 
 
-class Declared:
-    """What :meth:`Kind.declare` returns: ``remove()`` takes the measure back (safe twice)."""
-
-    def __init__(self, kind: Kind, measure: Measure) -> None:
-        self._kind, self._measure = kind, measure
-
-    def remove(self) -> None:
-        kind = self._kind
-        kind._set(tuple(m for m in kind.measures if m is not self._measure))
-
-
 class Kind:
-    """A kind of record: its measures, and how its records travel. Compared and hashed by identity:
-    each kind is one object, looked up for every record of a step."""
+    """A kind of record: its measures, and how its records travel. Immutable, validated when made;
+    compared and hashed by identity (a logger's :class:`~tblog_hooks.stats.recipe.Recipe` makes
+    its own, looked up for every record of a step)."""
 
-    def __init__(self, *, name: str, per_call: bool = False, norms: bool = False, counts: bool = True) -> None:
+    __slots__ = ("_computed", "counts", "fields", "measures", "name", "norms", "per_call", "stats")
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        per_call: bool = False,
+        norms: bool = False,
+        counts: bool = True,
+        measures: tuple[Measure, ...] = (),
+    ) -> None:
         #: The tag root of its scalars (``{name}/{stat}/{module}``) and histograms; kinds whose
         #: records are tagged by their own names have a name of their own.
         self.name = name
@@ -155,30 +156,29 @@ class Kind:
         self.norms = norms
         #: Its records know their element count (an output gradient summed by a compiled probe does not).
         self.counts = counts
-        self.measures: tuple[Measure, ...] = ()
-        self.fields: tuple[Field, ...] = ()
-        self.stats: tuple[str, ...] = ()
-        self._computed: tuple[Callable[[Tensor, int], Named], ...] = ()
+        _check(self, measures)
+        self.measures: tuple[Measure, ...] = measures
+        self.fields: tuple[Field, ...] = tuple(f for m in measures for f in m.fields)
+        self.stats: tuple[str, ...] = tuple(s for m in measures for s in m.stats)
+        self._computed = tuple(m.compute for m in measures if m.compute is not None)
+
+    def __setattr__(self, key: str, value: object) -> None:
+        if hasattr(self, key):
+            raise AttributeError(f"{self!r} is immutable: make a new one with Kind.extended")
+        object.__setattr__(self, key, value)
 
     def __repr__(self) -> str:
-        return f"Kind({self.name!r})"
+        return f"Kind({str(self.name)!r})"
 
-    def declare(self, measure: Measure) -> Declared:
-        """Add ``measure`` to the records of this kind (the next logged step on)."""
-        if measure.counted and not self.counts:
-            raise ValueError(f"{self!r} records do not know their element count, which {measure.stats} need")
-        names = {n for f in self.fields for n in (f.name, *f.names)}
-        clash = names & {n for f in measure.fields for n in (f.name, *f.names)}
-        if clash:
-            raise ValueError(f"{self!r} already records {sorted(clash)}")
-        self._set((*self.measures, measure))
-        return Declared(self, measure)
-
-    def _set(self, measures: tuple[Measure, ...]) -> None:
-        self.measures = measures
-        self.fields = tuple(f for m in measures for f in m.fields)
-        self.stats = tuple(s for m in measures for s in m.stats)
-        self._computed = tuple(m.compute for m in measures if m.compute is not None)
+    def extended(self, *measures: Measure) -> Kind:
+        """A new kind of the same travel with ``measures`` after its own."""
+        return Kind(
+            name=self.name,
+            per_call=self.per_call,
+            norms=self.norms,
+            counts=self.counts,
+            measures=(*self.measures, *measures),
+        )
 
     def scaled_stats(self) -> tuple[str, ...]:
         """The statistics (whole-model totals included) that scale with the loss."""
@@ -203,6 +203,30 @@ class Kind:
         return out
 
 
+def describe(measure: Measure) -> str:
+    """A measure as an error message names it."""
+    return measure.name or f"the measure of {list(measure.stats) or [f.name for f in measure.fields]}"
+
+
+def _check(kind: Kind, measures: tuple[Measure, ...]) -> None:
+    """No name (field, device value or statistic) given by two measures; counted measures only
+    where records know their element count."""
+    owner: dict[str, tuple[int, Measure]] = {}
+    for i, measure in enumerate(measures):
+        if measure.counted and not kind.counts:
+            raise HookLoggerError(
+                f"{kind!r} records do not know their element count, which {describe(measure)} needs (counted=True)"
+            )
+        names = {n for f in measure.fields for n in (f.name, *f.names)} | set(measure.stats)
+        for name in sorted(names):
+            at, first = owner.setdefault(name, (i, measure))
+            if at != i:
+                raise HookLoggerError(
+                    f"{kind!r}: {describe(measure)} and {describe(first)} both give {str(name)!r}; "
+                    "each field and statistic of a kind has one measure"
+                )
+
+
 def _finite(value: float) -> dict[str, float]:
     """A scalar left out where undefined."""
     return {"": value} if math.isfinite(value) else {}
@@ -221,6 +245,7 @@ def _std(norm: float, count: int) -> float:
 #: The mean and the (unbiased) standard deviation of a tensor; centring keeps the standard
 #: deviation accurate when |mean| >> std.
 MEAN_STD = Measure(
+    name="mean and std",
     fields=(Field(name="moments", pool=MOMENTS, parts=("mean", "centred_norm")),),
     stats=(Stat.MEAN, Stat.STD),
     scalars=lambda v, n: {Stat.MEAN: float(v["moments"][0]), Stat.STD: _std(float(v["moments"][1]), n)},
@@ -230,6 +255,7 @@ MEAN_STD = Measure(
 )
 #: The smallest and largest element (exact; also a histogram's range).
 EXTREMES = Measure(
+    name="extremes",
     fields=(Field(name="min", pool=MIN), Field(name="max", pool=MAX)),
     stats=(Stat.MIN, Stat.MAX),
     scalars=lambda v, n: {Stat.MIN: float(v["min"][0]), Stat.MAX: float(v["max"][0])},
@@ -238,6 +264,7 @@ EXTREMES = Measure(
 )
 #: The fraction of elements exactly zero.
 ZERO_FRAC = Measure(
+    name="zero fraction",
     fields=(Field(name="nonzero", pool=SUM),),
     stats=(Stat.ZERO_FRAC,),
     scalars=lambda v, n: {Stat.ZERO_FRAC: float((n - v["nonzero"][0]) / n)},
@@ -246,6 +273,7 @@ ZERO_FRAC = Measure(
 )
 #: The NaN/Inf count, from the finite count (the host knows the elements: NaN/Inf are the rest).
 NONFINITE = Measure(
+    name="NaN/Inf count",
     fields=(Field(name="finite", pool=SUM),),
     stats=(Stat.NONFINITE,),
     scalars=lambda v, n: {Stat.NONFINITE: float(n - v["finite"][0])},
@@ -262,72 +290,57 @@ def _dead_fraction(v: Values, count: int) -> dict[str, float]:
 
 #: Per unit, the largest value: the fraction of units never positive.
 DEAD_FRAC = Measure(
+    name="dead fraction",
     fields=(Field(name="peak", pool=MAX, per_unit=True),),
     stats=(Stat.DEAD_FRAC,),
     scalars=_dead_fraction,
     compute=reductions.unit_peaks,
 )
 
-#: A watched module's output (``activation/*``).
-ACTIVATION = Kind(name=Root.ACTIVATION, per_call=True)
-#: With ``inputs=True``, a watched module's input (``input/*``).
-INPUT = Kind(name=Root.INPUT, per_call=True)
-for _kind in (ACTIVATION, INPUT):
-    for _measure in (MEAN_STD, EXTREMES, ZERO_FRAC, NONFINITE, DEAD_FRAC):
-        _kind.declare(_measure)
-
-#: The gradient w.r.t. a module's output: ``gradient/norm`` and ``gradient/nonfinite``. Under
-#: ``torch.compile`` its records are summed on the device by the module's probe, which knows the
-#: element count only on the device: its fields pool without it, so the NaN/Inf count is recorded.
-GRADIENT = Kind(name=Root.GRADIENT, per_call=True, counts=False)
-GRADIENT.declare(
-    Measure(
-        fields=(Field(name="norm", pool=NORM),),
-        stats=(Stat.NORM,),
-        scalars=lambda v, n: {Stat.NORM: float(v["norm"][0])},
-        compute=lambda g, units: {"norm": torch.linalg.vector_norm(g, dtype=reductions.acc_dtype(g.dtype))},
-        scaled=True,
-    )
+#: The statistics of a module's output, and with ``inputs=True`` of its input.
+TENSOR_MEASURES = (MEAN_STD, EXTREMES, ZERO_FRAC, NONFINITE, DEAD_FRAC)
+#: The L2 norm of an output gradient (``gradient/norm``).
+GRADIENT_NORM = Measure(
+    name="gradient norm",
+    fields=(Field(name="norm", pool=NORM),),
+    stats=(Stat.NORM,),
+    scalars=lambda v, n: {Stat.NORM: float(v["norm"][0])},
+    compute=lambda g, units: {"norm": torch.linalg.vector_norm(g, dtype=reductions.acc_dtype(g.dtype))},
+    scaled=True,
 )
-GRADIENT.declare(
-    Measure(
-        fields=(Field(name="nonfinite", pool=SUM),),
-        stats=(Stat.NONFINITE,),
-        scalars=lambda v, n: {Stat.NONFINITE: float(v["nonfinite"][0])},
-        compute=lambda g, units: {"nonfinite": reductions.nonfinite(g)},
-    )
+#: The NaN/Inf count of an output gradient, recorded as it is: a probe's summed records do not
+#: know their element count (``gradient/nonfinite``).
+GRADIENT_NONFINITE = Measure(
+    name="gradient NaN/Inf count",
+    fields=(Field(name="nonfinite", pool=SUM),),
+    stats=(Stat.NONFINITE,),
+    scalars=lambda v, n: {Stat.NONFINITE: float(v["nonfinite"][0])},
+    compute=lambda g, units: {"nonfinite": reductions.nonfinite(g)},
 )
-#: A parameter's final gradient: ``param_grad/norm`` and the whole-model ``param_grad/global_norm``.
-PARAM_GRAD = Kind(name=Root.PARAM_GRAD, norms=True)
-PARAM_GRAD.declare(
-    Measure(
-        fields=(Field(name="norm", pool=FIRST),),
-        stats=(Stat.NORM,),
-        scalars=lambda v, n: {Stat.NORM: float(v["norm"][0])},
-        scaled=True,
-        total=Stat.GLOBAL_NORM,
-    )
+#: A parameter's final gradient's norm (``param_grad/norm``) and the whole-model
+#: ``param_grad/global_norm``; recorded by ``capture/parameters.py``.
+PARAM_GRAD_NORM = Measure(
+    name="parameter gradient norm",
+    fields=(Field(name="norm", pool=FIRST),),
+    stats=(Stat.NORM,),
+    scalars=lambda v, n: {Stat.NORM: float(v["norm"][0])},
+    scaled=True,
+    total=Stat.GLOBAL_NORM,
 )
 #: An optimizer step's change of a parameter, ``||W_after - W_before|| / ||W_before||``
-#: (``param/update_ratio``; left out where the weight is all zeros).
-UPDATE = Kind(name=Root.PARAM, norms=True)
-UPDATE.declare(
-    Measure(
-        fields=(Field(name="change", pool=FIRST), Field(name="weight", pool=FIRST)),
-        stats=(Stat.UPDATE_RATIO,),
-        scalars=lambda v, n: _ratio(float(v["change"][0]), float(v["weight"][0])),
-    )
+#: (``param/update_ratio``; left out where the weight is all zeros); recorded by ``capture/parameters.py``.
+UPDATE_RATIO = Measure(
+    name="update ratio",
+    fields=(Field(name="change", pool=FIRST), Field(name="weight", pool=FIRST)),
+    stats=(Stat.UPDATE_RATIO,),
+    scalars=lambda v, n: _ratio(float(v["change"][0]), float(v["weight"][0])),
 )
-#: Without ``inputs=True``, the NaN/Inf count of a watched module's inputs alone
-#: (``input/nonfinite/{module}``), recorded as their finite count (``reductions.finite``).
-NONFINITE_COUNT = Kind(name=Root.INPUT, per_call=True)
-NONFINITE_COUNT.declare(NONFINITE)
 #: A device value logged under its own tag (``amp/*``); the first record.
-SCALAR = Kind(name="scalar")
-SCALAR.declare(Measure(fields=(Field(name="value", pool=FIRST),), scalars=lambda v, n: _finite(float(v["value"][0]))))
+SCALAR_VALUE = Measure(
+    name="scalar", fields=(Field(name="value", pool=FIRST),), scalars=lambda v, n: _finite(float(v["value"][0]))
+)
 #: A module's feature maps, an image in [0, 1] (``feature_map/{module}``); the first record of a step.
-IMAGE = Kind(name=Root.FEATURE_MAP)
-IMAGE.declare(Measure(fields=(Field(name="pixels", pool=FIRST),), scalars=lambda v, n: {}))
+PIXELS = Measure(name="feature map", fields=(Field(name="pixels", pool=FIRST),), scalars=lambda v, n: {})
 
 
 def _attention_scalars(v: Values, count: int) -> dict[str, float]:
@@ -339,27 +352,24 @@ def _attention_scalars(v: Values, count: int) -> dict[str, float]:
     return out  # type: ignore[return-value]  # (Stat is a str)
 
 
-#: With ``attention=``, the attention calls of a module (``attention/*``; ``stats/attention.py``),
-#: one value per head: the largest logit, the summed entropy of its queries and their count. The
-#: heads of a tensor-parallel attention, split over ranks, go side by side.
-ATTENTION = Kind(name=Root.ATTENTION, per_call=True)
-ATTENTION.declare(
-    Measure(
-        fields=(
-            Field(name="max_logit", pool=MAX, per_unit=True),
-            Field(name="entropy", pool=SUM, per_unit=True),
-            Field(name="queries", pool=SUM, per_unit=True),
-        ),
-        stats=(Stat.MAX_LOGIT, Stat.ENTROPY),
-        scalars=_attention_scalars,
-    )
+#: The attention calls of a module (``attention/*``; ``stats/attention.py``), one value per head:
+#: the largest logit, the summed entropy of its queries and their count. The heads of a
+#: tensor-parallel attention, split over ranks, go side by side.
+ATTENTION_HEADS = Measure(
+    name="attention",
+    fields=(
+        Field(name="max_logit", pool=MAX, per_unit=True),
+        Field(name="entropy", pool=SUM, per_unit=True),
+        Field(name="queries", pool=SUM, per_unit=True),
+    ),
+    stats=(Stat.MAX_LOGIT, Stat.ENTROPY),
+    scalars=_attention_scalars,
 )
 #: Every histogram of the step: rows ``[start, span, min, max, counts...]`` (``binning.bin_rows``).
-BINNED = Kind(name="histogram")
-BINNED.declare(Measure(fields=(Field(name="rows", pool=FIRST),), scalars=lambda v, n: {}))
+HISTOGRAM_ROWS = Measure(name="histograms", fields=(Field(name="rows", pool=FIRST),), scalars=lambda v, n: {})
 
 
-def _numeric_measures(*, zero_frac: bool, channels: bool) -> tuple[Measure, Measure]:
+def numeric_measures(*, zero_frac: bool, channels: bool) -> tuple[Measure, Measure]:
     """With ``numerics=``, a tensor's low-precision health (``stats/numerics.py``): the max |x|
     and RMS, which scale with the loss under a ``GradScaler``, and the kurtosis and per-format
     fractions, which do not (they are judged at the loss scale, as the format sees the gradients)."""
@@ -376,6 +386,7 @@ def _numeric_measures(*, zero_frac: bool, channels: bool) -> tuple[Measure, Meas
         return {stat: found[stat] for stat in keep if stat in found}
 
     shape = Measure(
+        name="numerics (counts)",
         fields=(*(Field(name=c, pool=SUM) for c in counts), *per_unit),
         stats=tuple(s for s in every if s not in magnitude),
         scalars=lambda v, n: scalars(v, n, tuple(s for s in every if s not in magnitude)),
@@ -383,6 +394,7 @@ def _numeric_measures(*, zero_frac: bool, channels: bool) -> tuple[Measure, Meas
         counted=True,
     )
     size = Measure(
+        name="numerics (magnitudes)",
         fields=(Field(name="amax", pool=MAX), Field(name="powers", pool=POWERS, parts=("ref", "sum2", "sum4"))),
         stats=magnitude,
         scalars=lambda v, n: scalars(v, n, magnitude),
@@ -391,28 +403,6 @@ def _numeric_measures(*, zero_frac: bool, channels: bool) -> tuple[Measure, Meas
     )
     return shape, size
 
-
-#: With ``numerics=``, a watched module's output, with the channel of its largest |x| and its
-#: median |x| (``activation/amax``, ``activation/underflow_{format}``, ...).
-NUMERIC_ACTIVATION = Kind(name=Root.ACTIVATION, per_call=True)
-#: With ``numerics=``, the gradient w.r.t. a watched module's output, eagerly (not through a
-#: compiled probe, which does not sum these).
-NUMERIC_GRADIENT = Kind(name=Root.GRADIENT, per_call=True)
-#: With ``numerics=``, a watched parameter's gradient.
-NUMERIC_PARAM_GRAD = Kind(name=Root.PARAM_GRAD)
-for _kind, _zero_frac, _channels in (
-    (NUMERIC_ACTIVATION, False, True),  # (activation/zero_frac is ZERO_FRAC's)
-    (NUMERIC_GRADIENT, True, False),  # (for fp16_gradient_underflow)
-    (NUMERIC_PARAM_GRAD, False, False),
-):
-    for _measure in _numeric_measures(zero_frac=_zero_frac, channels=_channels):
-        _kind.declare(_measure)
-#: The numerics kinds, by the kind whose tensors they measure.
-NUMERIC_KINDS = {ACTIVATION: NUMERIC_ACTIVATION, GRADIENT: NUMERIC_GRADIENT, PARAM_GRAD: NUMERIC_PARAM_GRAD}
-
-#: The kinds whose records become scalars as their measures say (attention's are summarised
-#: with their per-head values, ``output/summarize.py``).
-SCALAR_KINDS = (ACTIVATION, INPUT, GRADIENT, PARAM_GRAD, UPDATE, NONFINITE_COUNT, SCALAR, *NUMERIC_KINDS.values())
 
 #: Every histogram kind, by tag root: ``activation/{module}``, ``input/{module}`` (with
 #: ``inputs=True``), ``gradient/{module}`` (output gradient), ``gradient_log10/{module}`` (log10 of

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from .binning import HIST_WIDTH, RowInfo, Sample, bin_step
-from .kinds import BINNED, Field, Kind, Values
+from .kinds import Field, Kind, Values
+from .recipe import Recipe, Source
 from .sampling import IndexCache
 from .tags import tag
 
@@ -67,8 +68,10 @@ class Entry:
 
 @dataclass
 class StepLayout:
-    """Host-side description of a packed step: one :class:`Entry` per record, in record order."""
+    """Host-side description of a packed step: one :class:`Entry` per record, in record order,
+    of the kinds of ``recipe``."""
 
+    recipe: Recipe
     entries: list[Entry] = field(default_factory=list)
     size: int = 0
     rows: list[RowInfo] = field(default_factory=list)  # the histogram rows of the BINNED entry
@@ -77,7 +80,7 @@ class StepLayout:
         return [e for e in self.entries if e.kind in kinds]
 
 
-def pack(records: Sequence[Record], device: torch.device) -> tuple[Tensor, StepLayout]:
+def pack(records: Sequence[Record], device: torch.device, recipe: Recipe) -> tuple[Tensor, StepLayout]:
     """Every record's values in one float64 tensor on ``device``: 0-d values of one dtype are
     stacked with one op, vectors concatenated with one, so the op count does not grow with the
     number of records."""
@@ -98,7 +101,7 @@ def pack(records: Sequence[Record], device: torch.device) -> tuple[Tensor, StepL
         offset += sum(lengths)
         joined = torch.stack(group) if key[2] else torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in group])
         parts.append(joined.to(device, torch.float64, non_blocking=True))
-    layout = StepLayout(size=offset)
+    layout = StepLayout(recipe, size=offset)
     values = iter(where)
     for record in records:
         spans = []
@@ -155,36 +158,44 @@ def _side_by_side(f: Field, rows: list[np.ndarray], parts: list[int]) -> np.ndar
     return np.concatenate(pooled_parts)
 
 
-def scalars(entries: Iterable[Entry], values: np.ndarray) -> dict[str, float]:
+def scalars(entries: Iterable[Entry], values: np.ndarray, scaled: dict[str, Kind] | None = None) -> dict[str, float]:
     """``{tag: value}`` of every pooled record, and the whole-model totals of the measures that
-    declare one (``param_grad/global_norm``)."""
+    declare one (``param_grad/global_norm``); each tag of a measure that scales with the loss
+    goes into ``scaled``, with its kind."""
     out: dict[str, float] = {}
-    totals: dict[str, list[float]] = {}
+    totals: dict[str, tuple[Kind, list[float]]] = {}
     for (kind, name), (fields, count) in pooled(entries, values).items():
-        for stat, value in kind.scalars(fields, count).items():
-            out[tag(kind.name, stat, name) if stat else name] = value
         for measure in kind.measures:
+            for stat, value in measure.scalars(fields, count).items():
+                key = tag(kind.name, stat, name) if stat else name
+                out[key] = value
+                if measure.scaled and scaled is not None:
+                    scaled[key] = kind
             if measure.total is not None:
                 (field,) = measure.fields
-                totals.setdefault(tag(kind.name, measure.total), []).append(fields[field.name][0])
-    for key, norms in totals.items():
+                key = tag(kind.name, measure.total)
+                totals.setdefault(key, (kind, []))[1].append(fields[field.name][0])
+                if measure.scaled and scaled is not None:
+                    scaled[key] = kind
+    for key, (_, norms) in totals.items():
         out[key] = math.sqrt(float(np.sum(np.square(norms))))
     return out
 
 
 def pack_step(
-    records: list[Record], samples: list[Sample], kinds: frozenset[str], cache: IndexCache
+    records: list[Record], samples: list[Sample], kinds: frozenset[str], cache: IndexCache, recipe: Recipe
 ) -> tuple[Tensor, StepLayout] | None:
-    """Bin the step's histogram samples of ``kinds`` and pack every record into one float64
-    tensor on the device of the first; ``None`` when nothing was recorded."""
+    """Bin the step's histogram samples of ``kinds`` and pack every record (of ``recipe``'s
+    kinds) into one float64 tensor on the device of the first; ``None`` when nothing was recorded."""
     if not records and not samples:
         return None
     device = (records[0].values[0] if records else samples[0].sample).device
     binned, rows = bin_step(samples, device, kinds, cache)
     if rows:
-        records = [*records, Record(BINNED, "", binned.numel(), (binned,), (len(rows), HIST_WIDTH))]
+        binned_kind = recipe[Source.BINNED]
+        records = [*records, Record(binned_kind, "", binned.numel(), (binned,), (len(rows), HIST_WIDTH))]
     if not records:
         return None
-    packed, layout = pack(records, device)
+    packed, layout = pack(records, device, recipe)
     layout.rows = rows
     return packed, layout

@@ -1,0 +1,216 @@
+"""What one logger records, decided once at its construction: for each source of tensors (a
+watched module's output and input, its output gradient, a parameter's gradient, an optimizer
+step's update, and the values recorded under their own tags) the :class:`~tblog_hooks.stats.kinds.Kind`
+whose measures say what is computed, how it pools, which scalars it yields and which of them
+scale with the loss.
+
+A :class:`Recipe` is immutable and belongs to one logger: recording (``capture/*``), the compiled
+probes' layout, packing and pooling over calls and ranks, unscaling, summarising and the docs'
+tag table read it; nothing reads a module-level registry, so extending one logger's recipe
+(``HookLogger(..., measures={"output": [measure]})``) never touches another's.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from ..errors import HookLoggerError
+from .kinds import (
+    ATTENTION_HEADS,
+    GRADIENT_NONFINITE,
+    GRADIENT_NORM,
+    HISTOGRAM_ROWS,
+    NONFINITE,
+    PARAM_GRAD_NORM,
+    PIXELS,
+    SCALAR_VALUE,
+    TENSOR_MEASURES,
+    UPDATE_RATIO,
+    Kind,
+    Measure,
+    describe,
+    numeric_measures,
+)
+from .tags import Root
+
+
+class Source(enum.StrEnum):
+    """Where a kind's records come from."""
+
+    #: A watched module's output (``activation/*``).
+    OUTPUT = "output"
+    #: With ``inputs=True``, a watched module's input (``input/*``).
+    INPUT = "input"
+    #: Without ``inputs=True``, the NaN/Inf count of a watched module's inputs alone
+    #: (``input/nonfinite/{module}``), recorded as their finite count (``reductions.finite``).
+    NONFINITE_INPUT = "nonfinite_input"
+    #: The gradient w.r.t. a watched module's output (``gradient/*``). Under ``torch.compile``
+    #: its records are summed on the device by the module's probe, which knows the element count
+    #: only on the device: its measures pool without it.
+    OUTPUT_GRADIENT = "output_gradient"
+    #: A watched parameter's final gradient (``param_grad/*``), recorded by ``capture/parameters.py``.
+    PARAM_GRAD = "param_grad"
+    #: An optimizer step's change of a parameter (``param/update_ratio``), recorded by ``capture/parameters.py``.
+    UPDATE = "update"
+    #: A device value logged under its own tag (``amp/*``).
+    SCALAR = "scalar"
+    #: A module's feature maps (``feature_map/{module}``).
+    IMAGE = "image"
+    #: With ``attention=``, a module's attention calls (``attention/*``).
+    ATTENTION = "attention"
+    #: Every histogram of the step, binned.
+    BINNED = "binned"
+
+
+#: The sources a measure of one's own may be added to: those whose records a measure's device
+#: function computes from the tensor (the others' records are built by hand).
+EXTENSIBLE = (Source.OUTPUT, Source.INPUT, Source.OUTPUT_GRADIENT)
+#: The sources that ``numerics=`` measures too: (zero fraction, per-unit peaks, pooled over
+#: ranks) of each (``activation/zero_frac`` is the output's own measure; the gradient's is for
+#: fp16 underflow; an output gradient's numerics are measured eagerly, not through a probe).
+NUMERIC_SOURCES = {
+    Source.OUTPUT: (False, True, True),
+    Source.OUTPUT_GRADIENT: (True, False, True),
+    Source.PARAM_GRAD: (False, False, False),
+}
+#: The sources whose scaled statistics carry the ``GradScaler``'s loss scale (parameter
+#: gradients only where they are read before ``unscale_``, see ``output/scaling.py``).
+LOSS_SCALED = (Source.OUTPUT_GRADIENT, Source.PARAM_GRAD)
+
+#: The histograms that carry the loss scale, by tag root: their source, and whether they bin
+#: log10 magnitudes (shifted, not divided).
+HISTOGRAM_SOURCES: dict[str, tuple[Source, bool]] = {
+    Root.GRADIENT: (Source.OUTPUT_GRADIENT, False),
+    Root.GRADIENT_LOG10: (Source.OUTPUT_GRADIENT, True),
+    Root.PARAM_GRAD: (Source.PARAM_GRAD, False),
+}
+
+_TRAVEL: dict[Source, dict[str, object]] = {
+    Source.OUTPUT: {"name": Root.ACTIVATION, "per_call": True},
+    Source.INPUT: {"name": Root.INPUT, "per_call": True},
+    Source.NONFINITE_INPUT: {"name": Root.INPUT, "per_call": True},
+    Source.OUTPUT_GRADIENT: {"name": Root.GRADIENT, "per_call": True, "counts": False},
+    Source.PARAM_GRAD: {"name": Root.PARAM_GRAD, "norms": True},
+    Source.UPDATE: {"name": Root.PARAM, "norms": True},
+    Source.SCALAR: {"name": "scalar"},
+    Source.IMAGE: {"name": Root.FEATURE_MAP},
+    Source.ATTENTION: {"name": Root.ATTENTION, "per_call": True},
+    Source.BINNED: {"name": "histogram"},
+}
+_MEASURES: dict[Source, tuple[Measure, ...]] = {
+    Source.OUTPUT: TENSOR_MEASURES,
+    Source.INPUT: TENSOR_MEASURES,
+    Source.NONFINITE_INPUT: (NONFINITE,),
+    Source.OUTPUT_GRADIENT: (GRADIENT_NORM, GRADIENT_NONFINITE),
+    Source.PARAM_GRAD: (PARAM_GRAD_NORM,),
+    Source.UPDATE: (UPDATE_RATIO,),
+    Source.SCALAR: (SCALAR_VALUE,),
+    Source.IMAGE: (PIXELS,),
+    Source.ATTENTION: (ATTENTION_HEADS,),
+    Source.BINNED: (HISTOGRAM_ROWS,),
+}
+#: Measures of one's own, by source (a :class:`Source` or its value).
+Extra = Mapping["Source | str", Sequence[Measure]]
+
+
+@dataclass(frozen=True, eq=False)
+class Recipe:
+    """A logger's kinds of record, by source; immutable. Build one with :meth:`build`."""
+
+    #: Every source's kind (:attr:`Source.INPUT` only with ``inputs=True``, else
+    #: :attr:`Source.NONFINITE_INPUT`).
+    kinds: Mapping[Source, Kind]
+    #: With ``numerics=``, the low-precision health of a source's tensors, by that source
+    #: (:data:`NUMERIC_SOURCES`); empty without.
+    numerics: Mapping[Source, Kind]
+
+    @classmethod
+    def build(cls, *, inputs: bool = False, numerics: bool = False, measures: Extra | None = None) -> Recipe:
+        """The recipe of a logger with these options; ``measures``: its own, added after the
+        built-in ones of their source (:data:`EXTENSIBLE`). Raises :class:`HookLoggerError` for a
+        measure the source cannot compute and for a field or statistic two measures give."""
+        extra = _extra(measures or {}, inputs=inputs)
+        wanted = [s for s in Source if s is not (Source.NONFINITE_INPUT if inputs else Source.INPUT)]
+        kinds = {s: Kind(**_TRAVEL[s], measures=(*_MEASURES[s], *extra.get(s, ()))) for s in wanted}  # type: ignore[arg-type]
+        numeric = {}
+        if numerics:
+            for source, (zero_frac, channels, per_call) in NUMERIC_SOURCES.items():
+                numeric[source] = Kind(
+                    name=_TRAVEL[source]["name"],  # type: ignore[arg-type]
+                    per_call=per_call,
+                    measures=numeric_measures(zero_frac=zero_frac, channels=channels),
+                )
+        recipe = cls(MappingProxyType(kinds), MappingProxyType(numeric))
+        recipe._check_tags()
+        return recipe
+
+    def __getitem__(self, source: Source) -> Kind:
+        return self.kinds[source]
+
+    @property
+    def all(self) -> tuple[Kind, ...]:
+        """Every kind of the recipe."""
+        return (*self.kinds.values(), *self.numerics.values())
+
+    @property
+    def scalar_kinds(self) -> tuple[Kind, ...]:
+        """The kinds whose records become scalars as their measures say (attention's are
+        summarised with their per-head values, ``output/summarize.py``)."""
+        plain = (Source.IMAGE, Source.ATTENTION, Source.BINNED)
+        return tuple(k for s, k in self.kinds.items() if s not in plain) + tuple(self.numerics.values())
+
+    def scaled_by(self, source: Source) -> tuple[Kind, ...]:
+        """The kinds of ``source``'s tensors (its own and its numerics): those of
+        :data:`LOSS_SCALED` sources carry the loss scale in their scaled measures."""
+        return tuple(k for k in (self.kinds.get(source), self.numerics.get(source)) if k is not None)
+
+    def _check_tags(self) -> None:
+        """No two measures of kinds sharing a tag root give the same statistic (they would write one tag)."""
+        by_root: dict[str, dict[str, Measure]] = {}
+        for kind in self.all:
+            owner = by_root.setdefault(kind.name, {})
+            for measure in kind.measures:
+                for stat in (*measure.stats, *filter(None, [measure.total])):
+                    first = owner.setdefault(stat, measure)
+                    if first is not measure:  # (one kind's twice: Kind refuses those)
+                        raise HookLoggerError(
+                            f"{describe(measure)} and {describe(first)} both write '{kind.name}/{stat}/...'; "
+                            "give the new measure a statistic of its own"
+                        )
+
+
+def _extra(measures: Extra, *, inputs: bool) -> dict[Source, tuple[Measure, ...]]:
+    """``measures=`` checked: by source, measures that a source's records can compute."""
+    if not isinstance(measures, Mapping):
+        raise HookLoggerError(
+            f"measures must be a mapping of a source ({', '.join(EXTENSIBLE)}) to a list of Measure, got {measures!r}"
+        )
+    out: dict[Source, tuple[Measure, ...]] = {}
+    for key, items in measures.items():
+        try:
+            source = Source(key)
+        except ValueError:
+            raise HookLoggerError(
+                f"measures has the source {key!r}, which is none; measures can be added to: {', '.join(EXTENSIBLE)}"
+            ) from None
+        if source not in EXTENSIBLE:
+            raise HookLoggerError(
+                f"measures cannot be added to {source.value!r}: its records are built by the logger "
+                f"(capture/parameters.py, ...), not computed from a tensor by a measure; measures can be added to: "
+                f"{', '.join(EXTENSIBLE)}"
+            )
+        if source is Source.INPUT and not inputs:
+            raise HookLoggerError("measures for 'input' need inputs=True (without it inputs are only counted)")
+        given: tuple[object, ...] = tuple(items) if isinstance(items, (list, tuple)) else (items,)
+        checked: list[Measure] = []
+        for m in given:
+            if not isinstance(m, Measure):
+                raise HookLoggerError(f"measures[{key!r}] holds {m!r}, not a tblog_hooks.stats.kinds.Measure")
+            if m.compute is None:
+                raise HookLoggerError(f"measures[{key!r}]: {describe(m)} has no compute, so nothing would record it")
+            checked.append(m)
+        out[source] = tuple(checked)
+    return out
