@@ -90,9 +90,8 @@ class ActivationRecorder:
                     self._add_feature_map(mode, name, [t for t, _ in pieces])
                 if self.activations and counted.activations:
                     for t, split in pieces:
-                        self._remember(mode, t, mode.record(self._output, name, t, units, split))
-                        if self._numeric_output is not None:
-                            mode.measure(self._numeric_output, name, t, units, split)
+                        named = mode.record(self._output, name, t, units, split, self._numeric_output)
+                        self._remember(mode, t, named)
                     if self.numerics is not None and not mode.compiled:
                         self.numerics.see(pieces[0][0].device.type)
             if counted.gradients and self.gradients is not None:

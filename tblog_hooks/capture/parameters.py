@@ -101,7 +101,8 @@ class ParameterRecorder:
         kind = self._numerics
         if kind is None or scale is not None or split is not None or key not in dense:
             return None
-        return Record(kind, key, grad.numel(), kind.values(kind.compute(grad, -1)), split=split)
+        values = kind.values(self.buffer.kernels.compute((kind,), grad, -1))
+        return Record(kind, key, grad.numel(), values, split=split)
 
     def weights(self, params: Callable[[], Named]) -> None:
         """Histograms of the weights whose gradients this step recorded, as they are at the end

@@ -14,11 +14,17 @@ from __future__ import annotations
 import importlib.util
 import os
 import warnings
+from collections.abc import Sequence
 from types import ModuleType
+from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 from ..errors import HookLoggerError
+
+if TYPE_CHECKING:
+    from ..stats.kinds import Kind
 
 #: The environment variable, and its values.
 VARIABLE = "TBLOG_HOOKS_KERNELS"
@@ -37,6 +43,11 @@ class Kernels:
         self.choice = choice
         self._fused: ModuleType | None = None
         self._off = choice == "torch" or (choice == "auto" and importlib.util.find_spec("triton") is None)
+        if not self._off and choice == "auto" and torch.cuda.is_available():
+            try:  # now, not in a hook that torch.compile traces
+                self._fused = _import_fused()
+            except ImportError as error:
+                self.fail(error)
         if choice == "triton":
             try:
                 self._fused = _import_fused()
@@ -64,6 +75,28 @@ class Kernels:
         if self._fused is None:
             self._fused = _import_fused()
         return self._fused
+
+    def compute(self, kinds: Sequence[Kind], t: Tensor, units: int) -> dict[str, Tensor]:
+        """Every measure's device values of ``t`` for ``kinds`` (of one tensor: its own and its
+        ``numerics=`` kind), by name: where the kernels take ``t``, those of the measures they
+        fuse from one kernel call (with its extremes, for the histogram's range), the others' by
+        their own ``compute``; else every measure's ``compute`` (call under ``no_grad``)."""
+        measures = [m for kind in kinds for m in kind.measures]
+        fused = {n for m in measures if m.fused for f in m.fields for n in f.names}
+        out: dict[str, Tensor] = {}
+        if fused and self.takes(t):
+            kernels = self.fused
+            try:
+                out = kernels.statistics(
+                    t, units, per_unit=bool(fused & set(kernels.PER_UNIT)), numerics=bool(fused & kernels.FORMAT_COUNTS)
+                )
+            except Exception as error:  # (Triton unusable here: a driver, a compiler)
+                self.fail(error)
+        by_kernels = bool(out)
+        for m in measures:
+            if m.compute is not None and not (by_kernels and m.fused):
+                out.update(m.compute(t, units))
+        return out
 
     def bucket_counts(
         self, values: Tensor, rows: Tensor, half_start: Tensor, scale: Tensor, bins: int

@@ -41,6 +41,8 @@ COUNTS = (
     *(n for f in _UNSCALED for n in numerics.names(f)),
     *(n for f in _SCALED for n in numerics.names(f)),
 )
+#: The per-format counts (a third launch: the float8 formats' need the per-tensor scale).
+FORMAT_COUNTS = frozenset(COUNTS[3:])
 #: Per unit (along the units dim), the largest value and the largest magnitude.
 PER_UNIT = ("peak", "unit_amax")
 _FIRST_SCALED = len(COUNTS) - 2 * len(_SCALED)

@@ -128,6 +128,10 @@ class Measure:
     counted: bool = False
     #: A whole-model scalar ``{kind}/{total}``: the L2 norm over every record's (one) field.
     total: str | None = None
+    #: The fused kernels give its device values, by the names ``compute`` gives them
+    #: (``kernels/fused.py``, where ``TBLOG_HOOKS_KERNELS`` sends the tensor); a measure without
+    #: is computed by ``compute``, with torch.
+    fused: bool = False
 
 
 class Kind:
@@ -252,6 +256,7 @@ MEAN_STD = Measure(
     compute=reductions.mean_and_centred_norm,
     scaled=True,
     counted=True,
+    fused=True,
 )
 #: The smallest and largest element (exact; also a histogram's range).
 EXTREMES = Measure(
@@ -261,6 +266,7 @@ EXTREMES = Measure(
     scalars=lambda v, n: {Stat.MIN: float(v["min"][0]), Stat.MAX: float(v["max"][0])},
     compute=reductions.extremes,
     scaled=True,
+    fused=True,
 )
 #: The fraction of elements exactly zero.
 ZERO_FRAC = Measure(
@@ -270,6 +276,7 @@ ZERO_FRAC = Measure(
     scalars=lambda v, n: {Stat.ZERO_FRAC: float((n - v["nonzero"][0]) / n)},
     compute=lambda x, units: {"nonzero": torch.count_nonzero(x)},
     counted=True,
+    fused=True,
 )
 #: The NaN/Inf count, from the finite count (the host knows the elements: NaN/Inf are the rest).
 NONFINITE = Measure(
@@ -279,6 +286,7 @@ NONFINITE = Measure(
     scalars=lambda v, n: {Stat.NONFINITE: float(n - v["finite"][0])},
     compute=lambda x, units: {"finite": reductions.finite(x)},
     counted=True,
+    fused=True,
 )
 
 
@@ -295,6 +303,7 @@ DEAD_FRAC = Measure(
     stats=(Stat.DEAD_FRAC,),
     scalars=_dead_fraction,
     compute=reductions.unit_peaks,
+    fused=True,
 )
 
 #: The statistics of a module's output, and with ``inputs=True`` of its input.
@@ -307,6 +316,7 @@ GRADIENT_NORM = Measure(
     scalars=lambda v, n: {Stat.NORM: float(v["norm"][0])},
     compute=lambda g, units: {"norm": torch.linalg.vector_norm(g, dtype=reductions.acc_dtype(g.dtype))},
     scaled=True,
+    fused=True,
 )
 #: The NaN/Inf count of an output gradient, recorded as it is: a probe's summed records do not
 #: know their element count (``gradient/nonfinite``).
@@ -316,6 +326,7 @@ GRADIENT_NONFINITE = Measure(
     stats=(Stat.NONFINITE,),
     scalars=lambda v, n: {Stat.NONFINITE: float(v["nonfinite"][0])},
     compute=lambda g, units: {"nonfinite": reductions.nonfinite(g)},
+    fused=True,
 )
 #: A parameter's final gradient's norm (``param_grad/norm``) and the whole-model
 #: ``param_grad/global_norm``; recorded by ``capture/parameters.py``.
@@ -369,14 +380,24 @@ ATTENTION_HEADS = Measure(
 HISTOGRAM_ROWS = Measure(name="histograms", fields=(Field(name="rows", pool=FIRST),), scalars=lambda v, n: {})
 
 
-def numeric_measures(*, zero_frac: bool, channels: bool) -> tuple[Measure, Measure]:
+#: The median |x| of an output with ``numerics=`` (its scalar is ``numeric_measures``'s).
+MEDIAN_ABS = Measure(
+    name="numerics (median)",
+    fields=(Field(name="median", pool=MAX),),
+    scalars=lambda v, n: {},
+    compute=numerics.median_abs,
+)
+
+
+def numeric_measures(*, zero_frac: bool, channels: bool) -> tuple[Measure, ...]:
     """With ``numerics=``, a tensor's low-precision health (``stats/numerics.py``): the max |x|
     and RMS, which scale with the loss under a ``GradScaler``, and the kurtosis and per-format
-    fractions, which do not (they are judged at the loss scale, as the format sees the gradients)."""
+    fractions, which do not (they are judged at the loss scale, as the format sees the gradients);
+    with ``channels``, also the median |x| (:data:`MEDIAN_ABS`)."""
     magnitude = (Stat.AMAX, Stat.RMS)
     every = numerics.stats(zero_frac=zero_frac, channels=channels)
     counts = ("nonzero", *(n for f in numerics.FORMATS.values() for n in numerics.names(f)))
-    per_unit = (Field(name="unit_amax", pool=MAX, per_unit=True), Field(name="median", pool=MAX)) * channels
+    per_unit = (Field(name="unit_amax", pool=MAX, per_unit=True),) * channels
 
     def compute(x: Tensor, units: int) -> Named:
         return numerics.measure(x, units, channels=channels)
@@ -392,6 +413,7 @@ def numeric_measures(*, zero_frac: bool, channels: bool) -> tuple[Measure, Measu
         scalars=lambda v, n: scalars(v, n, tuple(s for s in every if s not in magnitude)),
         compute=compute,
         counted=True,
+        fused=True,
     )
     size = Measure(
         name="numerics (magnitudes)",
@@ -400,8 +422,9 @@ def numeric_measures(*, zero_frac: bool, channels: bool) -> tuple[Measure, Measu
         scalars=lambda v, n: scalars(v, n, magnitude),
         scaled=True,
         counted=True,
+        fused=True,
     )
-    return shape, size
+    return (shape, size, MEDIAN_ABS) if channels else (shape, size)
 
 
 #: Every histogram kind, by tag root: ``activation/{module}``, ``input/{module}`` (with

@@ -101,8 +101,8 @@ def measure(x: Tensor, units: int, *, channels: bool) -> dict[str, Tensor]:
     tensors: relative to the amax they neither overflow nor lose the largest terms);
     ``nonzero`` and per format the count of elements the
     cast makes 0 (``zero_F``), keeps finite (``finite_F``) and, unscaled, makes subnormal or 0
-    (``small_F``). With ``channels``, also per unit (along dim ``units``) the amax and the
-    median of ``|x|``; ``unit_amax`` is empty for a 0-d or 1-d ``x``."""
+    (``small_F``). With ``channels``, also per unit (along dim ``units``) the amax
+    (``unit_amax``, empty for a 0-d or 1-d ``x``); the median of ``|x|`` is :func:`median_abs`'s."""
     wide = acc_dtype(x.dtype)
     a = x.abs() if x.dtype == wide else x.to(wide).abs_()
     out: dict[str, Tensor] = {}
@@ -113,7 +113,6 @@ def measure(x: Tensor, units: int, *, channels: bool) -> dict[str, Tensor]:
             out["amax"] = out["unit_amax"].amax()
         else:
             out["unit_amax"], out["amax"] = a.new_empty(0), a.amax()
-        out["median"] = a.median()
     else:
         out["amax"] = a.amax()
     out["ref"] = out["amax"].clamp(min=AMAX_FLOOR)
@@ -133,6 +132,13 @@ def measure(x: Tensor, units: int, *, channels: bool) -> dict[str, Tensor]:
         if not fmt.scaled:
             out[f"small_{fmt.name}"] = torch.count_nonzero(seen < fmt.normal)
     return out
+
+
+def median_abs(x: Tensor, units: int) -> dict[str, Tensor]:
+    """The median of ``|x|`` (``median``): a selection, which no fused kernel computes
+    (``kernels/fused.py``), so a measure of its own."""
+    wide = acc_dtype(x.dtype)
+    return {"median": (x.abs() if x.dtype == wide else x.to(wide).abs_()).median()}
 
 
 Values = Mapping[str, np.ndarray]
