@@ -14,15 +14,20 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import Run, read_run
+from models import conv_net, train
 from test_numerics import _tensors
 from torch import Tensor
 
-from tblog_hooks import HookLoggerError
+from tblog_hooks import Histograms, HookLogger, HookLoggerError
 from tblog_hooks.kernels import VARIABLE, Kernels
 from tblog_hooks.stats import numerics, reductions
+from tblog_hooks.stats.kinds import HISTOGRAM_KINDS
 
 fused = pytest.importorskip("tblog_hooks.kernels.fused", reason="Triton is not importable")
 pytestmark = [
@@ -252,3 +257,77 @@ def test_the_kernels_compile_for_a_gpu() -> None:
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+
+
+# -- the logged step on the kernels' path ----------------------------------------------------------
+#: Scalars from counts, extremes and selections: the same on both paths, bit for bit.
+EXACT_STATS = ("min", "max", "amax", "zero_frac", "nonfinite", "dead_frac", "median_abs", "amax_channel")
+EXACT_STATS += tuple(f"{lost}_{fmt}" for lost in ("underflow", "overflow", "subnormal") for fmt in numerics.FORMATS)
+
+
+def assert_same_runs(got: Run, want: Run) -> None:
+    """Every scalar and histogram of two runs: counts and extremes exactly, moments to float32
+    rounding (``1e-5`` relative; the excess kurtosis ``m4 / m2² - 3`` as ``m4 / m2²``, the
+    rounded quantity)."""
+    assert set(got.scalars) == set(want.scalars)
+    for tag, by_step in want.scalars.items():
+        stat = tag.split("/")[1] if tag.count("/") >= 2 else ""
+        shift = 3.0 if stat == "kurtosis" else 0.0
+        for step, value in by_step.items():
+            have = got.scalars[tag][step]
+            if stat in EXACT_STATS:
+                assert have == value or (math.isnan(have) and math.isnan(value)), (tag, step, have, value)
+            else:
+                assert have + shift == pytest.approx(value + shift, rel=1e-5, abs=1e-7, nan_ok=True), (tag, step)
+    assert set(got.histograms) == set(want.histograms)
+    for tag, by_step in want.histograms.items():
+        for step, h in by_step.items():
+            g = got.histograms[tag][step]
+            assert (g.min, g.max, g.num) == (h.min, h.max, h.num), (tag, step)
+            assert list(g.bucket) == list(h.bucket) and list(g.bucket_limit) == list(h.bucket_limit), (tag, step)
+
+
+def _conv_run(log_dir: Path, path: str, monkeypatch: pytest.MonkeyPatch) -> Run:
+    """Three logged steps of a small conv net (channels-first units, ReLU zeros, an MLP head):
+    every histogram kind, the inputs' statistics, every format's numerics."""
+    monkeypatch.setenv(VARIABLE, path)
+    torch.manual_seed(0)
+    model = conv_net(6, batch_norm=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs = torch.randn(3, 4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    every = Histograms(every_logged=1, weights_every_logged=1, kinds=list(HISTOGRAM_KINDS))
+    formats = tuple(numerics.FORMATS)
+    with HookLogger(model, log_dir=log_dir, every=1, inputs=True, histograms=every, numerics=formats) as hooks:
+        train(hooks, (model(x).logsumexp(1).mean() for x in xs), opt)
+    return read_run(log_dir)
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """The kernels launched, by name, while the test runs."""
+    launched: Counter[str] = Counter()
+    for name in ("_partials", "_combine", "_scaled_counts", "_buckets"):
+        kernel = getattr(fused, name)
+
+        def run(*args: object, _run: object = kernel.run, _name: str = name, **kwargs: object) -> object:
+            launched[_name] += 1
+            return _run(*args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(kernel, "run", run)
+    return launched
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_both_paths_write_the_same_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str], deterministic: bool
+) -> None:
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        want = _conv_run(tmp_path / "torch", "torch", monkeypatch)
+        assert not launches
+        got = _conv_run(tmp_path / "triton", "triton", monkeypatch)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert launches["_partials"] > 0 and launches["_buckets"] == 3  # (one binning a logged step)
+    assert any(tag.startswith("activation/underflow_e4m3/") for tag in want.scalars)
+    assert_same_runs(got, want)
