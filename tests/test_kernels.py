@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Run, read_run
-from models import conv_net, train
+from conftest import OpCounter, Run, read_run
+from models import conv_net, mlp, train
 from test_numerics import _tensors
-from torch import Tensor
+from torch import Tensor, nn
 
 from tblog_hooks import Histograms, HookLogger, HookLoggerError
 from tblog_hooks.kernels import VARIABLE, Kernels
@@ -331,3 +331,51 @@ def test_both_paths_write_the_same_run(
     assert launches["_partials"] > 0 and launches["_buckets"] == 3  # (one binning a logged step)
     assert any(tag.startswith("activation/underflow_e4m3/") for tag in want.scalars)
     assert_same_runs(got, want)
+
+
+#: The torch reductions the kernels replace: none is left on the kernels' path.
+FUSED_OPS = {"aten.mean", "aten.linalg_vector_norm", "aten.aminmax", "aten.count_nonzero", "aten.nansum", "aten.rsub"}
+FUSED_OPS |= {"aten.amax", "aten.clamp", "aten.reciprocal", "aten.le", "aten.lt", "aten.sub", "aten.histc"}
+
+
+@pytest.mark.parametrize("with_numerics", [False, True], ids=["plain", "numerics"])
+def test_a_logged_step_launches_two_kernels_a_tensor_three_with_numerics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str], with_numerics: bool
+) -> None:
+    """Per watched tensor (each output, output gradient and input not the output before it;
+    with ``numerics=`` each parameter gradient too) one call of the kernels: two launches, three
+    with ``numerics=``; the aten ops left around them are the packing's and the histogram
+    sample's, and with ``numerics=`` the median |x| of each output; a step that is not logged
+    launches none and adds no op."""
+    monkeypatch.setenv(VARIABLE, "triton")
+    model = mlp(16, 32, 32, 4, act=nn.ReLU, seed=0)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(7))
+
+    def step(hooks: HookLogger | None) -> Counter[str]:
+        with OpCounter() as counter:
+            train(hooks, [model(x).square().mean()])
+        return counter.ops
+
+    step(None)
+    baseline = step(None)  # (with the gradients there: the next steps add to them)
+    formats = tuple(numerics.FORMATS) if with_numerics else False
+    with HookLogger(model, log_dir=tmp_path, every=2, histograms=False, numerics=formats) as hooks:
+        logged = step(hooks)
+        at_logged = Counter(launches)
+        launches.clear()
+        idle = step(hooks)
+        assert idle == baseline and not launches, (idle - baseline, baseline - idle)  # not logged
+
+    watched = len(hooks.module_names)
+    assert hooks.module_names == ("0", "2", "4")  # the Linear layers
+    params = 2 * watched  # each Linear's weight and bias: their gradients' numerics=
+    # Outputs, output gradients and inputs (x, or a ReLU's output: not a watched module's).
+    tensors = 3 * watched + params * with_numerics
+    calls = at_logged["_partials"]
+    assert calls == tensors and at_logged["_combine"] == calls
+    assert at_logged["_scaled_counts"] == (2 * watched + params) * with_numerics  # (the inputs have no numerics=)
+    assert sum(at_logged.values()) - at_logged["_buckets"] <= (3 if with_numerics else 2) * tensors
+    left = logged - baseline
+    assert not FUSED_OPS & set(left), left
+    if with_numerics:
+        assert left["aten.median"] == watched, left
