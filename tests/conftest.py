@@ -136,8 +136,8 @@ def read_images(log_dir: str | Path, tag: str) -> dict[int, np.ndarray]:
 
 
 def read_layout(log_dir: str | Path) -> layout_pb2.Layout:
-    """The custom-scalars layout written with ``add_custom_scalars``."""
-    (event,) = _accumulator(log_dir).Tensors("custom_scalars__config__")
+    """The custom-scalars layout written with ``add_custom_scalars``: the latest (TensorBoard shows it)."""
+    event = _accumulator(log_dir).Tensors("custom_scalars__config__")[-1]
     return layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])
 
 

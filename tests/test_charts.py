@@ -112,6 +112,30 @@ def test_heatmap_image_and_custom_scalars_layout_in_the_run(tmp_path) -> None:
             assert len([t for t in run.scalars if re.search(pattern, t)]) == 1, pattern
 
 
+def test_the_layout_charts_the_gradients_when_the_first_written_step_was_skipped(tmp_path) -> None:
+    """A ``GradScaler`` whose first scale overflows skips step 0, which writes no gradient
+    statistic: the layout still charts ``gradient/norm``, ``param_grad/*`` and the update ratio
+    once the run writes them, every line one logged tag."""
+    model = mlp(4, 8, 2, act=nn.ReLU, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, backoff_factor=2.0**-100, growth_interval=1000)
+    with HookLogger(model, log_dir=tmp_path, every=1, optimizer=opt, scaler=scaler) as hooks:
+        for _ in range(3):
+            scaler.scale(model(torch.randn(8, 4)).square().mean() * 1e6).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            hooks.step()
+    run = read_run(tmp_path)
+    assert run.scalar("amp/skipped_step", 0) == 1.0 and run.scalar("amp/skipped_step", 2) == 0.0
+    charts = {c.title: list(c.multiline.tag) for cat in read_layout(tmp_path).category for c in cat.chart}
+    for quantity in ("gradient/norm", "param_grad/norm", "param/update_ratio"):
+        assert quantity in charts, quantity
+    for patterns in charts.values():
+        for pattern in patterns:
+            assert len([t for t in run.scalars if re.search(pattern, t)]) == 1, pattern
+
+
 def test_a_diagnostics_failure_warns_once_and_keeps_the_statistics(tmp_path, monkeypatch) -> None:
     def broken(*args: object) -> None:
         raise ZeroDivisionError("in the heatmap")

@@ -18,8 +18,9 @@ from tblog_hooks.diagnostics.attention_rules import PICTURES
 from tblog_hooks.diagnostics.findings import FINDING_KINDS
 from tblog_hooks.diagnostics.numerics_rules import PICTURE_TAGS
 from tblog_hooks.diagnostics.per_step import FINDINGS_TAG, FLOW_TAG
+from tblog_hooks.stats.formats import format_of
 from tblog_hooks.stats.kinds import HISTOGRAM_KINDS
-from tblog_hooks.stats.numerics import FORMATS, format_of
+from tblog_hooks.stats.numerics import FORMATS
 from tblog_hooks.stats.recipe import Recipe, Source
 from tblog_hooks.stats.tags import (
     HEADS_TABLE_TAG,
@@ -59,6 +60,13 @@ def test_quickstart_runs(tmp_path, monkeypatch, capsys) -> None:
     assert "('0', '2', '4')" in capsys.readouterr().out
     run = read_run(tmp_path / "runs" / "quickstart")
     assert sorted(run.scalars["param_grad/global_norm"]) == list(range(0, 100, 10))
+
+
+def test_adding_a_statistic_section_runs(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    _run_block(DOCS / "architecture.md", "## Adding a statistic")
+    run = read_run(tmp_path / "runs" / "peak")
+    assert {"gradient/peak_ratio/0", "gradient/peak_ratio/2"} <= set(run.scalars)
 
 
 def test_lightning_section_runs(tmp_path, monkeypatch) -> None:

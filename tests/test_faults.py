@@ -19,8 +19,9 @@ from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
 from tblog_hooks import HookLogger
-from tblog_hooks.capture import output_gradients
 from tblog_hooks.stats import binning, sampling
+from tblog_hooks.stats.kinds import Kind
+from tblog_hooks.stats.tags import Root
 
 STEPS = 3
 
@@ -126,7 +127,8 @@ def test_fault_in_a_statistic_is_reported_once(tmp_path, monkeypatch, where: str
         raise RuntimeError(f"injected fault in {where}")
 
     if where == "gradient":  # the device function of output-gradient records
-        monkeypatch.setattr(output_gradients.GRADIENT, "compute", broken)
+        compute = Kind.compute
+        monkeypatch.setattr(Kind, "compute", lambda k, t, u: broken() if k.name == Root.GRADIENT else compute(k, t, u))
     else:
         monkeypatch.setattr(sampling, "sample", broken)
     messages = _run_with_logger(tmp_path, modules=["0"], parameters=False)

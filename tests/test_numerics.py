@@ -17,7 +17,9 @@ from models import train
 from torch import Tensor, nn
 
 from tblog_hooks import HookLogger, HookLoggerError
+from tblog_hooks.diagnostics.numerics_rules import FORMATS as PICTURE_FORMATS
 from tblog_hooks.diagnostics.numerics_rules import PICTURE_TAGS
+from tblog_hooks.stats.formats import NAMES, SPECS
 from tblog_hooks.stats.kinds import Kind
 from tblog_hooks.stats.numerics import AMAX_FLOOR, FORMATS
 from tblog_hooks.stats.recipe import Recipe, Source
@@ -445,3 +447,12 @@ def test_fp16_gradient_underflow_of_a_float32_run_that_names_fp16(tmp_path) -> N
     assert {"0", "2"} <= set(named) and "12" not in named, named
     assert named["2"] == pytest.approx(scalars["gradient/underflow_fp16/2"], abs=1e-6)  # the cast's loss itself
     assert scalars["gradient/zero_frac/2"] == 0  # (nothing is zero in float32)
+
+
+def test_the_formats_constants_are_torchs() -> None:
+    """``stats/formats.py`` types each format's constants once, without torch: they are ``torch.finfo``'s."""
+    for spec in SPECS.values():
+        info = torch.finfo(getattr(torch, spec.dtype))
+        assert (spec.max, spec.tiny) == (float(info.max), float(info.smallest_normal)), spec.name
+        assert spec.mantissa_bits == round(-math.log2(info.eps)), spec.name
+    assert tuple(FORMATS) == NAMES and PICTURE_FORMATS == NAMES

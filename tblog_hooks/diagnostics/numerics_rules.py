@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..output.summary import Heads
+from ..stats.formats import NAMES, SPECS
 from ..stats.tags import NUMERICS_TABLE_TAG, SCALE_TAG, Lost, Root, Stat, by_name, escape, per_format, rows_tag, tag
 from . import pictures
 from .findings import FP8_OVERFLOW, FP8_UNDERFLOW, FP16_UNDERFLOW, MASSIVE, Candidates, Finding, Thresholds
@@ -25,10 +26,10 @@ PICTURE_TAGS = {
     Root.ACTIVATION: tag(Root.HEALTH, "numerics_activation"),
     Root.GRADIENT: tag(Root.HEALTH, "numerics_gradient"),
 }
-#: fp16's largest finite value (``torch.finfo(torch.float16).max``; this module does not import torch).
-FP16_MAX = 65504.0
-#: The formats of the picture's columns, in order (``stats/numerics.py``'s ``FORMATS``).
-FORMATS = ("fp16", "bf16", "e4m3", "e5m2")
+#: fp16's largest finite value.
+FP16_MAX = SPECS["fp16"].max
+#: The formats of the picture's columns, in order.
+FORMATS = NAMES
 #: What fp8 training casts to which format: e4m3 forward (activations), e5m2 backward (gradients).
 FP8 = ((Root.ACTIVATION, "e4m3"), (Root.GRADIENT, "e5m2"))
 

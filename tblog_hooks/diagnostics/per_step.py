@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -50,6 +50,8 @@ class Diagnostics:
         self.health = None if thresholds is None else default_health(thresholds)
         self._norms: OrderedDict[int, dict[str, float]] = OrderedDict()
         self._written_order: list[str] | None = None
+        #: The scalar tags the custom-scalars layout charts: every one written so far, in first-written order.
+        self._charted: dict[str, None] = {}
         self._written_table: str | None = None
         self._numbers: dict[str, float] = {}  # summary() numbers of the latest written step that had them
         self._drawn = False
@@ -109,10 +111,14 @@ class Diagnostics:
         )
 
     def _write_text(self, writer: Destination, summary: StepSummary, order: list[str]) -> None:
-        """The custom-scalars layout once; the forward order and findings when they change."""
+        """The custom-scalars layout when the run writes a scalar it does not chart yet (a first
+        step the ``GradScaler`` skipped writes no gradient statistics, a spike's tags come later);
+        the forward order and findings when they change."""
         step = summary.step
-        if self._written_order is None:
-            writer.add_custom_scalars(custom_scalars_layout(summary.scalars, order))
+        new = [key for key in summary.scalars if key not in self._charted and "/" in key]
+        if new:
+            self._charted.update(dict.fromkeys(new))
+            writer.add_custom_scalars(custom_scalars_layout(self._charted, order))
         if order != self._written_order:
             writer.add_text(ORDER_TAG, order_markdown(order), step)
             self._written_order = order
@@ -190,7 +196,7 @@ def gradient_flow_image(order: Sequence[str], norms: Mapping[int, Mapping[str, f
     return pictures.gradient_flow(labels, steps, smallest, np.stack([logged[g].any(axis=0) for g in groups]))
 
 
-def custom_scalars_layout(scalars: Mapping[str, float], order: Sequence[str]) -> dict[str, dict[str, list[object]]]:
+def custom_scalars_layout(scalars: Iterable[str], order: Sequence[str]) -> dict[str, dict[str, list[object]]]:
     """One multi-line chart per quantity (``activation/std``, ``gradient/norm``, ...) holding
     every watched module or parameter, in forward order; split into charts of at most
     :data:`MAX_CHART_LINES` lines for a deep model."""

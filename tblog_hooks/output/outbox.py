@@ -55,7 +55,7 @@ class Outbox:
                 summary = summarize(step, transfer.result(), layout)
                 unscale(summary, param_grads_scaled=self._param_grads_scaled)
                 if self._numerics is not None:
-                    summary.numerics = self._numerics.written(summary.scalars)
+                    summary.numerics = self._numerics.written(summary.scalars, summary.formats)
                 self._write(summary)
             except Exception as error:
                 raise WriteError(step, error) from error

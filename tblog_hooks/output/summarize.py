@@ -12,7 +12,7 @@ import numpy as np
 
 from ..stats import packing
 from ..stats.binning import BINS, H_HALF_SPAN, H_MAX, H_MIN, H_START, HIST_WIDTH, RowInfo
-from ..stats.kinds import Kind
+from ..stats.formats import format_of
 from ..stats.packing import StepLayout
 from ..stats.recipe import HISTOGRAM_SOURCES, LOSS_SCALED, Source
 from ..stats.tags import tag
@@ -22,9 +22,9 @@ from .summary import Heads, Histogram, StepSummary
 def summarize(step: int, values: np.ndarray, layout: StepLayout) -> StepSummary:
     """Decode the packed array of one step (see ``packing.pack_step``) into tags."""
     recipe = layout.recipe
-    scaled: dict[str, Kind] = {}
+    meaning: dict[str, packing.Meaning] = {}
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf activations are data, not warnings
-        scalars = packing.scalars(layout.of(*recipe.scalar_kinds), values, scaled)
+        scalars = packing.scalars(layout.of(*recipe.scalar_kinds), values, meaning)
         attention, heads = attention_summary(layout, values)
         scalars.update(attention)
     images = {
@@ -36,7 +36,8 @@ def summarize(step: int, values: np.ndarray, layout: StepLayout) -> StepSummary:
         histograms = decode_histograms(layout.rows, entry.read(values)["rows"].reshape(entry.shape))
     sources = {k: s.value for s in LOSS_SCALED for k in recipe.scaled_by(s)}
     summary = StepSummary(step, scalars, histograms, images, heads)
-    summary.scaled = {key: sources[kind] for key, kind in scaled.items() if kind in sources}
+    summary.scaled = {key: sources[k] for key, (k, m, _) in meaning.items() if m.scaled and k in sources}
+    summary.formats = {key: fmt for key, (_, _, stat) in meaning.items() if (fmt := format_of(stat)) is not None}
     summary.scaled_histograms = {
         tag(m.kind, m.name): HISTOGRAM_SOURCES[m.kind] for m in layout.rows if m.kind in HISTOGRAM_SOURCES
     }

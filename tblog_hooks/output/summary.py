@@ -46,3 +46,5 @@ class StepSummary:
     scaled: dict[str, str] = field(default_factory=dict)
     #: The same of histograms: their source, and whether they bin log10 magnitudes.
     scaled_histograms: dict[str, tuple[str, bool]] = field(default_factory=dict)
+    #: The per-format scalars (``numerics=``), by tag: their format.
+    formats: dict[str, str] = field(default_factory=dict)

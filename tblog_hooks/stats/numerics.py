@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .formats import DEFAULT, SPECS, Spec
 from .reductions import acc_dtype
 from .tags import Lost, Stat, per_format
 
@@ -30,25 +31,35 @@ AMAX_FLOOR = 1e-12
 
 @dataclass(frozen=True)
 class Format:
-    """A low-precision format, and how a tensor is cast to it."""
+    """A low-precision format (its constants: ``stats/formats.py``), and how a tensor is cast to it."""
 
-    name: str
-    dtype: torch.dtype
-    #: Cast after per-tensor scaling by ``max / amax`` (the float8 formats), else as it is.
-    scaled: bool
+    spec: Spec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.spec.dtype)  # type: ignore[no-any-return]
+
+    @property
+    def scaled(self) -> bool:
+        """Cast after per-tensor scaling by ``max / amax`` (the float8 formats), else as it is."""
+        return self.spec.scaled
 
     @property
     def max(self) -> float:
-        return float(torch.finfo(self.dtype).max)
+        return self.spec.max
 
     @property
     def tiny(self) -> float:
         """The smallest normal magnitude."""
-        return float(torch.finfo(self.dtype).smallest_normal)
+        return self.spec.tiny
 
     @property
     def _mantissa_bits(self) -> int:
-        return round(-math.log2(torch.finfo(self.dtype).eps))
+        return self.spec.mantissa_bits
 
     @property
     def flushed(self) -> float:
@@ -74,17 +85,7 @@ class Format:
 
 
 #: The formats ``numerics=`` names, in the order the picture shows them.
-FORMATS: dict[str, Format] = {
-    f.name: f
-    for f in (
-        Format("fp16", torch.float16, scaled=False),
-        Format("bf16", torch.bfloat16, scaled=False),
-        Format("e4m3", torch.float8_e4m3fn, scaled=True),
-        Format("e5m2", torch.float8_e5m2, scaled=True),
-    )
-}
-#: The format of a run that trains in no autocast dtype (``numerics=True``).
-DEFAULT = "bf16"
+FORMATS: dict[str, Format] = {name: Format(spec) for name, spec in SPECS.items()}
 #: An autocast dtype's format.
 OF_DTYPE = {f.dtype: f.name for f in FORMATS.values()}
 
@@ -190,12 +191,6 @@ def stats(*, zero_frac: bool, channels: bool) -> tuple[str, ...]:
     return (*base, *extra, *lost)
 
 
-def format_of(stat: str) -> str | None:
-    """The format of a per-format statistic, else ``None``."""
-    head, _, fmt = stat.rpartition("_")
-    return fmt if fmt in FORMATS and head in tuple(Lost) else None
-
-
 def check(numerics: object) -> tuple[str, ...] | None:
     """``numerics=`` as the formats it names (``()``: the run's own, see :class:`Written`), or
     ``None`` when off; raises ``ValueError`` saying what is valid."""
@@ -237,16 +232,14 @@ class Written:
     def formats(self) -> tuple[str, ...]:
         return self._named or (self._seen or DEFAULT,)
 
-    def written(self, scalars: dict[str, float]) -> dict[str, float]:
-        """Take every per-format scalar of formats not written out of ``scalars``; returns all
-        per-format scalars (for the picture)."""
+    def written(self, scalars: dict[str, float], formats: Mapping[str, str]) -> dict[str, float]:
+        """Take every per-format scalar (``formats``: their format, by tag) of formats not
+        written out of ``scalars``; returns all per-format scalars (for the picture)."""
         every: dict[str, float] = {}
-        formats = self.formats
-        for key in list(scalars):
-            parts = key.split("/")
-            fmt = format_of(parts[-2]) if len(parts) >= 3 else None
-            if fmt is not None:
+        kept = self.formats
+        for key, fmt in formats.items():
+            if key in scalars:
                 every[key] = scalars[key]
-                if fmt not in formats:
+                if fmt not in kept:
                     del scalars[key]
         return every

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .binning import HIST_WIDTH, RowInfo, Sample, bin_step
-from .kinds import Field, Kind, Values
+from .kinds import Field, Kind, Measure, Values
 from .recipe import Recipe, Source
 from .sampling import IndexCache
 from .tags import tag
@@ -159,10 +159,15 @@ def _side_by_side(f: Field, rows: list[np.ndarray], parts: list[int]) -> np.ndar
     return np.concatenate(pooled_parts)
 
 
-def scalars(entries: Iterable[Entry], values: np.ndarray, scaled: dict[str, Kind] | None = None) -> dict[str, float]:
+#: What a scalar is: its kind, the measure that made it and its statistic.
+Meaning = tuple[Kind, Measure, str]
+
+
+def scalars(
+    entries: Iterable[Entry], values: np.ndarray, meaning: dict[str, Meaning] | None = None
+) -> dict[str, float]:
     """``{tag: value}`` of every pooled record, and the whole-model totals of the measures that
-    declare one (``param_grad/global_norm``); each tag of a measure that scales with the loss
-    goes into ``scaled``, with its kind."""
+    declare one (``param_grad/global_norm``); what each tag is goes into ``meaning``."""
     out: dict[str, float] = {}
     totals: dict[str, tuple[Kind, list[float]]] = {}
     for (kind, name), (fields, count) in pooled(entries, values).items():
@@ -170,14 +175,14 @@ def scalars(entries: Iterable[Entry], values: np.ndarray, scaled: dict[str, Kind
             for stat, value in measure.scalars(fields, count).items():
                 key = tag(kind.name, stat, name) if stat else name
                 out[key] = value
-                if measure.scaled and scaled is not None:
-                    scaled[key] = kind
+                if meaning is not None:
+                    meaning[key] = (kind, measure, stat)
             if measure.total is not None:
                 (field,) = measure.fields
                 key = tag(kind.name, measure.total)
                 totals.setdefault(key, (kind, []))[1].append(fields[field.name][0])
-                if measure.scaled and scaled is not None:
-                    scaled[key] = kind
+                if meaning is not None:
+                    meaning[key] = (kind, measure, measure.total)
     for key, (_, norms) in totals.items():
         out[key] = math.sqrt(float(np.sum(np.square(norms))))
     return out
