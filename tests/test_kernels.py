@@ -379,3 +379,26 @@ def test_a_logged_step_launches_two_kernels_a_tensor_three_with_numerics(
     assert not FUSED_OPS & set(left), left
     if with_numerics:
         assert left["aten.median"] == watched, left
+
+
+def test_compiled_hooks_trace_the_kernels_and_log_what_the_torch_path_logs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str]
+) -> None:
+    """``tests/test_compile.py``'s model (a shared module, in-place ops after the watched one,
+    gradient accumulation) compiled with ``aot_eager`` on the kernels' path: two graphs, no
+    graph break (the custom ops trace through their fake implementations), the output
+    gradients' probes summarised by the kernels, and the values of the eager torch path (to
+    ``test_compile``'s ``1e-4``)."""
+    from test_compile import _assert_same_scalars
+    from test_compile import _train as train_compile_model
+    from torch._dynamo.utils import counters
+
+    eager, _ = train_compile_model(tmp_path / "eager", backend=None, numerics=True)
+    monkeypatch.setenv(VARIABLE, "triton")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, _ = train_compile_model(tmp_path / "compiled", backend="aot_eager", numerics=True)
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+    assert launches["_partials"] > 0
+    # (output gradients' numerics= are eager only: the probes carry the gradient kind's)
+    _assert_same_scalars(compiled, eager, ("activation/", "param_grad/", "input/", "gradient/norm", "gradient/nonf"))
