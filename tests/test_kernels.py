@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import OpCounter, Run, read_run
+from conftest import OpCounter, Run, needs_cuda, read_run
 from models import conv_net, mlp, train
 from test_numerics import _tensors
 from torch import Tensor, nn
@@ -35,6 +35,12 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning:numpy"),  # (the interpreter's NaN/Inf arithmetic)
     pytest.mark.filterwarnings("ignore::RuntimeWarning:triton"),
 ]
+
+#: Where the kernels run: CPU tensors in the interpreter, else CUDA tensors.
+DEVICE = torch.device("cpu" if fused.INTERPRETED else "cuda")
+#: Whole training runs on the CPU through the kernels: in the interpreter only (a GPU runs
+#: ``test_both_paths_write_the_same_run_on_cuda``).
+interpreted = pytest.mark.skipif(not fused.INTERPRETED, reason="CPU models through the kernels: TRITON_INTERPRET=1")
 
 #: Values a kernel must give exactly (the rest are sums, rounded in another order).
 EXACT = {*fused.COUNTS, "min", "max", "amax", "ref", "peak", "unit_amax"}
@@ -71,6 +77,7 @@ def assert_same(got: dict[str, Tensor], x: Tensor, want: dict[str, Tensor]) -> N
 
 
 def _check(x: Tensor, units: int = -1) -> None:
+    x = x.to(DEVICE)
     for per_unit, with_numerics in ((False, False), (True, True)):
         got = fused.statistics(x, units, per_unit=per_unit, numerics=with_numerics)
         assert_same(got, x, reference(x, units, per_unit=per_unit, with_numerics=with_numerics))
@@ -142,7 +149,7 @@ def test_many_tiles_with_nan_and_inf(small_blocks: None) -> None:
 
 
 def test_the_same_bits_on_every_run_and_under_deterministic_algorithms(small_blocks: None) -> None:
-    x = torch.randn(24, 40, generator=torch.Generator().manual_seed(4)) * 1e3
+    x = (torch.randn(24, 40, generator=torch.Generator().manual_seed(4)) * 1e3).to(DEVICE)
     first = fused.statistics(x, -1, per_unit=True, numerics=True)
     torch.use_deterministic_algorithms(True)
     try:
@@ -171,7 +178,7 @@ def test_bucket_counts_equal_histc_and_the_deterministic_count() -> None:
     scale = BINS * (1 - 2**-16) / half_span
     position = (values * 0.5 - (start / 2)[rows]) * scale[rows]
     position = position.floor() + (rows * BINS + 0.5)
-    got = fused.bucket_counts(values, rows, start / 2, scale, BINS)
+    got = fused.bucket_counts(*(t.to(DEVICE) for t in (values, rows, start / 2, scale)), BINS).cpu()
     assert got.dtype == torch.int32 and got.shape == (3, BINS)
     want = _counts(position, 3 * BINS).view(3, BINS)
     assert torch.equal(got.double(), want.double())
@@ -185,7 +192,7 @@ def test_bucket_counts_equal_histc_and_the_deterministic_count() -> None:
 def test_compiled_code_traces_the_kernels_as_one_op() -> None:
     """Under ``torch.compile`` (fullgraph: no graph break) the custom op's fake implementation
     gives the shapes, and the compiled call gives the eager values."""
-    x = torch.randn(6, 10, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(6, 10, generator=torch.Generator().manual_seed(6)).to(DEVICE)
 
     def stats(t: Tensor) -> dict[str, Tensor]:
         return fused.statistics(t, -1, per_unit=True, numerics=True)
@@ -287,14 +294,14 @@ def assert_same_runs(got: Run, want: Run) -> None:
             assert list(g.bucket) == list(h.bucket) and list(g.bucket_limit) == list(h.bucket_limit), (tag, step)
 
 
-def _conv_run(log_dir: Path, path: str, monkeypatch: pytest.MonkeyPatch) -> Run:
+def _conv_run(log_dir: Path, path: str, monkeypatch: pytest.MonkeyPatch, device: str = "cpu") -> Run:
     """Three logged steps of a small conv net (channels-first units, ReLU zeros, an MLP head):
     every histogram kind, the inputs' statistics, every format's numerics."""
     monkeypatch.setenv(VARIABLE, path)
     torch.manual_seed(0)
-    model = conv_net(6, batch_norm=True)
+    model = conv_net(6, batch_norm=True).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    xs = torch.randn(3, 4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    xs = torch.randn(3, 4, 3, 8, 8, generator=torch.Generator().manual_seed(1)).to(device)
     every = Histograms(every_logged=1, weights_every_logged=1, kinds=list(HISTOGRAM_KINDS))
     formats = tuple(numerics.FORMATS)
     with HookLogger(model, log_dir=log_dir, every=1, inputs=True, histograms=every, numerics=formats) as hooks:
@@ -317,6 +324,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     return launched
 
 
+@interpreted
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 def test_both_paths_write_the_same_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str], deterministic: bool
@@ -338,6 +346,24 @@ FUSED_OPS = {"aten.mean", "aten.linalg_vector_norm", "aten.aminmax", "aten.count
 FUSED_OPS |= {"aten.amax", "aten.clamp", "aten.reciprocal", "aten.le", "aten.lt", "aten.sub", "aten.histc"}
 
 
+@needs_cuda
+def test_both_paths_write_the_same_run_on_cuda(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str]
+) -> None:
+    """The same on a GPU (``auto``: CUDA tensors through the kernels), under deterministic
+    algorithms so that the two trainings are the same (cuDNN's convolutions)."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        want = _conv_run(tmp_path / "torch", "torch", monkeypatch, "cuda")
+        got = _conv_run(tmp_path / "auto", "auto", monkeypatch, "cuda")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert launches["_partials"] > 0 and launches["_buckets"] == 3
+    assert_same_runs(got, want)
+
+
+@interpreted
 @pytest.mark.parametrize("with_numerics", [False, True], ids=["plain", "numerics"])
 def test_a_logged_step_launches_two_kernels_a_tensor_three_with_numerics(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str], with_numerics: bool
@@ -381,6 +407,7 @@ def test_a_logged_step_launches_two_kernels_a_tensor_three_with_numerics(
         assert left["aten.median"] == watched, left
 
 
+@interpreted
 def test_compiled_hooks_trace_the_kernels_and_log_what_the_torch_path_logs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str]
 ) -> None:
@@ -402,3 +429,24 @@ def test_compiled_hooks_trace_the_kernels_and_log_what_the_torch_path_logs(
     assert launches["_partials"] > 0
     # (output gradients' numerics= are eager only: the probes carry the gradient kind's)
     _assert_same_scalars(compiled, eager, ("activation/", "param_grad/", "input/", "gradient/norm", "gradient/nonf"))
+
+
+@interpreted
+@pytest.mark.parametrize("name", ["transformer-encoder-mha", "lstm-gru-packed"])
+def test_zoo_models_log_the_same_on_both_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str], name: str
+) -> None:
+    """Two of ``tests/test_zoo.py``'s architectures (attention with a padding mask and a tuple
+    output; packed sequences through an LSTM and a GRU), every scalar and histogram of their
+    runs, on both paths (the rest of the zoo is the same code on larger models: too slow for the
+    interpreter)."""
+    from test_zoo import CASES
+    from test_zoo import _train as train_zoo_model
+
+    runs = {}
+    for path in ("torch", "triton"):
+        monkeypatch.setenv(VARIABLE, path)
+        train_zoo_model(CASES[name], tmp_path / path)
+        runs[path] = read_run(tmp_path / path)
+    assert launches["_partials"] > 0
+    assert_same_runs(runs["triton"], runs["torch"])
