@@ -240,7 +240,7 @@ def compile(fn, signature, constants):
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constants)
     assert "cubin" in triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm
 
-for x, acc in (("*bf16", tl.float32), ("*fp32", tl.float32), ("*fp64", tl.float64)):
+for x, acc in (("*bf16", tl.float32), ("*fp64", tl.float64)):
     a = "*fp64" if acc == tl.float64 else "*fp32"
     common = dict(ACC=acc, UNITS=True, NUMERICS=True, NF=f._NF, NC=f._NC, N_UNSCALED=len(f._UNSCALED))
     sizes = {"R": "i64", "U": "i32", "INNER": "i32", "PU": "i32", "PR": "i32"}
@@ -259,8 +259,8 @@ print("compiled")
 
 def test_the_kernels_compile_for_a_gpu() -> None:
     """What the interpreter does not check: every kernel lowers to a cubin for an H100 (sm_90),
-    for 16-bit, float32 and float64 tensors (Triton compiles without a GPU; the interpreter is
-    off in this process)."""
+    for 16-bit and float64 tensors (float32 is the 16-bit code without the load's cast; Triton
+    compiles without a GPU; the interpreter is off in that process)."""
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
@@ -432,14 +432,14 @@ def test_compiled_hooks_trace_the_kernels_and_log_what_the_torch_path_logs(
 
 
 @interpreted
-@pytest.mark.parametrize("name", ["transformer-encoder-mha", "lstm-gru-packed"])
+@pytest.mark.parametrize("name", ["lstm-gru-packed"])
 def test_zoo_models_log_the_same_on_both_paths(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str], name: str
 ) -> None:
-    """Two of ``tests/test_zoo.py``'s architectures (attention with a padding mask and a tuple
-    output; packed sequences through an LSTM and a GRU), every scalar and histogram of their
-    runs, on both paths (the rest of the zoo is the same code on larger models: too slow for the
-    interpreter)."""
+    """``tests/test_zoo.py``'s packed sequences through an LSTM and a GRU (a tuple output, a
+    PackedSequence), every scalar and histogram of its run, on both paths. The rest of the zoo
+    is the same code on larger models, too slow for the interpreter (the transformer encoder's
+    case passes too, in 40 s on a loaded 2-core machine)."""
     from test_zoo import CASES
     from test_zoo import _train as train_zoo_model
 
