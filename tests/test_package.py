@@ -122,6 +122,8 @@ _READ_SIDE = [
     "tblog_hooks.stats.tags",
     "tblog_hooks.diagnostics.replay",
     "tblog_hooks.cli.report",
+    "tblog_hooks.diagnostics.compare",
+    "tblog_hooks.cli.compare",
     "tblog_hooks.dashboard.plugin",
 ]
 

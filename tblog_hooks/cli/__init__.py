@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..diagnostics.compare import CompareError, Tolerance
 from ..diagnostics.findings import FINDING_KINDS
 from ..diagnostics.replay import findings
 
@@ -43,8 +44,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="KIND[,KIND]",
         help=f"exit 1 when a finding of these kinds exists ({', '.join(FINDING_KINDS)})",
     )
+    _add_compare(commands)
     args = parser.parse_args(argv)
 
+    if args.command == "compare":
+        from . import compare
+
+        try:
+            tolerance = Tolerance(args.rtol, args.atol)
+        except CompareError as error:
+            parser.error(str(error))
+        prefixes = (args.prefix, args.prefix if args.other_prefix is None else args.other_prefix)
+        return compare.main(args.a, args.b, prefixes=prefixes, tolerance=tolerance, as_document=args.json)
     if args.command == "report":
         fail_on = set() if args.fail_on is None else {k.strip() for k in args.fail_on.split(",")}
         if fail_on - set(FINDING_KINDS):
@@ -58,6 +69,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_dir = run_demo(args.logdir, args.scenario, args.steps, args.every, pick_device(args.device))
     print(f"wrote {run_dir}\nopen it with:  tensorboard --logdir {args.logdir}\nor:  tblog-hooks report {run_dir}")
     return 0
+
+
+def _add_compare(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    default = Tolerance()
+    compare = commands.add_parser(
+        "compare",
+        help="where two runs part: the first step and module at which their statistics differ",
+        description="Exit 0 when every value both runs hold agrees, 1 when they part, 2 for bad input.",
+    )
+    compare.add_argument("a", help="a run directory (the reference)")
+    compare.add_argument("b", help="the run directory to compare with it")
+    compare.add_argument("--prefix", help="the logger's prefix in A (needed when A holds several)")
+    compare.add_argument("--other-prefix", help="the logger's prefix in B (default: --prefix)")
+    compare.add_argument(
+        "--rtol", type=float, default=default.rtol, help=f"relative tolerance (default: {default.rtol:g})"
+    )
+    compare.add_argument(
+        "--atol", type=float, default=default.atol, help=f"absolute tolerance (default: {default.atol:g})"
+    )
+    compare.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _positive_int(text: str) -> int:

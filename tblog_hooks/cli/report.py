@@ -9,11 +9,12 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
-from tensorboard.compat.proto import event_pb2
+from tensorboard.compat.proto import event_pb2, summary_pb2
 
 from ..diagnostics.per_step import gradient_flow_image, gradient_norms
 from ..diagnostics.replay import Run, findings, forward_order, is_logged_step, is_series, module_rows
@@ -110,13 +111,15 @@ def _read_file(path: Path) -> _EventFile:
             file.start = min(file.start, (event.wall_time, path.name))
             if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
                 file.purges.append(event.step)
-            by_prefix: dict[str, dict[str, float]] = {}
-            for value in event.summary.value:
-                if value.HasField("simple_value") and (split := split_prefix(value.tag)):
-                    by_prefix.setdefault(split[0], {})[split[1]] = value.simple_value
-                elif (match := _ORDER_TEXT.fullmatch(value.tag)) and value.tensor.string_val:
-                    text = value.tensor.string_val[0].decode("utf-8", "replace")
-                    file.orders[match["prefix"] or ""] = parse_order(text)
+            values = event.summary.value
+            plan = _plan(values)
+            numbers = [v.simple_value for v in values]
+            by_prefix = {
+                prefix: dict(zip(own, map(numbers.__getitem__, at), strict=True)) for prefix, own, at in plan.scalars
+            }
+            for prefix, i in plan.orders:
+                if values[i].tensor.string_val:
+                    file.orders[prefix] = parse_order(values[i].tensor.string_val[0].decode("utf-8", "replace"))
             file.steps += [
                 (event.step, prefix, scalars) for prefix, scalars in by_prefix.items() if is_logged_step(scalars)
             ]
@@ -126,6 +129,39 @@ def _read_file(path: Path) -> _EventFile:
     except (DamagedFile, DecodeError) as error:
         raise ReportError(f"{str(path)!r} is damaged: {error} (what follows cannot be trusted)") from None
     return file
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Where an event's values go: per prefix, its scalars' own tags and their positions; the
+    positions of forward orders."""
+
+    scalars: list[tuple[str, list[str], list[int]]]
+    orders: list[tuple[str, int]]
+
+
+#: The plan of each sequence of tags read (a logger writes the same tags at every logged step, so
+#: a run's events share a few plans); cleared when it grows past a few hundred.
+_PLANS: dict[tuple[str, ...], _Plan] = {}
+
+
+def _plan(values: Sequence[summary_pb2.Summary.Value]) -> _Plan:
+    tags = tuple(v.tag for v in values)
+    plan = _PLANS.get(tags)
+    if plan is None:
+        if len(_PLANS) > 256:
+            _PLANS.clear()
+        by_prefix: dict[str, tuple[list[str], list[int]]] = {}
+        orders = []
+        for i, value in enumerate(values):
+            if value.HasField("simple_value") and (split := split_prefix(value.tag)):
+                own, at = by_prefix.setdefault(split[0], ([], []))
+                own.append(split[1])
+                at.append(i)
+            elif match := _ORDER_TEXT.fullmatch(value.tag):
+                orders.append((match["prefix"] or "", i))
+        plan = _PLANS[tags] = _Plan([(p, own, at) for p, (own, at) in by_prefix.items()], orders)
+    return plan
 
 
 def as_json(run: Run) -> object:

@@ -3,9 +3,9 @@ of this package and serves its routes under ``/data/plugin/tblog_hooks/``.
 
 Routes (JSON, documented in ``docs/dashboard.md``): ``runs``, ``heatmap?run=&tag=``,
 ``findings?run=``, ``modules?run=``, ``series?run=&module=``, ``spikes?run=``, ``heads?run=&step=``,
-``numerics?run=&step=``; each route of one
+``numerics?run=&step=``, ``compare?run=&other=``; each route of one
 run also takes ``prefix=`` (needed only when the run holds several loggers' prefixes). The page
-itself is ``index.js`` (an ES module) and ``style.css``.
+itself is ``index.js`` (an ES module; its difference view in ``compare.js``) and ``style.css``.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ from tensorboard.context import RequestContext
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
+from ..diagnostics import compare
+from ..diagnostics.compare import Tolerance
 from ..stats.tags import HEADS_TABLE_TAG, NUMERICS_TABLE_TAG, split_prefix
 from . import documents
 from .source import Model, Source, names_of
 
 PLUGIN_NAME = "tblog_hooks"
-_STATIC = {"/index.js": "application/javascript", "/style.css": "text/css"}
+_STATIC = {"/index.js": "application/javascript", "/compare.js": "application/javascript", "/style.css": "text/css"}
 
 #: What TensorBoard serves a route with: a WSGI application.
 WSGIApp = Callable[[dict[str, Any], Any], Iterable[bytes]]
@@ -52,6 +54,7 @@ class HealthPlugin(base_plugin.TBPlugin):  # type: ignore[misc]
             "/spikes": lambda request, ctx, eid, model: documents.spikes(self._source.analysis(ctx, eid, model)),
             "/heads": functools.partial(self._table, HEADS_TABLE_TAG),
             "/numerics": functools.partial(self._table, NUMERICS_TABLE_TAG),
+            "/compare": self._compare,
         }
         apps = {path: _app(self._static) for path in _STATIC} | {"/runs": _app(self._runs)}
         return apps | {path: _app(functools.partial(self._of_model, build)) for path, build in documents_of.items()}
@@ -77,14 +80,17 @@ class HealthPlugin(base_plugin.TBPlugin):  # type: ignore[misc]
         ctx, eid = _context(request)
         return _respond(request, build(request, ctx, eid, self._model(request, ctx, eid)))
 
-    def _model(self, request: wrappers.Request, ctx: Any, eid: str) -> Model:
+    def _model(
+        self, request: wrappers.Request, ctx: Any, eid: str, which: tuple[str, str] = ("run", "prefix")
+    ) -> Model:
         """The model ``run=`` names; its prefix is ``prefix=``, else the one a prefixed ``tag=``
-        names, else the run's only one."""
-        run = _argument(request, "run")
+        names, else the run's only one (``which``: other arguments than ``run=`` and ``prefix=``,
+        whose prefix is ``prefix=`` when not given)."""
+        run = _argument(request, which[0])
         models = {m.prefix: m for m in self._source.models(ctx, eid, run)}
         if not models:
             raise errors.NotFoundError(f"run {run!r} holds no tblog_hooks tags")
-        prefix = request.args.get("prefix")
+        prefix = request.args.get(which[1], request.args.get("prefix"))
         if prefix is None and (root := request.args.get("tag")) and (split := split_prefix(f"{root}/x")):
             prefix = split[0] if split[0] in models else None
         if prefix is None and len(models) == 1:
@@ -121,6 +127,18 @@ class HealthPlugin(base_plugin.TBPlugin):  # type: ignore[misc]
                 f"{model.name!r} holds no {table} at step {chosen}; it holds steps {doc['steps']}"
             )
         return doc
+
+    def _compare(self, request: wrappers.Request, ctx: Any, eid: str, model: Model) -> object:
+        """``tblog-hooks compare --json`` of the model and the one ``other=`` and ``other_prefix=`` name."""
+        other = self._model(request, ctx, eid, ("other", "other_prefix"))
+        try:
+            tolerance = Tolerance(**{k: float(request.args[k]) for k in ("rtol", "atol") if k in request.args})
+            a, b = (self._source.analysis(ctx, eid, m).run for m in (model, other))
+            return compare.as_json(compare.compare(a, b, tolerance))
+        except ValueError as error:
+            raise errors.InvalidArgumentError(f"rtol= and atol= are numbers ({error})") from None
+        except compare.CompareError as error:
+            raise errors.InvalidArgumentError(str(error)) from None
 
     def _series(self, request: wrappers.Request, ctx: Any, eid: str, model: Model) -> object:
         module, analysis = _argument(request, "module"), self._source.analysis(ctx, eid, model)

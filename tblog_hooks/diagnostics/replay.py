@@ -60,7 +60,8 @@ def is_series(scalars: Mapping[str, float]) -> bool:
 def forward_order(written: Sequence[str], scalars: Mapping[int, Mapping[str, float]]) -> list[str]:
     """The watched modules in forward order: as written (``health/forward_order``), then those
     only the scalars name, sorted."""
-    named = {unescape(t.split("/", 2)[2]) for s in scalars.values() for t in s if t.startswith(_NAMED)}
+    tags: set[str] = set().union(*scalars.values())  # each tag once: most recur at every step
+    named = {unescape(t.split("/", 2)[2]) for t in tags if t.startswith(_NAMED)}
     return [*written, *sorted(named - set(written))]
 
 

@@ -751,6 +751,7 @@ class Page {
       this.compareTitle.textContent = compared ? `${other.name} · ${stat} · same colour scale` : `${other.name} holds no ${stat}`;
       if (otherShown) this.compare.set(otherShown, stat, [], scale);
     }
+    if (other && other !== model) import('./compare.js').then((m) => m.showDifference(this, otherShown && other, stat, shown, otherShown));
   }
 
   // The rows of a heatmap document that the filter's regular expression matches (all when it is empty or invalid).
@@ -890,3 +891,6 @@ export async function render() {
     throw error;
   }
 }
+
+// For the difference view (compare.js), which draws with the same pieces.
+export { Heatmap, Scale, el, escapeHtml, fetchJson, format, legend, showTooltip };
