@@ -81,8 +81,7 @@ class Kernels:
         ``numerics=`` kind), by name: where the kernels take ``t``, those of the measures they
         fuse from one kernel call (with its extremes, for the histogram's range), the others' by
         their own ``compute``; else every measure's ``compute`` (call under ``no_grad``)."""
-        measures = [m for kind in kinds for m in kind.measures]
-        fused = {n for m in measures if m.fused for f in m.fields for n in f.names}
+        fused = {n for kind in kinds for m in kind.measures if m.fused for f in m.fields for n in f.names}
         out: dict[str, Tensor] = {}
         if fused and self.takes(t):
             kernels = self.fused
@@ -92,10 +91,9 @@ class Kernels:
                 )
             except Exception as error:  # (Triton unusable here: a driver, a compiler)
                 self.fail(error)
-        by_kernels = bool(out)
-        for m in measures:
-            if m.compute is not None and not (by_kernels and m.fused):
-                out.update(m.compute(t, units))
+        unfused = bool(out)
+        for kind in kinds:
+            out.update(kind.compute(t, units, unfused=unfused))
         return out
 
     def bucket_counts(

@@ -139,7 +139,7 @@ class Kind:
     compared and hashed by identity (a logger's :class:`~tblog_hooks.stats.recipe.Recipe` makes
     its own, looked up for every record of a step)."""
 
-    __slots__ = ("_computed", "counts", "fields", "measures", "name", "norms", "per_call", "stats")
+    __slots__ = ("_computed", "_unfused", "counts", "fields", "measures", "name", "norms", "per_call", "stats")
 
     def __init__(
         self,
@@ -165,6 +165,7 @@ class Kind:
         self.fields: tuple[Field, ...] = tuple(f for m in measures for f in m.fields)
         self.stats: tuple[str, ...] = tuple(s for m in measures for s in m.stats)
         self._computed = tuple(m.compute for m in measures if m.compute is not None)
+        self._unfused = tuple(m.compute for m in measures if m.compute is not None and not m.fused)
 
     def __setattr__(self, key: str, value: object) -> None:
         if hasattr(self, key):
@@ -188,10 +189,11 @@ class Kind:
         """The statistics (whole-model totals included) that scale with the loss."""
         return tuple(s for m in self.measures if m.scaled for s in (*m.stats, *filter(None, [m.total])))
 
-    def compute(self, t: Tensor, units: int) -> dict[str, Tensor]:
-        """Every measure's device values of ``t``, by name (call under ``no_grad``)."""
+    def compute(self, t: Tensor, units: int, *, unfused: bool = False) -> dict[str, Tensor]:
+        """Every measure's device values of ``t``, by name (call under ``no_grad``); with
+        ``unfused``, those of the measures the fused kernels do not give (``Measure.fused``)."""
         out: dict[str, Tensor] = {}
-        for compute in self._computed:
+        for compute in self._unfused if unfused else self._computed:
             out.update(compute(t, units))
         return out
 
