@@ -8,6 +8,7 @@ reading this file.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -158,6 +159,15 @@ def grad_scale(optimizer: torch.optim.Optimizer) -> Tensor | None:
     return scale if isinstance(scale, Tensor) else None
 
 
+def unscaled(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the scaler's ``unscale_`` divided ``optimizer``'s gradients by the loss scale this
+    step (its per-optimizer ``stage``, between ``unscale_`` or ``step()`` and ``update()``)."""
+    from torch.amp.grad_scaler import OptState
+
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    return state is not None and state["stage"] is not OptState.READY
+
+
 def found_inf(scaler: torch.amp.GradScaler) -> list[Tensor]:
     """The scaler's inf/NaN flags of this step, per optimizer and device, between its ``step()``
     and ``update()`` (``_per_optimizer_states``); empty otherwise."""
@@ -280,6 +290,35 @@ def prepared_input(module: nn.Module) -> tuple[DeviceMesh, Placement] | None:
             desired = (style.desired_input_layouts or (None,))[0]
             return contents["device_mesh"], desired if desired is not None else style.input_layouts[0]
     return None
+
+
+# -- torchtitan -------------------------------------------------------------------------------
+def titan_backend() -> str | None:
+    """torchtitan's SPMD backend in this process (``"spmd_types"``, ``"full_dtensor"``,
+    ``"partial_dtensor"``), as its ``set_spmd_backend`` left it; ``None`` where torchtitan was
+    never imported (it is not imported here)."""
+    if "torchtitan.distributed.utils" not in sys.modules:
+        return None
+    backend = getattr(sys.modules["torchtitan.distributed.utils"], "get_spmd_backend", None)
+    return None if backend is None else str(backend())
+
+
+def titan_sharding(module: nn.Module) -> tuple[object | None, object | None, object | None] | None:
+    """The layouts torchtitan's ``Module.parallelize`` applied to ``module`` (0.3.0, its private
+    ``_sharding_config``, a ``ShardingConfig`` of ``SpmdLayout`` s): that of the output its
+    caller receives (``out_dst_shardings``, else ``out_src_shardings``), that of the first
+    positional input its forward is handed (``in_dst_shardings``, else ``in_src_shardings``)
+    and that of the same input as the caller passes it (``in_src_shardings``); ``None`` for a
+    module it did not parallelize."""
+    config = getattr(module, "_sharding_config", None)
+    if config is None or not getattr(module, "_parallelized", False):
+        return None
+    output = config.out_dst_shardings or config.out_src_shardings
+    names = getattr(module, "_pos_arg_list", None) or []
+    given = config.in_src_shardings or {}
+    handed = {**given, **(config.in_dst_shardings or {})}
+    first = names[0] if names else None
+    return (None if isinstance(output, tuple) else output), handed.get(first), given.get(first)
 
 
 # -- torch function modes (attention statistics) -------------------------------------------------

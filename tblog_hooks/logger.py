@@ -23,7 +23,7 @@ from .capture.watched import Watched, ours
 from .diagnostics.findings import Finding
 from .diagnostics.per_step import Diagnostics
 from .errors import HookLoggerError
-from .options import Options, check_names
+from .options import Options, check_names, logger_signature
 from .output.destination import Destination
 from .output.event_files import frame
 from .output.outbox import Outbox, WriteError
@@ -64,7 +64,8 @@ class HookLogger:
         model: the ``nn.Module`` to watch (a ``DistributedDataParallel`` wrapper is unwrapped to
             ``.module``). Attach before ``torch.compile(model)`` / ``model.compile()``.
         **options: the fields of :class:`~tblog_hooks.options.Options` (``log_dir``, ``writer``,
-            ``modules``, ``every``, ...), all keyword-only.
+            ``modules``, ``every``, ...), all keyword-only: the signature ``help()``, editors and
+            mypy see is made from those fields.
 
     Raises:
         HookLoggerError: at construction, for bad options (saying what was wrong, the value and
@@ -79,6 +80,7 @@ class HookLogger:
         ...         opt.step(); opt.zero_grad(); hooks.step()
     """
 
+    @logger_signature(Options)
     def __init__(self, model: nn.Module, **options: Any) -> None:
         check_names(options)
         model, averaged = _model_to_watch(model)
@@ -103,7 +105,7 @@ class HookLogger:
         scaler = config.scaler
         self._amp = ScaleWatch(scaler) if scaler is not None and scaler.is_enabled() else None
         self._ranks = Ranks(reduce=config.reduce_ranks, split=split, lead=parallel.first_of_groups())
-        self._diagnostics = Diagnostics(self._module_names, self._recording.forward_order, config.health)
+        self._diagnostics = Diagnostics(self._module_names, self._recording.forward_order, config.thresholds)
         # Rank 0 writes, into writer= or a writer of its own; another rank only into a writer it was given.
         self._writer, owns_writer = _open_writer(config, self._ranks.rank)
         self._destination = None if self._writer is None else Destination(self._writer, config.prefix)
@@ -329,7 +331,7 @@ def _check_optimizer(config: Options, *, averaged: bool, split: bool, graded: bo
     if config.optimizer is None and graded and (split or averaged):
         what = "a sharded model" if split else f"a model trained over {rank_and_world()[1]} ranks (DDP)"
         raise HookLoggerError(
-            f"got optimizer=None for {what}, whose parameter gradients are final only when the optimizer steps "
+            f"optimizer= is required for {what}, whose parameter gradients are final only when the optimizer steps "
             "(DDP averages them during backward): pass optimizer=your_optimizer, or parameters=False"
         )
 
@@ -353,10 +355,8 @@ def _open_writer(config: Options, rank: int) -> tuple[SummaryWriter | None, bool
 def _select(model: nn.Module, config: Options) -> tuple[dict[str, nn.Module], dict[str, nn.Module]]:
     """The watched modules and those of them whose feature maps are taken."""
     selected = select_modules(model, config.modules)
-    try:
-        mapped = {} if config.feature_maps is None else select_modules(model, config.feature_maps)
-    except HookLoggerError as error:
-        raise HookLoggerError(f"feature_maps= (same selectors as modules=): {error}") from None
+    maps = config.feature_maps
+    mapped = {} if maps is None or maps is False else select_modules(model, maps, "feature_maps")
     if set(mapped) - set(selected):
         raise HookLoggerError(
             f"feature_maps= selects modules that are not watched: {sorted(set(mapped) - set(selected))!r}; "
@@ -443,7 +443,8 @@ def _make_writer(log_dir: str | os.PathLike[str] | None, purge_step: int | None)
                 pass
         return SummaryWriter(log_dir=None if log_dir is None else os.fspath(log_dir), purge_step=purge_step)
     except OSError as error:
+        where = "SummaryWriter()'s default directory (no log_dir= given)" if log_dir is None else f"log_dir={log_dir!r}"
         raise HookLoggerError(
-            f"log_dir={log_dir!r} must be a directory this process can create files in: "
+            f"{where} must be a directory this process can create files in: "
             f"{type(error).__name__}: {error}; pass a writable path, or writer=SummaryWriter(...)"
         ) from None

@@ -1,14 +1,21 @@
 """The options of :class:`~tblog_hooks.HookLogger`, validated once: the fields of :class:`Options`
-are the option list (the framework callbacks read it from there too)."""
+are the option list. They are also the constructors' signatures (:func:`logger_signature`,
+:func:`callback_signature`: what ``help()``, editors and mypy see) and the options page
+(``tests/test_docs.py`` holds ``docs/options.md`` to them); the framework callbacks take the
+fields of :class:`WatchOptions`.
+
+"Off" is spelled ``False`` or ``None`` alike for every option that switches a watch off
+(``histograms``, ``feature_maps``, ``attention``, ``health``, ``spikes``, ``numerics``).
+"""
 
 from __future__ import annotations
 
-import difflib
 import functools
+import inspect
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import torch
 from torch.utils.tensorboard import SummaryWriter
@@ -17,6 +24,7 @@ from ._compat import writer_closed
 from .diagnostics.findings import Thresholds
 from .diagnostics.spikes import Spikes, spikes_option
 from .errors import HookLoggerError
+from .keywords import unknown_keywords
 from .stats import numerics
 from .stats.kinds import Measure
 from .stats.recipe import Recipe
@@ -26,18 +34,15 @@ from .stats.tags import Root
 if TYPE_CHECKING:
     from .capture.selection import Selector
 
+#: The options that are True or False, and nothing else (``"no"`` is not off).
+_SWITCHES = ("activations", "gradients", "parameters", "eval_passes", "reduce_ranks", "inputs")
+
 
 @dataclass(frozen=True, kw_only=True)
-class Options:
-    """Every option of ``HookLogger(model, **options)``; bad values raise :class:`HookLoggerError`
-    at construction, saying what was wrong, the value and what is valid."""
+class WatchOptions:
+    """The options that say what is watched and how: every option but those a training loop's
+    framework supplies (:class:`Options` adds them); the framework callbacks take these."""
 
-    #: Directory for a ``SummaryWriter`` the logger creates and closes. With neither ``log_dir``
-    #: nor ``writer``, ``SummaryWriter()``'s default ``runs/<date>_<host>``.
-    log_dir: str | os.PathLike[str] | None = None
-    #: Your own open ``torch.utils.tensorboard.SummaryWriter`` (or a subclass): flushed, never
-    #: closed. Not together with ``log_dir``. Close the logger before the writer.
-    writer: SummaryWriter | None = None
     #: One selector or a list (:data:`~tblog_hooks.Selector`); default: every leaf module that
     #: owns parameters.
     modules: Selector | Sequence[Selector] | None = None
@@ -49,62 +54,54 @@ class Options:
     gradients: bool = True
     #: Log ``param_grad/*`` (and with ``optimizer=`` ``param/update_ratio/*``).
     parameters: bool = True
-    #: Which histograms logged steps write: ``True`` (``Histograms()``), ``False`` (none), an int
-    #: ``n`` (on every ``n``-th logged step) or a :class:`~tblog_hooks.Histograms`
+    #: Which histograms logged steps write: ``True`` (``Histograms()``), ``False`` or ``None``
+    #: (none), an int ``n`` (on every ``n``-th logged step) or a :class:`~tblog_hooks.Histograms`
     #: (as one: :attr:`histogram_schedule`).
     histograms: bool | int | Histograms | None = True
-    #: The loop's optimizer, or a list or tuple of them: gradients are then read when an
-    #: optimizer steps them. Required for DDP, FSDP2 and tensor-parallel models unless ``parameters=False``.
-    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None
-    #: The loop's ``torch.amp.GradScaler``: gradients are unscaled and skipped steps reported.
-    scaler: torch.amp.GradScaler | None = None
     #: Also record forward passes in eval mode or under ``torch.no_grad()``.
     eval_passes: bool = False
     #: Under ``torch.distributed``, pool activation, input and output-gradient statistics over all ranks.
     reduce_ranks: bool = False
     #: Also log ``input/{stat}/{module}``, the statistics of each watched module's inputs.
     inputs: bool = False
-    #: Selectors (as for ``modules``) of watched modules whose output is shown as an image.
-    feature_maps: Selector | Sequence[Selector] | None = None
+    #: Selectors (as for ``modules``) of watched modules whose output is shown as an image;
+    #: ``None`` or ``False``: none.
+    feature_maps: Selector | Sequence[Selector] | Literal[False] | None = None
     #: Log ``attention/*`` of the ``scaled_dot_product_attention`` calls of logged forward passes
-    #: (``docs/attention.md``): ``True`` (every module), ``False``, or selectors (as for ``modules``)
-    #: of the modules whose calls (their own and their submodules') are covered.
-    attention: bool | Selector | Sequence[Selector] = False
-    #: When health findings start, or ``None`` to switch them off.
-    health: Thresholds | None = field(default_factory=Thresholds)
-    #: The index of the first ``step()`` call, e.g. the optimizer steps a resumed run already made.
-    start_step: int = 0
+    #: (``docs/attention.md``): ``True`` (every module), ``False`` or ``None`` (off), or selectors
+    #: (as for ``modules``) of the modules whose calls (their own and their submodules') are covered.
+    attention: bool | Selector | Sequence[Selector] | None = False
+    #: When health findings start: a :class:`~tblog_hooks.Thresholds` (``True``: the defaults),
+    #: or ``False`` or ``None`` to switch them off (as one: :attr:`thresholds`).
+    health: Thresholds | bool | None = field(default_factory=Thresholds)
     #: Put every tag under ``{prefix}/`` (several models in one directory).
     prefix: str | None = None
     #: Watch every step's gradient norm and loss for spikes (``docs/spikes.md``): ``True``
-    #: (``Spikes()``), ``False`` or a :class:`~tblog_hooks.Spikes` (as one: :attr:`spike_config`).
+    #: (``Spikes()``), ``False`` or ``None`` (off) or a :class:`~tblog_hooks.Spikes` (as one:
+    #: :attr:`spike_config`).
     spikes: bool | Spikes | None = False
     #: Log the low-precision health of the watched tensors (``docs/numerics.md``): max |x|, RMS,
     #: kurtosis and per format the fractions lost to underflow and overflow. ``True`` writes them
     #: for the format the run trains in (the autocast dtype, else ``"bf16"``), a tuple of names
     #: among ``"fp16"``, ``"bf16"``, ``"e4m3"``, ``"e5m2"`` for those; every format is in the
-    #: ``health/numerics_*`` pictures. ``False``: off.
-    numerics: bool | Sequence[str] = False
+    #: ``health/numerics_*`` pictures. ``False`` or ``None``: off.
+    numerics: bool | Sequence[str] | None = False
     #: Statistics of one's own (:class:`~tblog_hooks.stats.kinds.Measure`), by the source they
     #: measure: ``"output"``, ``"input"`` (with ``inputs=True``) or ``"output_gradient"``
     #: (``docs/architecture.md``, "Adding a statistic"). This logger's only.
     measures: Mapping[str, Sequence[Measure]] | None = None
 
     def __post_init__(self) -> None:
+        for name in _SWITCHES:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise HookLoggerError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
             raise HookLoggerError(f"every must be a positive int (log every N optimizer steps), got {self.every!r}")
-        if self.writer is not None and self.log_dir is not None:
-            raise HookLoggerError("pass either log_dir (the logger makes and closes a writer) or writer, not both")
         if not (self.activations or self.gradients or self.parameters):
             raise HookLoggerError(
                 "activations, gradients and parameters are all False, so nothing would be logged; "
                 "leave at least one of them True"
-            )
-        start = self.start_step
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            raise HookLoggerError(
-                f"start_step must be an int >= 0 (the index of the first step() call, e.g. the optimizer "
-                f"steps a resumed run already made), got {start!r}"
             )
         prefix = self.prefix
         if prefix is not None and (not isinstance(prefix, str) or not prefix.strip("/") or prefix.strip("/") != prefix):
@@ -112,23 +109,31 @@ class Options:
                 f"prefix must be a non-empty str without a leading or trailing '/' (tags become "
                 f"'{{prefix}}/activation/...'; e.g. prefix='generator'), or None, got {prefix!r}"
             )
-        if self.writer is not None:
-            _check_writer(self.writer)
-        _check_optimizers(self.optimizer)
-        if self.attention is None or (isinstance(self.attention, (list, tuple)) and not self.attention):
+        if isinstance(self.feature_maps, (list, tuple)) and not self.feature_maps:
             raise HookLoggerError(
-                f"attention must be True, False, or one or more selectors (as for modules=), got {self.attention!r}"
+                f"feature_maps must be one or more selectors (as for modules=) of watched modules, or None or False "
+                f"(none), got {self.feature_maps!r}"
             )
-        if self.scaler is not None and not isinstance(self.scaler, torch.amp.GradScaler):
-            raise HookLoggerError(f"scaler must be a torch.amp.GradScaler, got {type(self.scaler).__name__}")
-        if self.health is not None and not isinstance(self.health, Thresholds):
+        if isinstance(self.attention, (list, tuple)) and not self.attention:
             raise HookLoggerError(
-                f"health must be a tblog_hooks.Thresholds (or None to switch findings off), got {self.health!r}"
+                f"attention must be True, False or None (off), or one or more selectors (as for modules=), "
+                f"got {self.attention!r}"
             )
-        _ = self.spike_config  # (checked)
-        _ = self.numerics_formats  # (checked)
-        _ = self.recipe  # (checked)
+        _ = self.thresholds, self.spike_config, self.numerics_formats, self.recipe  # (checked)
         self._check_histogram_kinds()
+
+    @functools.cached_property
+    def thresholds(self) -> Thresholds | None:
+        """``health=`` as a :class:`~tblog_hooks.Thresholds`; ``None``: no findings."""
+        health = self.health
+        if isinstance(health, Thresholds) or health is None:
+            return health
+        if health is True or health is False:
+            return Thresholds() if health else None
+        raise HookLoggerError(
+            f"health must be a tblog_hooks.Thresholds (True: the defaults), or False or None to switch findings "
+            f"off, got {health!r}"
+        )
 
     @functools.cached_property
     def histogram_schedule(self) -> Histograms | None:
@@ -143,6 +148,8 @@ class Options:
     @functools.cached_property
     def numerics_formats(self) -> tuple[str, ...] | None:
         """``numerics=`` as the formats it names (``()``: the run's own), ``None``: off."""
+        if self.numerics is None:
+            return None
         try:
             return numerics.check(self.numerics)
         except ValueError as error:
@@ -168,6 +175,43 @@ class Options:
             )
 
 
+@dataclass(frozen=True, kw_only=True)
+class Options(WatchOptions):
+    """Every option of ``HookLogger(model, **options)``: :class:`WatchOptions` and where the logger
+    writes, the loop's optimizer and scaler and its first step. Bad values raise
+    :class:`HookLoggerError` at construction, saying what was wrong, the value and what is valid."""
+
+    #: Directory for a ``SummaryWriter`` the logger creates and closes. With neither ``log_dir``
+    #: nor ``writer``, ``SummaryWriter()``'s default ``runs/<date>_<host>``.
+    log_dir: str | os.PathLike[str] | None = None
+    #: Your own open ``torch.utils.tensorboard.SummaryWriter`` (or a subclass): flushed, never
+    #: closed. Not together with ``log_dir``. Close the logger before the writer.
+    writer: SummaryWriter | None = None
+    #: The loop's optimizer, or a list or tuple of them: gradients are then read when an
+    #: optimizer steps them. Required for DDP, FSDP2 and tensor-parallel models unless ``parameters=False``.
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None
+    #: The loop's ``torch.amp.GradScaler``: gradients are unscaled and skipped steps reported.
+    scaler: torch.amp.GradScaler | None = None
+    #: The index of the first ``step()`` call, e.g. the optimizer steps a resumed run already made.
+    start_step: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.writer is not None and self.log_dir is not None:
+            raise HookLoggerError("pass either log_dir (the logger makes and closes a writer) or writer, not both")
+        start = self.start_step
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise HookLoggerError(
+                f"start_step must be an int >= 0 (the index of the first step() call, e.g. the optimizer "
+                f"steps a resumed run already made), got {start!r}"
+            )
+        if self.writer is not None:
+            _check_writer(self.writer)
+        _check_optimizers(self.optimizer)
+        if self.scaler is not None and not isinstance(self.scaler, torch.amp.GradScaler):
+            raise HookLoggerError(f"scaler must be a torch.amp.GradScaler, got {type(self.scaler).__name__}")
+
+
 #: The option that makes the logger record each histogram kind.
 _PRODUCED_BY: dict[str, str] = {
     Root.ACTIVATION: "activations",
@@ -181,20 +225,66 @@ _PRODUCED_BY: dict[str, str] = {
 NAMES: tuple[str, ...] = tuple(f.name for f in fields(Options))
 
 
-def check_names(options: Mapping[str, object]) -> None:
-    """Keywords that are no option are an error naming the closest option of each."""
-    unknown = [key for key in options if key not in NAMES]
+def check_names(options: Mapping[str, object], names: Sequence[str] = NAMES, owner: str = "HookLogger") -> None:
+    """Keywords that are no option (of ``names``) are an error naming the closest option of each."""
+    unknown = [key for key in options if key not in names]
     if unknown:
-        raise HookLoggerError(unknown_options(unknown))
+        raise HookLoggerError(unknown_keywords(owner, unknown, names, "option"))
 
 
-def unknown_options(unknown: Sequence[str]) -> str:
-    """The message for keywords that are no option, each with the closest option name."""
-    parts = []
-    for key in unknown:
-        close = difflib.get_close_matches(key, NAMES, n=1)
-        parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return f"HookLogger got unknown option(s) {', '.join(parts)}; valid options: {', '.join(NAMES)}"
+P = ParamSpec("P")
+S = TypeVar("S")
+M = TypeVar("M")
+Init = TypeVar("Init", bound=Callable[..., None])
+
+
+def logger_signature(
+    source: Callable[P, object],
+) -> Callable[[Callable[Concatenate[S, M, ...], None]], Callable[Concatenate[S, M, P], None]]:
+    """Decorator of ``HookLogger.__init__(self, model, **options)``: its options are the fields of
+    ``source`` (:class:`Options`) as keyword-only parameters, for mypy and editors (the type) and for
+    ``help()`` and :func:`inspect.signature` (the signature made from the fields)."""
+    return functools.partial(_signed, source, {})
+
+
+def callback_signature(
+    source: Callable[P, object], **shown: str
+) -> Callable[[Callable[Concatenate[S, ...], None]], Callable[Concatenate[S, P], None]]:
+    """As :func:`logger_signature`, for a framework callback's ``__init__(self, **options)``
+    (``source``: :class:`WatchOptions`); ``shown``: defaults the framework supplies, by what
+    supplies them (``every="trainer.log_every_n_steps"``)."""
+    return functools.partial(_signed, source, shown)
+
+
+def _default(option: Field[Any], shown: Mapping[str, str]) -> object:
+    """An option's default as a signature shows it."""
+    if option.name in shown:
+        return _Shown(shown[option.name])
+    if option.default is MISSING:  # made by a factory (health's Thresholds())
+        return _Shown(f"{getattr(option.default_factory, '__name__', '')}()")
+    return option.default
+
+
+class _Shown:
+    """A default shown in a signature as text: what supplies it, or the call that makes it."""
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+
+    def __repr__(self) -> str:
+        return self._text
+
+
+def _signed(source: Any, shown: Mapping[str, str], init: Init) -> Init:
+    """``init`` with ``__signature__``: its positional parameters, then ``source``'s fields as they
+    are written (annotations as in the source; a default made by a factory as its call)."""
+    own = [p for p in inspect.signature(init).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    options = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_default(f, shown), annotation=f.type)
+        for f in fields(source)
+    ]
+    init.__signature__ = inspect.Signature([*own, *options], return_annotation=None)  # type: ignore[attr-defined]
+    return init
 
 
 def _check_optimizers(optimizer: object) -> None:

@@ -10,9 +10,10 @@ import re
 from collections.abc import Callable
 
 import models
+import numpy as np
 import pytest
 import torch
-from conftest import OpCounter, assert_same_weights, read_images, read_run, read_tags
+from conftest import OpCounter, assert_same_weights, read_images, read_run, read_tags, read_tensors
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -22,6 +23,7 @@ from tblog_hooks._compat import full_float32_matmul
 from tblog_hooks.cli import main, report
 from tblog_hooks.diagnostics.health import default_health
 from tblog_hooks.stats.attention import attention_statistics
+from tblog_hooks.stats.tags import HEADS_TABLE_TAG
 
 REL = 1e-4
 
@@ -565,26 +567,112 @@ def _scale_query_key(model: nn.Module, block: int, factor: float) -> None:
 
 
 def test_scaled_query_and_key_weights_are_found_in_their_block_only(tmp_path, capsys) -> None:
+    """Four healthy logged steps, then one block's query and key weights x30 (its logits x900):
+    the next step's logits are judged against each block's own course, and that block is named."""
     model = models.gpt2(32, 50)
-    _scale_query_key(model, 1, 30.0)
     tokens = torch.randint(0, 50, (4, 16))
     with HookLogger(model, log_dir=tmp_path, every=1, attention=True, histograms=False) as hooks:
+        models.train(hooks, (model(tokens, labels=tokens).loss for _ in range(4)))
+        _scale_query_key(model, 1, 30.0)
         models.train(hooks, [model(tokens, labels=tokens).loss])
     found = [f for f in hooks.findings if f.kind in ATTENTION_FINDINGS]
     assert {f.kind for f in found} == ATTENTION_FINDINGS
-    assert {f.module for f in found} == {"transformer.h.1.attn"}
+    assert {(f.module, f.step) for f in found} == {("transformer.h.1.attn", 4)}
     assert all("(head " in f.message for f in found)
     run = read_run(tmp_path)
-    assert run.scalar("health/attention_logit_growth", 0) == 1
-    assert run.scalar("health/attention_entropy_collapse", 0) == 1
+    assert run.scalar("health/attention_logit_growth", 4) == 1
+    assert run.scalar("health/attention_entropy_collapse", 4) == 1
+    assert run.scalar("health/attention_logit_growth", 3) == 0
     pictures = read_images(tmp_path, "health/attention_entropy")
-    assert list(pictures) == [0]  # (their layout: tests/test_charts.py)
+    assert sorted(pictures) == [0, 1, 2, 3, 4]  # (their layout: tests/test_charts.py)
     # The report replays them from the attention/* scalars (the module, not the head), and fails on them.
     (loaded,) = report.load_all(tmp_path, "run")
     replayed = [(f.kind, f.step, f.module) for f in report.findings(loaded) if f.kind in ATTENTION_FINDINGS]
     assert sorted(replayed) == sorted((f.kind, f.step, f.module) for f in found)
     assert main(["report", str(tmp_path), "--fail-on", "attention_logit_growth"]) == 1
-    assert "step 0: attention_logit_growth [transformer.h.1.attn]" in capsys.readouterr().out
+    assert "step 4: attention_logit_growth [transformer.h.1.attn]" in capsys.readouterr().out
+
+
+class _Block(nn.Module):
+    """A pre-norm transformer block calling SDPA (causal), with or without qk-layernorm (a learnable
+    LayerNorm on each head's queries and keys, as Wortsman et al. 2023 and OLMo-2 use)."""
+
+    def __init__(self, width: int, heads: int, qk_norm: bool) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        norm = (lambda: nn.LayerNorm(width // heads)) if qk_norm else nn.Identity
+        self.q_norm, self.k_norm = norm(), norm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class _CopyNet(nn.Module):
+    """Two blocks over 15 tokens of a vocabulary of 16 (a sequence of 8 and its repeat, less its last)."""
+
+    def __init__(self, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed, self.position = nn.Embedding(16, 32), nn.Parameter(torch.randn(16, 32) * 0.02)
+        self.blocks = nn.ModuleList(_Block(32, 2, qk_norm) for _ in range(2))
+        self.head = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 16))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        z = self.embed(tokens) + self.position[: tokens.shape[1]]
+        for block in self.blocks:
+            z = block(z)
+        return self.head(z)
+
+
+def _copy_run(tmp_path, qk_norm: bool, steps: int = 150) -> tuple[list[float], HookLogger]:
+    """AdamW at lr 3e-2 on the copy task (the second half of each sequence repeats the first):
+    with qk-layernorm it learns to copy (a head attends to one key); without, its logits grow
+    unchecked and it learns nothing. Logged every 5 steps."""
+    torch.manual_seed(0)
+    model = _CopyNet(qk_norm)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.0)
+    data = torch.Generator().manual_seed(0)
+    losses = []
+    with HookLogger(model, log_dir=tmp_path, every=5, attention=True, histograms=False, modules=["blocks"]) as hooks:
+        for _ in range(steps):
+            first = torch.randint(0, 16, (32, 8), generator=data)
+            tokens = torch.cat([first, first], 1)
+            loss = nn.functional.cross_entropy(model(tokens[:, :-1])[:, 7:].reshape(-1, 16), first.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step()
+            losses.append(loss.item())
+    return losses, hooks
+
+
+def test_a_stable_qk_layernorm_run_that_learns_to_copy_has_no_attention_finding(tmp_path) -> None:
+    """Its copy head reaches 0.3 nats at the task's floor loss, with logits of the size it started with."""
+    losses, hooks = _copy_run(tmp_path, qk_norm=True)
+    assert losses[-1] < 0.01 < 2.5 < losses[0]  # it learns the task
+    heads = read_tensors(tmp_path, HEADS_TABLE_TAG)
+    assert min(float(np.nanmin(t[..., 1])) for t in heads.values()) < 0.3  # a head attends to about one key
+    assert max(float(np.nanmax(t[..., 0])) for t in heads.values()) > 10  # its logits grew 5-fold
+    assert not [f for f in hooks.findings if f.kind in ATTENTION_FINDINGS]
+
+
+def test_an_unstable_run_without_qk_norm_is_caught_early(tmp_path) -> None:
+    """The same run without qk-layernorm: both findings start in block 0 within 50 steps, while its
+    logits keep growing (50-fold by step 55, 500-fold by step 150) and its loss never falls below 2.4."""
+    losses, hooks = _copy_run(tmp_path, qk_norm=False, steps=60)
+    assert min(losses) > 2.4
+    first = {}
+    for f in hooks.findings:
+        first.setdefault((f.kind, f.module), f.step)
+    assert first[("attention_logit_growth", "blocks.0")] <= 25
+    assert first[("attention_entropy_collapse", "blocks.0")] <= 50
+    assert read_run(tmp_path).scalar("attention/max_logit/blocks.0", 55) > 50
 
 
 def _healthy(name: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
@@ -634,14 +722,20 @@ def test_healthy_models_have_no_attention_finding(tmp_path, name) -> None:
 
 
 def test_growth_over_the_run_own_history() -> None:
-    health = default_health(Thresholds(attention_logit=math.inf))
-    history = [0.2, 0.3, 0.25, 0.3]
-    for step, peak in enumerate(history):
+    """Growth is of the logits' magnitude against the layer's lowest recent one (at least 1): from
+    0.3 to 9 is soft attention still, to 40 it is not; logits that all turn very negative grow too."""
+    health = default_health(Thresholds())
+    for step, peak in enumerate([0.2, 0.3, 0.25, 0.3]):
         assert not health.update(step, {"attention/max_logit/a": peak, "attention/entropy/a": 2.0}, [])
-    assert not health.update(4, {"attention/max_logit/a": 9.0, "attention/entropy/a": 2.0}, [])  # below 10
+    assert not health.update(4, {"attention/max_logit/a": 9.0, "attention/entropy/a": 0.1}, [])  # below 10
     (found,) = health.update(5, {"attention/max_logit/a": 40.0, "attention/entropy/a": 2.0}, [])
     assert (found.kind, found.module, found.value) == ("attention_logit_growth", "a", 40.0)
-    assert "times the median of its recent logged steps" in found.message
+    assert "40 times the lowest of its recent logged steps (1)" in found.message
+    health = default_health(Thresholds())
+    for step, peak in enumerate([-2.0, -3.0, -2.5]):
+        assert not health.update(step, {"attention/max_logit/a": peak, "attention/entropy/a": 1.5}, [])
+    found = health.update(3, {"attention/max_logit/a": -1170.0, "attention/entropy/a": 0.04}, [])
+    assert {f.kind for f in found} == ATTENTION_FINDINGS  # every logit at or below -1,170: one-hot
 
 
 # -- torch.compile ---------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ def _error(*args: object, **kwargs: object) -> str:
         ({"modules": []}, ["selected no module", "glob patterns"]),
         ({"modules": lambda name, m: False}, ["selected no module", "predicates"]),
         ({"modules": 3}, ["modules= got 3", "nn.Module subclass"]),
-        ({"evry": 10}, ["unknown option(s) 'evry' (did you mean 'every'?)", "valid options: log_dir"]),
+        ({"evry": 10}, ["unknown option(s) 'evry' (did you mean 'every'?)", "valid options: modules, every, "]),
         ({"activations": False, "gradients": False, "parameters": False}, ["nothing would be logged"]),
         ({"optimizer": "sgd"}, ["optimizer must be a torch.optim.Optimizer", "str"]),
         ({"start_step": -1}, ["start_step must be an int >= 0", "-1"]),

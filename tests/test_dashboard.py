@@ -309,7 +309,7 @@ def test_the_numerics_grid_holds_every_format_and_the_written_ones_are_the_scala
     latest = get(server, f"{ROUTE}/numerics", run="net")
     assert latest["steps"] == sorted(written) and latest["step"] == max(written)  # type: ignore[index]
     assert latest["roots"] == ["activation", "gradient"] and latest["formats"] == ["fp16", "bf16", "e4m3", "e5m2"]  # type: ignore[index]
-    assert latest["quantities"] == ["underflow", "overflow", "subnormal"]  # type: ignore[index]
+    assert latest["quantities"] == ["underflow", "overflow", "subnormal", "floor"]  # type: ignore[index]
     checked = 0
     for step in latest["steps"]:  # type: ignore[index]
         doc = get(server, f"{ROUTE}/numerics", run="net", step=str(step))

@@ -3,6 +3,7 @@ kinds and tags the code declares and writes."""
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections import OrderedDict
 from pathlib import Path
@@ -14,10 +15,12 @@ from tensorboard.plugins.custom_scalar.metadata import CONFIG_SUMMARY_TAG
 from torch import nn
 
 from tblog_hooks import Histograms, HookLogger, Spikes
+from tblog_hooks.dashboard.documents import SEVERITY
 from tblog_hooks.diagnostics.attention_rules import PICTURES
 from tblog_hooks.diagnostics.findings import FINDING_KINDS
 from tblog_hooks.diagnostics.numerics_rules import PICTURE_TAGS
 from tblog_hooks.diagnostics.per_step import FINDINGS_TAG, FLOW_TAG
+from tblog_hooks.options import NAMES
 from tblog_hooks.stats.formats import format_of
 from tblog_hooks.stats.kinds import HISTOGRAM_KINDS
 from tblog_hooks.stats.numerics import FORMATS
@@ -134,9 +137,9 @@ def declared_tags() -> dict[str, set[str]]:
     per_module = (
         *(k for s, k in full.kinds.items() if s not in on_params),
         counted[Source.NONFINITE_INPUT],
-        *(k for s, k in full.numerics.items() if s not in on_params),
+        *(k for s, k in full.numerics.items() if s not in (*on_params, Source.FP8_WEIGHT)),
     )
-    per_parameter = (*(full[s] for s in on_params), full.numerics[Source.PARAM_GRAD])
+    per_parameter = (*(full[s] for s in on_params), full.numerics[Source.PARAM_GRAD], full.numerics[Source.FP8_WEIGHT])
 
     def stat(name: str) -> str:  # a per-format statistic with the format's placeholder
         fmt = format_of(name)
@@ -253,3 +256,20 @@ def test_every_written_tag_is_documented(tmp_path) -> None:
         assert not undocumented, f"{kind} tags written but not in docs/logged.md's tag table: {sorted(undocumented)}"
         unwritten = {p for p, r in patterns.items() if not any(r.fullmatch(t) for t in written[kind])}
         assert not unwritten, f"documented {kind} tags this run (every option on) did not write: {sorted(unwritten)}"
+
+
+# -- pages that restate the code ----------------------------------------------------------------
+def test_dashboard_page_ranks_findings_as_the_module_table_does() -> None:
+    bullet = next(p for p in (DOCS / "dashboard.md").read_text().split("\n- ") if p.startswith("**Modules.**"))
+    documented = [k for k in re.findall(r"`(\w+)`", bullet) if k in FINDING_KINDS]
+    assert documented == [kind.value for kind in SEVERITY]
+
+
+def test_options_page_lists_every_option() -> None:
+    page = (DOCS / "options.md").read_text()
+    signature = page[page.index("```python\nHookLogger(") : page.index("```\n", page.index("```python"))]
+    defaults = inspect.signature(HookLogger).parameters
+    assert re.findall(r"(\w+)=(\w+(?:\(\))?)", signature) == [(name, repr(defaults[name].default)) for name in NAMES]
+    table = page[page.index("## Arguments") : page.index("## Methods and properties")]
+    listed = [name for cell in re.findall(r"^\| (`[^|]+`) \|", table, re.M) for name in re.findall(r"`(\w+)`", cell)]
+    assert sorted(listed) == sorted(["model", *NAMES])

@@ -161,14 +161,14 @@ def test_thresholds_are_configurable_and_validated(tmp_path) -> None:
     assert t.vanishing_ratio == pytest.approx(1e-3) and type(t.vanishing_ratio) is float
     assert t.exploding_growth == 50.0 and t.zero_steps == 3 and type(t.zero_steps) is int
     off = Thresholds(vanishing_ratio=0, exploding_update=math.inf, exploding_growth=math.inf, dead_fraction=math.inf)
-    assert Thresholds(skipped_steps=math.inf).skipped_steps == math.inf
+    assert Thresholds(amp_skipped_steps=math.inf).amp_skipped_steps == math.inf
     dead = _activations("a", dead=1.0, low=-1, high=-1) | _activations("b", dead=0.0, low=-1, high=1)
     assert default_health(off).update(0, {**_norms(a=1e-9, b=1.0), **dead}, ["a", "b"]) == []
     assert len(default_health(Thresholds()).update(0, {**_norms(a=1e-9, b=1.0), **dead}, ["a", "b"])) == 2
     bad = [
         ("vanishing_ratio", 2.0), ("vanishing_ratio", math.nan), ("dead_fraction", 0.0), ("dead_fraction", True),
         ("exploding_growth", True), ("exploding_growth", 1.0), ("exploding_norm", "1e3"), ("zero_steps", 1.5),
-        ("zero_steps", math.inf), ("skipped_steps", 0), ("exploding_update", -1.0),
+        ("zero_steps", math.inf), ("amp_skipped_steps", 0), ("exploding_update", -1.0),
     ]  # fmt: skip
     for name, value in bad:
         with pytest.raises(HookLoggerError, match=rf"Thresholds\({name}={value!r}\) is invalid: it must be"):
@@ -333,7 +333,7 @@ def test_steps_the_scaler_skips_start_nothing_and_restart_nothing(tmp_path) -> N
 
 
 def test_a_scaler_that_keeps_skipping_is_a_finding(tmp_path) -> None:
-    thresholds = Thresholds(skipped_steps=3)
+    thresholds = Thresholds(amp_skipped_steps=3)
     health = default_health(thresholds)
     skipped = {"amp/skipped_step": 1.0, "amp/loss_scale": 2.0**-5, "gradient/nonfinite/a": 4.0}
     fine = {"amp/skipped_step": 0.0, "amp/loss_scale": 1.0, **_norms(a=1.0)}

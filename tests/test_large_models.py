@@ -147,11 +147,11 @@ def test_steps_without_histograms_take_no_samples(tmp_path, monkeypatch) -> None
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        (0, r"histograms must be True \(the defaults, Histograms\(\)\), False \(none\), a positive int n .* got 0"),
+        (0, r"histograms must be True \(the defaults, Histograms\(\)\), False or None \(none\), a positive int n .* 0"),
         (-5, "got -5"),
         (2.5, "got 2.5"),
         ("5", "got '5'"),
-        (None, "got None"),
+        ("off", "got 'off'"),
     ],
 )
 def test_bad_histograms_values_are_clear_errors_and_attach_nothing(tmp_path, value, message) -> None:

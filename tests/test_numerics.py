@@ -40,13 +40,14 @@ def reference(x: Tensor, fmt: str) -> dict[str, float]:
         overflow = ~torch.isfinite(cast)
     else:
         cast = x.to(f.dtype).float()
-        overflow = (x.float().abs() > info.max) | ~torch.isfinite(cast)
+        overflow = ~torch.isfinite(cast)
     out = {
         f"underflow_{fmt}": int(((x != 0) & (cast == 0)).sum()) / n,
         f"overflow_{fmt}": int(overflow.sum()) / n,
     }
     if not f.scaled:
         out[f"subnormal_{fmt}"] = int(((cast != 0) & (cast.abs() < info.smallest_normal)).sum()) / n
+        out[f"floor_{fmt}"] = int((cast.abs() == info.smallest_normal * info.eps).sum()) / n
     return out
 
 
@@ -141,6 +142,20 @@ def test_the_boundaries_are_exercised() -> None:
     for fmt in ("fp16", "bf16"):
         ref = reference(x, fmt)
         assert ref[f"underflow_{fmt}"] > 0 and ref[f"subnormal_{fmt}"] > 0 and 0 < ref[f"overflow_{fmt}"] < 1
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_overflow_follows_round_to_nearest_past_max(fmt: str) -> None:
+    """Magnitudes between ``max`` and the midpoint to the next step up round to ``max`` (finite,
+    fp16's 65,510 becomes 65,504), the midpoint itself to inf, as ``x.to(dtype)`` does. (The
+    float8 formats are scaled so that ``amax`` maps to ``max``: no finite element passes it.)"""
+    f = FORMATS[fmt]
+    bound, _ = f.finite
+    between = torch.linspace(f.max, bound, 9, dtype=torch.float64).float()
+    x = torch.cat([between, -between, torch.tensor([65510.0, 2 * f.max])])
+    want = reference(x, fmt)[f"overflow_{fmt}"]
+    assert measured(NUMERIC[Source.OUTPUT_GRADIENT], x)[f"overflow_{fmt}"] == pytest.approx(want, abs=1e-9)
+    assert 0 < want < 0.25  # (the midpoints and 2 max: the rest, past max, stays finite)
 
 
 def test_torchtitan_test_vector() -> None:
@@ -252,6 +267,16 @@ def test_numerics_true_writes_the_autocast_format(tmp_path) -> None:
     assert "gradient/underflow_fp16/0" in tags and "gradient/underflow_bf16/0" not in tags
 
 
+def test_numerics_true_writes_the_autocast_format_without_activations(tmp_path) -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    with HookLogger(model, log_dir=tmp_path, every=1, numerics=True, activations=False, histograms=False) as hooks:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(8, 4)).float().sum()
+        train(hooks, [loss])
+    tags = set(read_run(tmp_path).scalars)
+    assert "gradient/underflow_fp16/0" in tags and "gradient/underflow_bf16/0" not in tags
+
+
 def test_amax_and_rms_of_gradients_are_unscaled_and_fractions_judged_at_the_scale(tmp_path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -271,6 +296,35 @@ def test_amax_and_rms_of_gradients_are_unscaled_and_fractions_judged_at_the_scal
     assert scalars["gradient/underflow_fp16/0"] == pytest.approx(reference(scaled, "fp16")["underflow_fp16"])
 
 
+def test_parameter_gradients_unscaled_for_the_optimizer_are_judged_at_the_loss_scale(tmp_path) -> None:
+    """With ``optimizer=`` the gradients are read after ``GradScaler.unscale_``: their fractions are
+    those of the gradients backward made at the loss scale (kept by a post-accumulate hook), their
+    amax that of the unscaled ones."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    kept = {}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: kept.__setitem__(name, p.grad.clone()))
+    with HookLogger(
+        model, log_dir=tmp_path, every=1, numerics=("fp16",), scaler=scaler, optimizer=opt, histograms=False
+    ) as hooks:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(16, 8)).float().sum() * 1e-6
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        hooks.step()
+    scalars = {t: v[0] for t, v in read_run(tmp_path).scalars.items()}
+    for name, grad in kept.items():
+        assert grad.count_nonzero() == grad.numel()  # nothing is lost at the scale
+        for stat, want in reference(grad, "fp16").items():
+            assert scalars[f"param_grad/{stat}/{name}"] == pytest.approx(want, abs=1e-6), (name, stat)
+        assert scalars[f"param_grad/amax/{name}"] == pytest.approx(grad.abs().max().item() / 2.0**16, rel=1e-6)
+    assert reference(kept["0.weight"] / 2.0**16, "fp16")["underflow_fp16"] > 0.05  # (unscaled, fp16 would lose them)
+
+
 # -- options and cost -------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("value", "said"),
@@ -279,7 +333,7 @@ def test_amax_and_rms_of_gradients_are_unscaled_and_fractions_judged_at_the_scal
         (("fp32",), "unknown format(s) ['fp32']"),
         (("fp16", "fp16"), "a format named twice"),
         ((), "a non-empty tuple"),
-        (None, "got None"),
+        ("off", "got 'off'"),
         (1, "got 1"),
     ],
 )
@@ -290,8 +344,9 @@ def test_bad_numerics_is_refused_at_construction(tmp_path, value: object, said: 
 
 
 #: Aten ops a logged step may add per watched tensor (output, output gradient, parameter
-#: gradient) with every format: a base for the magnitudes, and per format.
-BASE_OPS, OPS_PER_FORMAT = 12, 7
+#: gradient) with every format: a base for the magnitudes, and per format; and per fp8 cast of a
+#: Linear's input or weight.
+BASE_OPS, OPS_PER_FORMAT, OPS_PER_CAST = 12, 7, 12
 
 
 def test_ops_are_bounded_per_tensor_and_format_and_none_when_not_logged(tmp_path) -> None:
@@ -310,9 +365,10 @@ def test_ops_are_bounded_per_tensor_and_format_and_none_when_not_logged(tmp_path
             counts[numerics] = (ops(hooks), ops(hooks), ops(hooks))  # logged, not logged, logged
         assert counts[numerics][1] == baseline
     tensors = 6 * (1 + 1 + 2)  # per Linear: its output, its output gradient, its weight's and bias's gradients
+    casts = 6 * 2  # per Linear: its input and weight, as fp8 training casts them
     for logged in (0, 2):
         added = counts[ALL][logged] - counts[False][logged]
-        assert 0 < added <= tensors * (BASE_OPS + OPS_PER_FORMAT * len(ALL)), added / tensors
+        assert 0 < added <= tensors * (BASE_OPS + OPS_PER_FORMAT * len(ALL)) + casts * OPS_PER_CAST, added
 
 
 # -- findings -----------------------------------------------------------------------------------------
@@ -356,9 +412,9 @@ def test_fp16_gradient_underflow_names_the_first_layers_and_a_large_loss_scale_e
     norms = [scalars[f"gradient/rms/{m}"][0] for m in ("10", "8", "6")]
     assert norms[0] > 5 * norms[1] > 25 * norms[2]  # (the gradients do shrink about tenfold per layer)
     message = underflow[0].message
-    assert "loss scale up to 2^" in message and "or train in bf16" in message
-    largest = max(v[0] for t, v in scalars.items() if t.startswith("gradient/amax/"))
-    assert f"2^{math.floor(math.log2(65504 / largest))} " in message
+    assert "use a loss scale of 2^" in message and "or train in bf16" in message
+    largest = max(v[0] for t, v in scalars.items() if t.startswith(("gradient/amax/", "param_grad/amax/")))
+    assert f"2^{math.floor(math.log2(65504 / largest)) - 1} " in message  # every gradient, a power of two spare
     scaled, _ = _fp16_run(tmp_path / "scaled", torch.amp.GradScaler("cpu", init_scale=2.0**24))
     assert [f for f in scaled if f.kind == "fp16_gradient_underflow"] == []
 
@@ -373,14 +429,13 @@ def _outlier_model() -> nn.Sequential:
     return model
 
 
-def test_massive_activation_names_the_module_and_channel_and_fp8_underflow_follows(tmp_path) -> None:
+def test_massive_activation_names_the_module_and_channel(tmp_path) -> None:
     model = _outlier_model()
     with HookLogger(model, log_dir=tmp_path, every=1, numerics=("e4m3", "e5m2"), histograms=False) as hooks:
         train(hooks, [model(torch.randn(32, 8)).sum()])
     by_kind = {(f.kind, f.module): f for f in hooks.findings}
     massive = by_kind[("massive_activation", "proj")]
     assert "channel 5" in massive.message and massive.value == pytest.approx(500.0, rel=1e-4)
-    assert ("fp8_underflow", "proj") in by_kind
     assert {m for k, m in by_kind if k == "massive_activation"} == {"proj"}
 
 
@@ -456,3 +511,154 @@ def test_the_formats_constants_are_torchs() -> None:
         assert (spec.max, spec.tiny) == (float(info.max), float(info.smallest_normal)), spec.name
         assert spec.mantissa_bits == round(-math.log2(info.eps)), spec.name
     assert tuple(FORMATS) == NAMES and PICTURE_FORMATS == NAMES
+
+
+# -- what fp16 loses, against a float32 twin -----------------------------------------------------------
+def _relu_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)
+    )
+
+
+def _relu_run(tmp_path, *, fp16: bool, shift: int) -> tuple[dict[str, float], list]:
+    """One logged step of the ReLU MLP, under fp16 autocast or in float32, with the loss scaled by
+    ``2^-shift`` (no scaler): its scalars and findings. The same weights and data either way."""
+    model = _relu_mlp()
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(2))
+    with HookLogger(model, log_dir=tmp_path, every=1, numerics=("fp16",), histograms=False) as hooks:
+        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+            out = model(x)
+        train(hooks, [nn.functional.cross_entropy(out.float(), y) * 2.0**-shift])
+    return {t: v[0] for t, v in read_run(tmp_path).scalars.items()}, hooks.findings
+
+
+LINEARS = ("0", "2", "4")  # (the head's output gradient has no ReLU zeros)
+
+
+def test_fp16_gradient_underflow_counts_what_the_cast_makes_zero_not_relu_zeros(tmp_path) -> None:
+    """A float32 ReLU MLP naming fp16: half of each hidden gradient is zero (the ReLU's), the cast
+    loses next to nothing of the rest at scale 1 (no finding), and at 2^-10 the finding's value is
+    the cast's count itself."""
+    scalars, findings = _relu_run(tmp_path / "1", fp16=False, shift=0)
+    assert min(scalars[f"gradient/zero_frac/{m}"] for m in LINEARS) > 0.45
+    assert max(scalars[f"gradient/underflow_fp16/{m}"] for m in LINEARS) < 1e-3
+    assert [f for f in findings if f.kind == "fp16_gradient_underflow"] == []
+    scalars, findings = _relu_run(tmp_path / "2", fp16=False, shift=10)
+    named = {f.module: f.value for f in findings if f.kind == "fp16_gradient_underflow"}
+    assert named and all(v == scalars[f"gradient/underflow_fp16/{m}"] for m, v in named.items())
+    assert named["0"] > 0.05 and "estimated" not in next(f.message for f in findings if f.module == "0")
+
+
+def test_an_fp16_run_shows_what_it_lost_against_its_float32_twin(tmp_path) -> None:
+    """Under fp16 autocast the gradients are fp16 already: the cast loses nothing more, and what the
+    run lost is its zeros beyond those of its float32 twin (same weights and data: the structural
+    ones). The share at fp16's smallest subnormal (``gradient/floor_fp16``) moves with that loss,
+    within 3x of it wherever 1% or more is lost, and the finding follows it."""
+    previous = dict.fromkeys(LINEARS, -1.0)
+    for shift in (0, 6, 10, 12):
+        half, half_found = _relu_run(tmp_path / f"fp16-{shift}", fp16=True, shift=shift)
+        full, _ = _relu_run(tmp_path / f"fp32-{shift}", fp16=False, shift=shift)
+        named = {f.module: f for f in half_found if f.kind == "fp16_gradient_underflow"}
+        for m in LINEARS:
+            lost = half[f"gradient/zero_frac/{m}"] - full[f"gradient/zero_frac/{m}"]
+            floor = half[f"gradient/floor_fp16/{m}"]
+            assert half[f"gradient/underflow_fp16/{m}"] == 0
+            if shift == 0:
+                assert lost == floor == 0
+            if lost >= 0.01:
+                assert lost / 2 < floor < 3 * lost, (shift, m, lost, floor)
+                assert m in named and named[m].value == floor and "estimated" in named[m].message
+            assert floor >= previous[m]
+            previous[m] = floor
+        if shift == 0:
+            assert named == {}
+    assert half["gradient/zero_frac/0"] - full["gradient/zero_frac/0"] > 0.1  # (2^-12 loses a lot)
+
+
+def _bias_heavy_run(tmp_path, scaler: torch.amp.GradScaler, steps: int) -> tuple[list, list[float]]:
+    """An fp16 MLP on a batch of 512 whose loss is a mean: each bias gradient sums its output
+    gradient over the batch, hundreds of times its largest element; the loss is scaled by 1e-3, so
+    that its gradients underflow fp16 at scale 1. Returns the findings and the
+    scale after each step (a skipped step halves it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    data = torch.Generator().manual_seed(0)
+    scales = []
+    with HookLogger(model, log_dir=tmp_path, every=1, numerics=True, scaler=scaler, optimizer=opt) as hooks:
+        for _ in range(steps):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(512, 16, generator=data)).float().mean() * 1e-3
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            hooks.step()
+            scales.append(scaler.get_scale())
+    return hooks.findings, scales
+
+
+def test_the_loss_scale_advice_keeps_every_gradient_finite(tmp_path) -> None:
+    """At scale 1 the output gradients underflow; following the advice, ``GradScaler(init_scale=...)``
+    skips no step (the bias gradients stay finite) and the underflow is gone."""
+    findings, _ = _bias_heavy_run(tmp_path / "1", torch.amp.GradScaler("cpu", init_scale=1.0), 1)
+    (message,) = {f.message for f in findings if f.kind == "fp16_gradient_underflow" and f.module == "0"}
+    advised = 2.0 ** int(re.search(r"loss scale (?:up to |of )2\^(\d+)", message).group(1))
+    findings, scales = _bias_heavy_run(tmp_path / "advised", torch.amp.GradScaler("cpu", init_scale=advised), 8)
+    assert scales == [advised] * 8, (advised, scales)
+    assert [f for f in findings if f.kind == "fp16_gradient_underflow"] == []
+
+
+# -- fp8: what the recipe casts, against torchao ----------------------------------------------------------
+def _fp8_model() -> nn.Sequential:
+    """Four Linears; ``l0``'s output (``l1``'s input) has one channel at 300, and ``l2``'s weight one
+    element at 40: per-tensor e4m3 scaled to them flushes the small elements of those tensors."""
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict((f"l{i}", nn.Linear(32, 32)) for i in range(4)))
+    with torch.no_grad():
+        model.l0.weight.mul_(1e-3)
+        model.l0.bias.mul_(1e-3)
+        model.l0.bias[5] = 300.0
+        model.l2.weight.mul_(1e-4)
+        model.l2.weight[3, 7] = 40.0
+    return model
+
+
+def test_fp8_judges_each_linears_input_weight_and_output_gradient_as_torchao_casts_them(tmp_path) -> None:
+    """The fractions are those of torchao's own cast (``hp_tensor_to_float8_dynamic``, the function
+    its ``Float8Linear`` casts with, per-tensor e4m3 for the input and weight, e5m2 for the output
+    gradient), and the finding names the Linear that casts the tensor (``l1``, whose input holds
+    ``l0``'s outlier; ``l2``, whose weight holds one), not ``l0``, whose output holds it. Each
+    fraction is checked against torchao's cast."""
+    scaling = pytest.importorskip("torchao.float8.float8_scaling_utils")
+    from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
+
+    def torchao_lost(t: Tensor, dtype: torch.dtype, role: GemmInputRole) -> float:
+        cast = scaling.hp_tensor_to_float8_dynamic(t, dtype, LinearMMConfig(), gemm_input_role=role)
+        return float(((t != 0) & (cast._data.float() == 0)).sum()) / t.numel()
+
+    model = _fp8_model()
+    inputs: dict[str, Tensor] = {}
+    for name, module in model.named_children():
+        module.register_forward_pre_hook(lambda m, args, name=name: inputs.__setitem__(name, args[0].detach().clone()))
+    with HookLogger(model, log_dir=tmp_path, every=1, numerics=("e4m3", "e5m2"), histograms=False) as hooks:
+        kept, remove = _captured(model, list(hooks.module_names))
+        train(hooks, [model(torch.randn(64, 32)).square().mean()])
+        remove()
+    scalars = {t: v[0] for t, v in read_run(tmp_path).scalars.items()}
+    e4m3, e5m2, role = torch.float8_e4m3fn, torch.float8_e5m2, GemmInputRole
+    for name, module in model.named_children():
+        pairs = [
+            (f"input/underflow_e4m3/{name}", torchao_lost(inputs[name], e4m3, role.INPUT)),
+            (f"param/underflow_e4m3/{name}.weight", torchao_lost(module.weight.detach(), e4m3, role.WEIGHT)),
+            (f"gradient/underflow_e5m2/{name}", torchao_lost(kept[f"gradient/{name}"], e5m2, role.GRAD_OUTPUT)),
+        ]
+        for key, want in pairs:
+            assert scalars[key] == pytest.approx(want, abs=1e-9), key
+    assert scalars["input/underflow_e4m3/l1"] > 0.1 and scalars["param/underflow_e4m3/l2.weight"] > 0.1
+    assert scalars["activation/underflow_e4m3/l0"] > 0.1  # (the output holding the outlier, which no recipe casts)
+    named = {f.module: f.message for f in hooks.findings if f.kind == "fp8_underflow"}
+    assert {"l1", "l2"} <= set(named) and "l0" not in named, named  # (l3's input holds l2's outlier output)
+    assert "of the input of l1" in named["l1"] and "of the weight of l2" in named["l2"]

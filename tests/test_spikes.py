@@ -414,9 +414,9 @@ def test_a_non_logged_step_adds_a_handful_of_ops_whatever_the_model_size(tmp_pat
 # -- options and bad input ---------------------------------------------------------------------------
 def test_bad_spikes_options_and_losses_are_clear_errors(tmp_path) -> None:
     model = mlp(4, 4, seed=0)
-    with pytest.raises(HookLoggerError, match=r"spikes must be True, False or a tblog_hooks\.Spikes, got 'yes'"):
+    with pytest.raises(HookLoggerError, match=r"spikes must be True, a tblog_hooks\.Spikes, or False or None.*'yes'"):
         HookLogger(model, log_dir=tmp_path, spikes="yes")
-    with pytest.raises(HookLoggerError, match=r"Spikes\(window=2\) is invalid: it must be a whole number >= 3"):
+    with pytest.raises(HookLoggerError, match=r"Spikes\(window=2\) is invalid: it must be a whole number of optimizer"):
         Spikes(window=2)
     with pytest.raises(HookLoggerError, match=r"Spikes\(grad_ratio=0.5\) is invalid"):
         Spikes(grad_ratio=0.5)

@@ -44,6 +44,9 @@ class ActivationRecorder:
         self._output, self._image = recipe[Source.OUTPUT], recipe[Source.IMAGE]
         self._input = recipe[Source.INPUT if inputs else Source.NONFINITE_INPUT]
         self._numeric_output = recipe.numerics.get(Source.OUTPUT) if numerics is not None else None
+        # With a float8 format named: each Linear's input and weight, as fp8 training casts them.
+        fp8 = numerics is not None and numerics.fp8
+        self._casts = (recipe.numerics[Source.FP8_INPUT], recipe.numerics[Source.FP8_WEIGHT]) if fp8 else None
         self.activations, self.inputs, self.feature_maps = activations, inputs, feature_maps
         self.passes = PassFilter(eval_passes=eval_passes)
         #: Per watched module, the dim of its outputs that holds its units (``reductions.units_dim``).
@@ -80,11 +83,15 @@ class ActivationRecorder:
             counted = self.passes.classify(name, training, mode.in_backward())
             if not any(counted):
                 return None
+            if counted.gradients and self.gradients is not None and not mode.compiled:
+                self.parallel.check_gradient(module)
             units = self.units.get(name, -1)
             tensors = loggable_leaves(output)
             if not tensors:
                 return None
             pieces = self._pieces(module, tensors, units, mode)
+            if self.numerics is not None and not mode.compiled:  # (outputs recorded or not)
+                self.numerics.see(pieces[0][0].device.type)
             with torch.no_grad():
                 if name in self.feature_maps and name not in self._mapped:
                     self._add_feature_map(mode, name, [t for t, _ in pieces])
@@ -92,13 +99,23 @@ class ActivationRecorder:
                     for t, split in pieces:
                         named = mode.record(self._output, name, t, units, split, self._numeric_output)
                         self._remember(mode, t, named)
-                    if self.numerics is not None and not mode.compiled:
-                        self.numerics.see(pieces[0][0].device.type)
+                    if self._casts is not None and isinstance(module, nn.Linear):
+                        self._fp8_casts(mode, name, module, args)
             if counted.gradients and self.gradients is not None:
                 return self.gradients.watch(mode, name, output, tensors, [split for _, split in pieces])
         except Exception as error:  # the logger must never stop training
             self.buffer.fail(name, error)
         return None
+
+    def _fp8_casts(self, mode: Mode, name: str, module: nn.Linear, args: object) -> None:
+        """What fp8 training casts of a Linear at this call: its input and its weight (whole
+        tensors; not of a tensor-parallel piece or a sharded weight)."""
+        assert self._casts is not None
+        x = args[0] if isinstance(args, tuple) and args else None
+        (inputs, weights) = self._casts
+        for kind, key, t in ((inputs, name, x), (weights, f"{name}.weight", module.weight)):
+            if type(t) in (Tensor, nn.Parameter) and loggable(t):
+                mode.measure(kind, key, t.detach())  # type: ignore[union-attr]
 
     def on_input(self, name: str, inputs: object, training: bool) -> None:
         """Forward pre-hook body: the inputs' non-finite count (to tell where NaN/Inf start),

@@ -29,7 +29,6 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .._compat import function_mode_on_top
-from ..errors import HookLoggerError
 from ..stats.attention import attention_statistics, mha_arguments, sdpa_arguments
 from ..stats.packing import Record
 from ..stats.recipe import Source
@@ -61,10 +60,7 @@ class AttentionRecorder:
             self._names.setdefault(module, name or ROOT_NAME)
         self._covered: frozenset[str] | None = None  # None: every module
         if selectors is not True:
-            try:
-                self._covered = frozenset(select_modules(model, selectors))  # type: ignore[arg-type]
-            except HookLoggerError as error:
-                raise HookLoggerError(f"attention= (True, or the same selectors as modules=): {error}") from None
+            self._covered = frozenset(select_modules(model, selectors, "attention"))  # type: ignore[arg-type]
         self._mode = _Capture(self)
         self._passes = PassFilter(eval_passes=eval_passes)
         self._depth = 0  # nested calls of the model inside the forward pass that entered the mode

@@ -15,7 +15,16 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .._compat import at_end_of_backward, foreach_copy, foreach_div, foreach_sub_, grad_scale, step_closure
+from .._compat import (
+    at_end_of_backward,
+    foreach_copy,
+    foreach_div,
+    foreach_sub_,
+    grad_scale,
+    loss_scale,
+    step_closure,
+    unscaled,
+)
 from ..stats.binning import Sample
 from ..stats.packing import Record
 from ..stats.recipe import Source
@@ -59,9 +68,11 @@ class ParameterRecorder:
         if not at_end_of_backward(self._read_ready):  # not run by the autograd engine: read it now
             self._read_ready()
 
-    def read(self, named: Named, scale: Tensor | None = None) -> None:
+    def read(self, named: Named, scale: Tensor | None = None, unscaled: Tensor | None = None) -> None:
         """Record gradient norms (and histograms) of parameters whose ``.grad`` is final; divided
         on the device by ``scale``, the loss scale still in ``.grad`` (see ``_compat.grad_scale``).
+        ``unscaled``: the loss scale ``GradScaler.unscale_`` divided them by, which ``numerics=``
+        multiplies back (the formats judge a gradient as backward made it).
         Of a ``DTensor`` gradient, this rank's piece, combined with the others' at the end of the
         step (``topology/sharding.py``)."""
         buffer = self.buffer
@@ -87,22 +98,35 @@ class ParameterRecorder:
                 dense = {key for key, p in named if p.grad is not None and p.grad.layout == torch.strided}
                 for key, grad, norm, split in zip(keys, grads, found, splits):
                     record = Record(self._kind, key, grad.numel(), (norm,), split=split)
-                    self._graded[key] = (record, samples.get(key), self._numeric(key, grad, split, scale, dense))
+                    numeric = self._numeric(key, grad, split, scale, dense, unscaled)
+                    self._graded[key] = (record, samples.get(key), numeric)
         except Exception as error:
             buffer.fail(named[0][0] if len(named) == 1 else Part.PARAMETERS, error)
             buffer.disabled.update(key for key, _ in named)
 
     def _numeric(
-        self, key: str, grad: Tensor, split: Split | None, scale: Tensor | None, dense: set[str]
+        self,
+        key: str,
+        grad: Tensor,
+        split: Split | None,
+        scale: Tensor | None,
+        dense: set[str],
+        unscaled: Tensor | None,
     ) -> Record | None:
-        """``numerics=``'s record of a gradient; none of a sparse one, nor of one a fused
-        optimizer still holds scaled (its norm is unscaled on the device, these would not be),
-        nor of a sharded parameter's piece."""
+        """``numerics=``'s record of a gradient, at the loss scale backward made it at (an
+        ``unscale_`` divided it: multiplied back for the counts, its magnitudes divided again on
+        the device); none of a sparse one, nor of one a fused optimizer still holds scaled (its
+        norm is unscaled on the device, these would not be), nor of a sharded parameter's piece."""
         kind = self._numerics
         if kind is None or scale is not None or split is not None or key not in dense:
             return None
-        values = kind.values(self.buffer.kernels.compute((kind,), grad, -1))
-        return Record(kind, key, grad.numel(), values, split=split)
+        compute = self.buffer.kernels.compute
+        if unscaled is None:
+            return Record(kind, key, grad.numel(), kind.values(compute((kind,), grad, -1)), split=split)
+        factor = unscaled.to(grad.device).reshape(())
+        named = dict(compute((kind,), grad * factor, -1))
+        named["amax"], named["ref"] = named["amax"] / factor, named["ref"] / factor  # (sums are relative to ref)
+        return Record(kind, key, grad.numel(), kind.values(named), split=split)
 
     def weights(self, params: Callable[[], Named]) -> None:
         """Histograms of the weights whose gradients this step recorded, as they are at the end
@@ -228,10 +252,14 @@ class OptimizerHooks:
     replaced the optimizer given), and one no optimizer steps is not read. The weights are
     copied before the step to measure the update."""
 
-    __slots__ = ("_params", "_stepped", "_stepping", "parameters", "watched")
+    __slots__ = ("_params", "_scaler", "_stepped", "_stepping", "parameters", "watched")
 
-    def __init__(self, parameters: ParameterRecorder, watched: Watched) -> None:
-        self.parameters, self.watched = parameters, watched
+    def __init__(
+        self, parameters: ParameterRecorder, watched: Watched, scaler: torch.amp.GradScaler | None = None
+    ) -> None:
+        """``scaler``: the run's ``GradScaler``, whose ``unscale_`` ran before its ``step()`` called
+        the optimizer."""
+        self.parameters, self.watched, self._scaler = parameters, watched, scaler
         # This logged step's watched parameters by id, looked up at its first optimizer step
         # (so parameters replaced just before it are read); None until then and between logged steps.
         self._params: dict[int, tuple[str, Tensor]] | None = None
@@ -253,7 +281,7 @@ class OptimizerHooks:
             # LBFGS & co. compute gradients inside step(), by calling the closure: read them after it.
             closure = step_closure(args, kwargs)
             if closure is None:
-                self._read(named, grad_scale(optimizer))
+                self._read(named, grad_scale(optimizer), self._unscaled(optimizer))
             self._stepping[id(optimizer)] = (named, closure is not None)
             self.parameters.before_update([(key, p) for key, p in named if p.requires_grad])
         except Exception as error:  # the logger must never stop training
@@ -266,13 +294,22 @@ class OptimizerHooks:
         try:
             named, read_after = stepping
             if read_after:
-                self._read(named, None)
+                self._read(named, None, self._unscaled(optimizer))
             self.parameters.after_update()
         except Exception as error:
             self.parameters.buffer.fail(Part.PARAMETERS, error)
 
-    def _read(self, named: Named, scale: Tensor | None) -> None:
-        self.parameters.read(named, scale=scale)
+    def _unscaled(self, optimizer: Optimizer) -> Tensor | None:
+        """The loss scale the run's ``GradScaler`` divided ``optimizer``'s gradients by
+        (``unscale_``, which its ``step()`` calls before the optimizer's), on its device; ``None``
+        where it did not."""
+        scaler = self._scaler
+        if scaler is None or not scaler.is_enabled() or not unscaled(scaler, optimizer):
+            return None
+        return loss_scale(scaler)
+
+    def _read(self, named: Named, scale: Tensor | None, unscaled: Tensor | None) -> None:
+        self.parameters.read(named, scale=scale, unscaled=unscaled)
         self._stepped.update(key for key, _ in named)
 
     def unstepped(self) -> list[str]:

@@ -76,12 +76,12 @@ class Recording:
             AttentionRecorder(
                 self.buffer, model, config.attention, eval_passes=config.eval_passes, parallel=self.parallel
             )
-            if config.attention is not False
+            if config.attention is not False and config.attention is not None
             else None
         )
         #: With ``optimizer=``, parameters are read when an optimizer steps them; else during backward.
         wanted = config.optimizer is not None and config.parameters
-        self.optimizer_hooks = OptimizerHooks(self.parameters, watched) if wanted else None
+        self.optimizer_hooks = OptimizerHooks(self.parameters, watched, config.scaler) if wanted else None
         self.handles = Handles()  # live until release()
         self._step_handles = Handles()  # live during one logged step
         self._unstepped_warned = self._eval_warned = False

@@ -39,8 +39,11 @@ def default_selection(name: str, module: nn.Module) -> bool:
     return not children and (parametrized or next(module.parameters(recurse=False), None) is not None)
 
 
-def select_modules(model: nn.Module, selectors: Selector | Sequence[Selector] | None) -> dict[str, nn.Module]:
-    """Resolve ``selectors`` against ``model`` into ``{display name: module}`` in model order.
+def select_modules(
+    model: nn.Module, selectors: Selector | Sequence[Selector] | None, option: str = "modules"
+) -> dict[str, nn.Module]:
+    """Resolve ``selectors`` against ``model`` into ``{display name: module}`` in model order;
+    ``option``: the ``HookLogger`` option they were given as, which errors name.
 
     >>> select_modules(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), "0")
     {'0': Linear(in_features=2, out_features=2, bias=True)}
@@ -52,7 +55,7 @@ def select_modules(model: nn.Module, selectors: Selector | Sequence[Selector] | 
     else:
         rules = list(selectors)
     for rule in rules:
-        _check_rule(rule)
+        _check_rule(rule, option)
 
     named = named_modules(model)
     matched: set[int] = set()
@@ -63,10 +66,10 @@ def select_modules(model: nn.Module, selectors: Selector | Sequence[Selector] | 
             unmatched.append(rule)
         matched |= hits
     if unmatched:
-        raise HookLoggerError(_unmatched_message(unmatched, [name for name, _, _ in named]))
+        raise HookLoggerError(_unmatched_message(unmatched, [name for name, _, _ in named], option))
     if not matched:
         raise HookLoggerError(
-            "modules= selected no module of the model; pass names from "
+            f"{option}= selected no module of the model; pass names from "
             "model.named_modules(), glob patterns, modules of the model, nn.Module subclasses or predicates"
             + ("" if selectors is not None else " (the default picks leaf modules that own parameters)")
         )
@@ -76,7 +79,7 @@ def select_modules(model: nn.Module, selectors: Selector | Sequence[Selector] | 
         display = name or ROOT_NAME
         if display in selected and selected[display][0] != name:
             raise HookLoggerError(
-                f"modules= selects both the model itself (shown as {ROOT_NAME!r}) and its submodule named "
+                f"{option}= selects both the model itself (shown as {ROOT_NAME!r}) and its submodule named "
                 f"{ROOT_NAME!r}, whose tags would be the same; select only one of them"
             )
         selected[display] = (name, module)
@@ -100,7 +103,7 @@ def _is_predicate(rule: Selector) -> bool:
     return not isinstance(rule, (str, type, nn.Module))
 
 
-def _check_rule(rule: object) -> None:
+def _check_rule(rule: object, option: str) -> None:
     if isinstance(rule, (str, nn.Module)):
         return
     if isinstance(rule, type):
@@ -109,7 +112,7 @@ def _check_rule(rule: object) -> None:
     elif callable(rule):
         return
     raise HookLoggerError(
-        f"modules= got {rule!r}; each selector must be a module name or glob pattern (str), "
+        f"{option}= got {rule!r}; each selector must be a module name or glob pattern (str), "
         "a module of the model, an nn.Module subclass, or a predicate (name, module) -> bool"
     )
 
@@ -136,8 +139,8 @@ def _hits(rule: Selector, named: list[tuple[str, str, nn.Module]]) -> set[int]:
     return {i for i, (name, _, module) in enumerate(named) if rule(name, module)}
 
 
-def _unmatched_message(unmatched: list[Selector], names: list[str]) -> str:
-    lines = ["modules= has selectors that match no module of the model:"]
+def _unmatched_message(unmatched: list[Selector], names: list[str], option: str) -> str:
+    lines = [f"{option}= has selectors that match no module of the model:"]
     for rule in unmatched:
         if isinstance(rule, str):
             close = difflib.get_close_matches(rule, [n for n in dict.fromkeys(names) if n], n=5, cutoff=0.5)

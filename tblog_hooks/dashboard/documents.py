@@ -105,8 +105,9 @@ def value_table(
     """The ``heads`` or ``numerics`` document: the value table (:data:`TABLE_AXES`) of one logged
     ``step`` (the latest without one) and every step the run holds it at. ``heads``: ``values[module]
     [head]`` is ``[max_logit, entropy]`` (NaN past the last head of a module with fewer heads than
-    the widest); ``numerics``: ``values[root][module][format]`` is ``[underflow, overflow, subnormal]``
-    (``None`` where there is no value: a root the module has none of, fp8's subnormals)."""
+    the widest); ``numerics``: ``values[root][module][format]`` is ``[underflow, overflow,
+    subnormal, floor]`` (``None`` where there is no value: a root the module has none of, fp8's
+    subnormals and floor)."""
     axis = _MODULE_AXIS[table]
     steps = [s for s, (names, values) in by_step.items() if values.ndim > axis and len(names) == values.shape[axis]]
     if step is None and steps:

@@ -8,6 +8,7 @@ logger also the head.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -24,9 +25,17 @@ PICTURES = {
 }
 
 
+#: The smallest baseline a layer's logit magnitude is compared with: below it attention is soft
+#: (a logit of 1 weighs a key e times another of 0), and logits that start near 0.05 grow tenfold
+#: as training begins without any instability.
+SOFT_LOGIT = 1.0
+
+
 class AttentionRules:
-    """``attention_logit_growth`` and ``attention_entropy_collapse``; keeps the latest
-    ``growth_window`` max logits of each module (of steps without the finding)."""
+    """``attention_logit_growth`` and ``attention_entropy_collapse``, judged by each layer's course:
+    the magnitude of its largest logit against the lowest it had over its latest ``growth_window``
+    logged steps without the logit finding (a softmax does not see the logits' sign or offset, only
+    their spread, so ``|max logit|``); an entropy is a collapse only where those logits grew."""
 
     def __init__(self, thresholds: Thresholds) -> None:
         self.thresholds = thresholds
@@ -41,19 +50,22 @@ class AttentionRules:
         if not peaks:
             return set(), {}
         found: Candidates = {}
+        growth: dict[str, float] = {}  # |max logit| over the layer's baseline (NaN before its first step)
         for m, peak in peaks.items():
             history = self._history.setdefault(m, Trailing(t.growth_window))
-            typical = history.median()
-            where = _head(heads.get(m), 0, np.argmax)
+            size = abs(peak)
+            base = max(history.lowest(), SOFT_LOGIT)  # (NaN stays NaN: nothing to compare with yet)
+            growth[m] = size / base
+            where = _head(heads.get(m), 0, lambda p: np.argmax(np.abs(p)))
             reason = None
-            if peak > t.attention_logit:
-                reason = f"above {t.attention_logit:g}, where attention is effectively one-hot"
-            elif peak > t.attention_floor and typical > 0 and peak > t.attention_growth * typical:
-                reason = f"{peak / typical:.3g} times the median of its recent logged steps ({typical:.3g})"
+            if size > t.attention_logit:
+                reason = f"above {t.attention_logit:g}"
+            elif size > t.attention_floor and growth[m] >= t.attention_growth:
+                reason = f"{growth[m]:.3g} times the lowest of its recent logged steps ({base:.3g})"
             if reason is None:
-                history.add(peak)
+                history.add(size)
                 continue
-            message = f"the largest attention logit of {m}{where} is {peak:.3g}, {reason}"
+            message = f"the largest attention logit of {m}{where} is {peak:.3g}: its magnitude is {reason}"
             found[(LOGIT_GROWTH, m)] = (Finding(LOGIT_GROWTH, m, step, peak, message), False)
         for m, mean in by_name(scalars, Root.ATTENTION, Stat.ENTROPY).items():
             lowest, where = mean, ""
@@ -61,10 +73,12 @@ class AttentionRules:
             if per_head is not None and np.isfinite(per_head[1]).any():
                 lowest = float(np.nanmin(per_head[1]))
                 where = _head(per_head, 1, np.nanargmin)
-            if lowest < t.attention_entropy:
+            grown = growth.get(m, math.nan)
+            if lowest < t.attention_entropy and grown >= t.attention_growth:
                 message = (
                     f"the attention of {m}{where} has a mean entropy of {lowest:.3g} nats (below "
-                    f"{t.attention_entropy:g}): each query attends to about one key"
+                    f"{t.attention_entropy:g}) with logits {grown:.3g} times the magnitude of its recent "
+                    "logged steps: each query attends to about one key, and the softmax passes almost no gradient"
                 )
                 found[(ENTROPY_COLLAPSE, m)] = (Finding(ENTROPY_COLLAPSE, m, step, lowest, message), False)
         return {LOGIT_GROWTH, ENTROPY_COLLAPSE}, found

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from ..errors import HookLoggerError
+from ..keywords import keywords
 
 
 class FindingKind(enum.StrEnum):
@@ -52,17 +53,27 @@ LOG_WORST, TABLE_ROWS = 3, 20
 log = logging.getLogger("tblog_hooks.health")
 
 
+@keywords(
+    fp16_underflow=FindingKind.FP16_GRADIENT_UNDERFLOW.value,
+    massive_value=FindingKind.MASSIVE_ACTIVATION.value,
+    skipped_steps=FindingKind.AMP_SKIPPED_STEPS.value,
+)
 @dataclass(frozen=True)
 class Thresholds:
     """When a finding starts. A rule is switched off by a value that is never crossed:
     ``vanishing_ratio=0``, ``math.inf`` for the others (``zero_steps`` is no rule of its own).
 
     Each field below is a keyword with a default; values are Python or NumPy numbers (not
-    bools), and counts of logged steps are whole numbers.
+    bools), and counts (of logged steps, not optimizer steps) are whole numbers. A field is named
+    as the finding kind it tunes (``amp_skipped_steps``, ``fp16_gradient_underflow``,
+    ``massive_activation``, ...) or starts with the kind's first word (``vanishing_ratio``,
+    ``dead_fraction``, ``attention_entropy``); ``growth_window`` and ``zero_steps`` serve several
+    rules. The old names ``fp16_underflow``, ``massive_value`` and ``skipped_steps`` still work
+    for this release, with a ``DeprecationWarning``.
 
     Raises:
-        HookLoggerError: a field that is not such a number or is out of its range; the message
-            names the field, the value and what is valid.
+        HookLoggerError: a field that is not such a number or is out of its range, or an unknown
+            keyword; the message names the field, the value and what is valid.
     """
 
     #: ``vanishing_gradient``: every output-gradient norm from the input up to a module (in
@@ -77,7 +88,7 @@ class Thresholds:
     #: ... or above this absolute value (off by default: norms scale with the loss reduction,
     #: batch and layer sizes, so no one number suits every model).
     exploding_norm: float = math.inf
-    #: Earlier logged steps (the latest ones without the finding) the growth rules of
+    #: Earlier logged steps (not optimizer steps: the latest ones without the finding) the growth rules of
     #: ``exploding_gradient`` and ``attention_logit_growth`` compare with: a bounded window keeps
     #: the cost of a step constant.
     growth_window: int = 64
@@ -89,30 +100,36 @@ class Thresholds:
     #: what zero-initialised layers show before their first update: it must last this many logged steps.
     zero_steps: int = 3
     #: ``amp_skipped_steps``: the ``GradScaler`` skipped this many logged steps in a row.
-    skipped_steps: float = 20
-    #: ``attention_logit_growth``: with ``attention=``, a module's max attention logit is above this
-    #: (a key whose logit is 30 above the others takes all the weight among 1e12 keys) ...
-    attention_logit: float = 30.0
-    #: ... or above this multiple of the median of its latest ``growth_window`` logged steps without
-    #: the finding, and above ``attention_floor`` ...
-    attention_growth: float = 100.0
+    amp_skipped_steps: float = 20
+    #: ``attention_logit_growth``: with ``attention=``, if you set it, the magnitude of a module's
+    #: max attention logit is above this (off by default: qk-layernorm runs that learn let their
+    #: logits creep to 30-40, some pretrained LLMs run with more) ...
+    attention_logit: float = math.inf
+    #: ... or at least this multiple of the lowest magnitude it had over its latest ``growth_window``
+    #: logged steps without the finding (that lowest taken as 1 where smaller), and above
+    #: ``attention_floor`` ...
+    attention_growth: float = 20.0
     #: ... below which a max logit is never called growth: max logits start near 0.1 and grow
     #: tenfold as training begins, while attention stays soft.
     attention_floor: float = 10.0
     #: ``attention_entropy_collapse``: a module's (in the live logger: a head's) mean attention entropy is below
-    #: this many nats (``exp(0.3)``: each query spreads its attention over about 1.35 keys).
+    #: this many nats (``exp(0.3)``: each query spreads its attention over about 1.35 keys) while its
+    #: logits have grown ``attention_growth``-fold (a head that learned to copy with logits of the
+    #: size it started with is not a collapse).
     attention_entropy: float = 0.3
     #: ``fp16_gradient_underflow``: with fp16 written by ``numerics=``, this fraction of a module's
-    #: output gradient is lost to zero in fp16 at the step's loss scale.
-    fp16_underflow: float = 0.01
-    #: ``fp8_underflow``: with e4m3 or e5m2 written, this fraction of a module's output (e4m3) or
-    #: output gradient (e5m2) is lost to zero after per-tensor scaling to its max |x| ...
+    #: output gradient is lost to zero in fp16 at the step's loss scale (counted where a cast makes
+    #: it zero; estimated from the share at fp16's smallest subnormal where it is fp16 already).
+    fp16_gradient_underflow: float = 0.01
+    #: ``fp8_underflow``: with e4m3 or e5m2 written, this fraction of what fp8 training casts of a
+    #: watched Linear, its input or weight (e4m3) or its output gradient (e5m2), is lost to zero
+    #: after per-tensor scaling to its max |x| ...
     fp8_underflow: float = 0.01
     #: ... ``fp8_overflow``: more than this fraction becomes NaN/Inf in that cast.
     fp8_overflow: float = 0.0
     #: ``massive_activation``: with ``numerics=``, a module's max |output| is above this (Sun et
     #: al. 2024's 100) ...
-    massive_value: float = 100.0
+    massive_activation: float = 100.0
     #: ... and above this multiple of the median |output| of the same tensor (their ~1,000).
     massive_ratio: float = 1000.0
 
@@ -125,15 +142,15 @@ class Thresholds:
             "growth_window": (1.0, math.inf, True, False, True, "a whole number of logged steps, at least 1"),
             "dead_fraction": (0.0, math.inf, False, True, False, "a fraction in (0, 1] (above 1: off)"),
             "zero_steps": (1.0, math.inf, True, False, True, "a whole number of logged steps, at least 1"),
-            "skipped_steps": (1.0, math.inf, True, True, True, "a whole number of logged steps, at least 1 (inf: off)"),
+            "amp_skipped_steps": (1.0, math.inf, True, True, True, "a whole number of logged steps >= 1 (inf: off)"),
             "attention_logit": (0.0, math.inf, False, True, False, "a positive number (inf: off)"),
             "attention_growth": (1.0, math.inf, False, True, False, "a number above 1 (inf: off)"),
             "attention_floor": (0.0, math.inf, True, False, False, "a finite number >= 0"),
             "attention_entropy": (0.0, math.inf, True, False, False, "a number of nats >= 0 (0: off)"),
-            "fp16_underflow": (0.0, math.inf, False, True, False, "a fraction in (0, 1] (above 1: off)"),
+            "fp16_gradient_underflow": (0.0, math.inf, False, True, False, "a fraction in (0, 1] (above 1: off)"),
             "fp8_underflow": (0.0, math.inf, False, True, False, "a fraction in (0, 1] (above 1: off)"),
             "fp8_overflow": (0.0, math.inf, True, True, False, "a fraction >= 0 (1 or more: off)"),
-            "massive_value": (0.0, math.inf, True, True, False, "a number >= 0 (inf: off)"),
+            "massive_activation": (0.0, math.inf, True, True, False, "a number >= 0 (inf: off)"),
             "massive_ratio": (1.0, math.inf, True, True, False, "a number >= 1 (inf: off)"),
         }  # fmt: skip
         check_fields(self, limits)
@@ -199,6 +216,10 @@ class Trailing:
     def median(self) -> float:
         """The median of the values kept; NaN before the first."""
         return statistics.median(self.values) if self.values else math.nan
+
+    def lowest(self) -> float:
+        """The smallest of the values kept; NaN before the first."""
+        return min(self.values) if self.values else math.nan
 
     def __len__(self) -> int:
         return len(self.values)

@@ -54,7 +54,7 @@ class GradientRules:
         if SKIPPED_TAG in scalars:
             judged.add(SKIPPING)
             self._skipped = self._skipped + 1 if skipped else 0
-            if self._skipped >= self.thresholds.skipped_steps:
+            if self._skipped >= self.thresholds.amp_skipped_steps:
                 scale = scalars.get(SCALE_TAG, math.nan)
                 message = (
                     f"the GradScaler skipped the last {self._skipped} logged steps (inf/NaN gradients at every "

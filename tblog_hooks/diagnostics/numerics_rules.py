@@ -30,8 +30,13 @@ PICTURE_TAGS = {
 FP16_MAX = SPECS["fp16"].max
 #: The formats of the picture's columns, in order.
 FORMATS = NAMES
-#: What fp8 training casts to which format: e4m3 forward (activations), e5m2 backward (gradients).
-FP8 = ((Root.ACTIVATION, "e4m3"), (Root.GRADIENT, "e5m2"))
+#: What fp8 training (torchao, Transformer Engine) casts of each Linear, to which format, and how
+#: the tensor is named: its input and weight to e4m3 (forward), its output gradient to e5m2 (backward).
+FP8 = (
+    ("input", Root.INPUT, "e4m3", ""),
+    ("weight", Root.PARAM, "e4m3", ".weight"),
+    ("output gradient", Root.GRADIENT, "e5m2", ""),
+)
 
 
 class NumericsRules:
@@ -54,20 +59,20 @@ class NumericsRules:
         if underflow:
             judged.add(FP16_UNDERFLOW)
             found.update(self._fp16(step, scalars, order, underflow))
-        fp8 = [(root, fmt) for root, fmt in FP8 if by_name(scalars, root, per_format(Lost.UNDERFLOW, fmt))]
-        if fp8:
+        casting = by_name(scalars, Root.INPUT, per_format(Lost.UNDERFLOW, "e4m3"))  # the Linears
+        if casting:
             judged |= {FP8_UNDERFLOW, FP8_OVERFLOW}
-            found.update(self._fp8(step, scalars, order, fp8))
+            found.update(self._fp8(step, scalars, [m for m in order if m in casting]))
         return judged, found
 
     def _massive(self, step: int, scalars: Mapping[str, float], amax: Mapping[str, float]) -> Candidates:
-        """Activations whose max |x| is above ``massive_value`` and ``massive_ratio`` times their
+        """Activations whose max |x| is above ``massive_activation`` and ``massive_ratio`` times their
         median |x|; not of a mostly-zero output (median 0: a ReLU's), whose ratio means nothing."""
         t = self.thresholds
         found: Candidates = {}
         for m, peak in amax.items():
             median = scalars.get(tag(Root.ACTIVATION, Stat.MEDIAN_ABS, m), math.nan)
-            if not (median > 0 and peak > t.massive_value and peak > t.massive_ratio * median):
+            if not (median > 0 and peak > t.massive_activation and peak > t.massive_ratio * median):
                 continue
             channel = scalars.get(tag(Root.ACTIVATION, Stat.AMAX_CHANNEL, m))
             where = "" if channel is None else f" in channel {channel:.0f}"
@@ -85,68 +90,97 @@ class NumericsRules:
     def _fp16(
         self, step: int, scalars: Mapping[str, float], order: Sequence[str], underflow: Mapping[str, float]
     ) -> Candidates:
-        """Modules whose output gradients lose at least ``fp16_underflow`` of their elements to
-        zero in fp16 at the step's loss scale. A gradient computed in fp16 (under autocast) has
-        lost them already, so its zeros count as lost where the rest of it reaches fp16's
-        subnormal range (or it is all zero)."""
-        lost: dict[str, float] = {}
+        """Modules whose output gradients lose at least ``fp16_gradient_underflow`` of their elements to
+        zero in fp16 at the step's loss scale. Counted: the elements the cast makes zero that were
+        not (``gradient/underflow_fp16``); zeros already there (a ReLU's, a zero-initialised
+        branch's) are not losses. Where the cast makes none zero, as of a gradient computed in fp16
+        under autocast (it has lost them already), estimated: the share the cast leaves at fp16's
+        smallest subnormal (``gradient/floor_fp16``), the last step above zero, whose density is
+        about that of what went below it while most of the gradient lies above; a gradient all
+        zero, all of it, as exactly-zero evidence (a zero-initialised branch's waits ``zero_steps``)."""
+        lost: dict[str, tuple[float, bool]] = {}  # the fraction, and whether it is estimated
         for m in order:
             if m not in underflow:
                 continue
-            zeros = scalars.get(tag(Root.GRADIENT, Stat.ZERO_FRAC, m), 0.0)
-            subnormal = scalars.get(tag(Root.GRADIENT, per_format(Lost.SUBNORMAL, "fp16"), m), 0.0)
-            at_floor = subnormal > 0 or scalars.get(tag(Root.GRADIENT, Stat.AMAX, m)) == 0
-            fraction = max(underflow[m], zeros if at_floor else 0.0)
-            if fraction >= self.thresholds.fp16_underflow:
-                lost[m] = fraction
+            floor = scalars.get(tag(Root.GRADIENT, per_format(Lost.FLOOR, "fp16"), m), 0.0)
+            fraction, estimated = (underflow[m], False) if underflow[m] > 0 else (floor, True)
+            if scalars.get(tag(Root.GRADIENT, Stat.AMAX, m)) == 0:
+                fraction = 1.0
+            if fraction >= self.thresholds.fp16_gradient_underflow:
+                lost[m] = (fraction, estimated)
         if not lost:
             return {}
-        worst = max(lost, key=lost.__getitem__)
+        worst = max(lost, key=lambda m: lost[m][0])
         scale = scalars.get(SCALE_TAG, 1.0)
-        peaks = [v for v in by_name(scalars, Root.GRADIENT, Stat.AMAX).values() if math.isfinite(v) and v > 0]
-        if peaks:
-            largest = max(peaks)
-            power = math.floor(math.log2(FP16_MAX / largest))
-            advice = (
-                f"use a loss scale up to 2^{power} = {2.0**power:.4g} (fp16's max {FP16_MAX:g} over the step's "
-                f"largest output gradient, {largest:.3g}), or train in bf16"
-            )
-        else:
-            advice = "raise the loss scale, or train in bf16"
+        advice = _loss_scale_advice(scalars)
         found: Candidates = {}
-        for m, fraction in lost.items():
-            most = "" if m == worst else f" (the most: {worst}, {lost[worst]:.1%})"
-            what = f"of the gradient w.r.t. the output of {m} is lost to zero in fp16 at loss scale {scale:g}"
-            _add(found, Finding(FP16_UNDERFLOW, m, step, fraction, f"{fraction:.1%} {what}{most}: {advice}"))
+        for m, (fraction, estimated) in lost.items():
+            most = "" if m == worst else f" (the most: {worst}, {lost[worst][0]:.1%})"
+            zeros = scalars.get(tag(Root.GRADIENT, Stat.ZERO_FRAC, m), math.nan)
+            if zeros == 1:
+                what = (
+                    f"of the gradient w.r.t. the output of {m} is zero at loss scale {scale:g}: underflowed "
+                    "in fp16 (or its branch passes no gradient yet)"
+                )
+            elif estimated:
+                what = (
+                    f"of the gradient w.r.t. the output of {m} is at fp16's smallest subnormal at loss scale "
+                    f"{scale:g} and {zeros:.1%} of it is zero: computed in fp16, it has lost about as much below "
+                    "that (estimated, not counted)"
+                )
+            else:
+                what = f"of the gradient w.r.t. the output of {m} is lost to zero in fp16 at loss scale {scale:g}"
+            finding = Finding(FP16_UNDERFLOW, m, step, fraction, f"{fraction:.1%} {what}{most}: {advice}")
+            found[(FP16_UNDERFLOW, m)] = (finding, zeros == 1)
         return found
 
-    def _fp8(
-        self, step: int, scalars: Mapping[str, float], order: Sequence[str], formats: Sequence[tuple[str, str]]
-    ) -> Candidates:
-        """Modules whose e4m3 activations or e5m2 output gradients, scaled per tensor by
-        ``max_F / amax``, lose at least ``fp8_underflow`` to zero or more than ``fp8_overflow`` to NaN/Inf."""
+    def _fp8(self, step: int, scalars: Mapping[str, float], linears: Sequence[str]) -> Candidates:
+        """Linears whose input, weight (e4m3) or output gradient (e5m2), scaled per tensor by
+        ``max_F / amax``, lose at least ``fp8_underflow`` to zero or more than ``fp8_overflow`` to
+        NaN/Inf: the module named is the one that casts them."""
         t = self.thresholds
         found: Candidates = {}
         for kind, lost, limit, what in (
             (FP8_UNDERFLOW, Lost.UNDERFLOW, t.fp8_underflow, "lost to zero"),
             (FP8_OVERFLOW, Lost.OVERFLOW, t.fp8_overflow, "NaN/Inf"),
         ):
-            for m in order:
-                worst = max(
-                    ((scalars.get(tag(root, per_format(lost, fmt), m), 0.0), root, fmt) for root, fmt in formats),
-                    key=lambda item: item[0],
+            for m in linears:
+                fraction, tensor, fmt = max(
+                    (scalars.get(tag(root, per_format(lost, fmt), m + suffix), 0.0), tensor, fmt)
+                    for tensor, root, fmt, suffix in FP8
                 )
-                fraction, root, fmt = worst
                 crossed = fraction >= limit if kind == FP8_UNDERFLOW else fraction > limit
                 if not crossed or not fraction > 0:
                     continue
-                tensor = "output" if root == Root.ACTIVATION else "output gradient"
                 message = (
-                    f"{fraction:.1%} of the {tensor} of {m} is {what} in {fmt} scaled per tensor to its max |x|: "
-                    "keep this layer in higher precision (or find what sets its max, see massive_activation)"
+                    f"{fraction:.1%} of the {tensor} of {m} is {what} in {fmt} scaled per tensor to its max |x|, "
+                    f"as fp8 training casts it in {m}: keep {m} in higher precision (torchao's module_filter_fn), "
+                    "or find what sets its max (see massive_activation)"
                 )
                 _add(found, Finding(kind, m, step, fraction, message))
         return found
+
+
+def _loss_scale_advice(scalars: Mapping[str, float]) -> str:
+    """The loss scale that keeps every gradient the scaler multiplies finite in fp16: of the
+    step's largest (unscaled) output or parameter gradient (a bias's gradient sums the output
+    gradient over the batch, and can be far larger), with one power of two of headroom for
+    gradients that grow over the next steps."""
+    peaks = {
+        name: v
+        for root in (Root.GRADIENT, Root.PARAM_GRAD)
+        for name, v in by_name(scalars, root, Stat.AMAX).items()
+        if math.isfinite(v) and v > 0
+    }
+    if not peaks:
+        return "raise the loss scale, or train in bf16"
+    largest = max(peaks, key=peaks.__getitem__)
+    power = math.floor(math.log2(FP16_MAX / peaks[largest])) - 1
+    return (
+        f"use a loss scale of 2^{power} = {2.0**power:.4g}, e.g. GradScaler(init_scale={2.0**power:.4g}) (half "
+        f"of fp16's max {FP16_MAX:g} over the step's largest gradient, {peaks[largest]:.3g} of {largest}), "
+        "or train in bf16"
+    )
 
 
 def _add(found: Candidates, finding: Finding) -> None:
@@ -180,8 +214,8 @@ def numerics_pictures(order: Sequence[str], every: Mapping[str, float]) -> dict[
 
 
 def numerics_tensors(order: Sequence[str], every: Mapping[str, float]) -> dict[str, np.ndarray]:
-    """The step's value table of the modules x formats pictures: float32 ``2 x modules x formats x 3``
-    (outputs then output gradients; per format the underflow, overflow and subnormal fractions; NaN
+    """The step's value table of the modules x formats pictures: float32 ``2 x modules x formats x 4``
+    (outputs then output gradients; per format the underflow, overflow, subnormal and floor fractions; NaN
     where a module has no value), rows the watched modules with any, in forward order, and their
     escaped names."""
     roots = tuple(PICTURES)

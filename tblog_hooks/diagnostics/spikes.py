@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import HookLoggerError
+from ..keywords import keywords
 from ..stats.tags import GRAD_NORM_TAG, LOSS_TAG, SAMPLES_TAG, Root, Stat, by_name, tag
 from .findings import Finding, FindingKind, Trailing, check_fields
 
@@ -38,24 +39,26 @@ _MAD_TO_STD = 1.4826
 _MIN_SPREAD = 0.01
 
 
+@keywords()
 @dataclass(frozen=True)
 class Spikes:
     """How ``HookLogger(spikes=...)`` watches every step's gradient norm and loss.
 
     The defaults were tuned on short healthy runs (see ``docs/spikes.md``). Each field is a
-    keyword with a default.
+    keyword with a default. Its counts are optimizer steps (``step()`` calls), as
+    ``HookLogger(every=)`` is, not logged steps: each series has one value per step.
 
     Raises:
         HookLoggerError: a field out of its range; the message names the field, the value and
             what is valid.
     """
 
-    #: Steps whose per-module norms are kept (host ring), compared with for attribution and
-    #: written as ``spike/grad_norm/{module}`` before a spike. Memory: this many floats per module.
+    #: Optimizer steps whose per-module norms are kept (host ring), compared with for attribution
+    #: and written as ``spike/grad_norm/{module}`` before a spike. Memory: this many floats per module.
     steps: int = 64
-    #: Trailing values of a series its median and MAD are taken over.
+    #: Optimizer steps (the trailing values of a series) its median and MAD are taken over.
     window: int = 128
-    #: Values of a series seen before it is judged (the first steps of a run are noisy).
+    #: Optimizer steps (values of a series) seen before it is judged (the first steps of a run are noisy).
     warmup: int = 20
     #: A spike is this many robust standard deviations (1.4826 MAD) above the median of the log values ...
     threshold: float = 6.0
@@ -67,7 +70,7 @@ class Spikes:
     #: deviations and, a stricter bar than ``grad_ratio`` (there are many modules), at least this
     #: many times above its own median (``inf``: not judged).
     module_ratio: float = 10.0
-    #: Steps after a spike logged in full (activations, output gradients, every histogram).
+    #: Optimizer steps after a spike logged in full (activations, output gradients, every histogram).
     after: int = 3
 
     def __post_init__(self) -> None:
@@ -75,21 +78,34 @@ class Spikes:
         check_fields(
             self,
             {  # name: (low, high, low allowed, high allowed, whole numbers only, what is valid)
-                "steps": (2, inf, True, False, True, "a whole number >= 2"),
-                "window": (3, inf, True, False, True, "a whole number >= 3"),
-                "warmup": (3, inf, True, False, True, "a whole number >= 3"),
+                "steps": (2, inf, True, False, True, "a whole number of optimizer steps >= 2"),
+                "window": (3, inf, True, False, True, "a whole number of optimizer steps >= 3"),
+                "warmup": (3, inf, True, False, True, "a whole number of optimizer steps >= 3"),
                 "threshold": (0, inf, False, False, False, "a finite number above 0"),
                 "grad_ratio": (1, inf, True, False, False, "a finite number >= 1"),
                 "loss_ratio": (1, inf, True, False, False, "a finite number >= 1"),
                 "module_ratio": (1, inf, True, True, False, "a number >= 1 (inf: off)"),
-                "after": (0, inf, True, False, True, "a whole number >= 0"),
+                "after": (0, inf, True, False, True, "a whole number of optimizer steps >= 0"),
             },
         )
         if self.warmup > self.window:
-            raise HookLoggerError(
-                f"Spikes(warmup={self.warmup}) is larger than window={self.window}: the detector judges a series "
-                "on its last `window` values, so warmup must be at most window"
-            )
+            raise HookLoggerError(_warmup_past_window(self.window, self.warmup))
+
+
+def _warmup_past_window(window: int, warmup: int) -> str:
+    """The message for ``warmup > window``: it leads with the one the user gave (a value other
+    than its default) and calls the other the default it is."""
+    why = "a series is judged once `warmup` values were seen, on its last `window` values"
+    if warmup == Spikes.warmup:  # (class attributes: the defaults)
+        return (
+            f"Spikes(window={window}) is smaller than the default warmup={warmup}: {why}; "
+            f"pass window >= {warmup}, or warmup <= {window} as well"
+        )
+    other = "the default " if window == Spikes.window else ""
+    return (
+        f"Spikes(warmup={warmup}) is larger than {other}window={window}: {why}; "
+        f"pass warmup <= {window}, or window >= {warmup} as well"
+    )
 
 
 def spikes_option(value: object) -> Spikes | None:
@@ -100,7 +116,7 @@ def spikes_option(value: object) -> Spikes | None:
         return Spikes()
     if value is False or value is None:
         return None
-    raise HookLoggerError(f"spikes must be True, False or a tblog_hooks.Spikes, got {value!r}")
+    raise HookLoggerError(f"spikes must be True, a tblog_hooks.Spikes, or False or None (off), got {value!r}")
 
 
 class Detector:

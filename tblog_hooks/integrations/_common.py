@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
 
 import torch
 
 from ..errors import HookLoggerError
 from ..logger import HookLogger
-from ..options import NAMES, unknown_options
+from ..options import NAMES, WatchOptions, check_names
 
+#: The options a framework callback takes: those of HookLogger but what the framework supplies.
+TAKEN = tuple(f.name for f in fields(WatchOptions))
 #: HookLogger options a framework callback takes from the framework itself.
-FROM_FRAMEWORK = ("writer", "log_dir", "optimizer", "scaler", "start_step")
+FROM_FRAMEWORK = tuple(name for name in NAMES if name not in TAKEN)
 
 
 def missing_framework(extra: str, error: ImportError) -> HookLoggerError:
@@ -22,17 +26,17 @@ def missing_framework(extra: str, error: ImportError) -> HookLoggerError:
     )
 
 
-def check_options(options: Mapping[str, object], framework: str) -> None:
-    """Reject options the framework supplies and names that are no ``HookLogger`` option."""
+def check_options(options: Mapping[str, Any], framework: str) -> None:
+    """Reject options the framework supplies, names that are no ``HookLogger`` option and bad
+    values (at construction, not when training starts)."""
     supplied = [key for key in options if key in FROM_FRAMEWORK]
     if supplied:
         raise HookLoggerError(
             f"{framework} supplies {', '.join(map(repr, supplied))} to the HookLogger (the writer of its TensorBoard "
             f"run, its optimizer, AMP scaler and step count); leave {'it' if len(supplied) == 1 else 'them'} out"
         )
-    unknown = [key for key in options if key not in NAMES]
-    if unknown:
-        raise HookLoggerError(unknown_options(unknown))
+    check_names(options, TAKEN, owner="HookLoggerCallback")
+    WatchOptions(**options)
 
 
 def grad_scaler(owner: object) -> torch.amp.GradScaler | None:

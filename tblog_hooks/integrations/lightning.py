@@ -14,6 +14,7 @@ from torch import Tensor
 from .._compat import event_file_writer, writer_closed
 from ..errors import HookLoggerError
 from ..logger import HookLogger
+from ..options import WatchOptions, callback_signature
 from ._common import advance, check_options, grad_scaler, missing_framework
 
 try:
@@ -41,14 +42,16 @@ class HookLoggerCallback(pl.Callback):
     would. Under ``fast_dev_run`` Lightning logs nothing, and neither does the callback.
 
     Args:
-        **options: ``HookLogger`` options (see :class:`~tblog_hooks.options.Options`) other than
-            those the Trainer supplies, e.g. ``modules=["encoder.*"]``, ``every=50``.
+        **options: ``HookLogger`` options other than those the Trainer supplies: the fields of
+            :class:`~tblog_hooks.options.WatchOptions` (the signature is made
+            from them), e.g. ``modules=["encoder.*"]``, ``every=50``.
 
     Raises:
         HookLoggerError: at construction, for an option the Trainer supplies or a name that is no
-            option; when training starts, for a Trainer with more than one optimizer.
+            option, or a bad value; when training starts, for a Trainer with more than one optimizer.
     """
 
+    @callback_signature(WatchOptions, every="trainer.log_every_n_steps")
     def __init__(self, **options: Any) -> None:
         check_options(options, "Lightning's Trainer")
         self.options = options

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from ..logger import HookLogger
+from ..options import WatchOptions, callback_signature
 from ._common import advance, check_options, grad_scaler, missing_framework
 
 try:
@@ -39,14 +40,16 @@ class HookLoggerCallback(TrainerCallback):
     next train begin or :meth:`close`).
 
     Args:
-        **options: ``HookLogger`` options (see :class:`~tblog_hooks.options.Options`) other than
-            those the Trainer supplies, e.g. ``modules=["*.attn"]``, ``every=50``.
+        **options: ``HookLogger`` options other than those the Trainer supplies: the fields of
+            :class:`~tblog_hooks.options.WatchOptions` (the signature is made
+            from them), e.g. ``modules=["*.attn"]``, ``every=50``.
 
     Raises:
         HookLoggerError: at construction, for an option the Trainer supplies or a name that is no
-            option.
+            option, or a bad value.
     """
 
+    @callback_signature(WatchOptions, every="args.logging_steps")
     def __init__(self, **options: Any) -> None:
         check_options(options, "the Hugging Face Trainer")
         self.options = options

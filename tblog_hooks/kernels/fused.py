@@ -55,23 +55,24 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 BLOCK, CHUNK, UNIT_CHUNK = (1 << 20, 1 << 14, 1 << 12) if INTERPRETED else (4096, 1024, 32)
 #: Units a first-pass tile spans at most (the rest of the tile is rows: elements of the same units).
 TILE_UNITS = 1 << 12 if INTERPRETED else 64
-# A partial's float fields, and its int32 counts (then 3 per unscaled format).
+# A partial's float fields, and its int32 counts (then 4 per unscaled format).
 _P_N, _P_SUM, _P_M2, _P_SQ, _P_MIN, _P_MAX, _P_AMAX, _P_REF, _P_S2, _P_S4 = range(10)
 _NF = 10
 _C_NAN, _C_NONZERO, _C_FINITE = range(3)
-_NC = 3 + 3 * len(_UNSCALED)
+_NC = 3 + 4 * len(_UNSCALED)  # (``numerics.names``: zero, finite, small, least; tests/test_kernels.py checks)
 
 
 @functools.cache
 def _constants(device: torch.device, dtype: torch.dtype) -> Tensor:
     """The boundaries the kernels compare with, in the accumulation dtype, as ``numerics.measure``
-    compares: the amax floor; per unscaled format its flush-to-zero bound, max and smallest
-    normal; per scaled format its max, flush bound and largest magnitude that stays finite (a
-    tie that rounds up to inf/NaN moved one step down, so every test is ``<=``)."""
+    compares: the amax floor; per unscaled format its flush-to-zero bound, max, smallest normal
+    and the bound below which a cast gives at most the least subnormal; per scaled format its
+    max, flush bound and largest magnitude that stays finite (a tie that rounds up to inf/NaN
+    moved one step down, so every test is ``<=``)."""
     np_dtype = np.float64 if dtype == torch.float64 else np.float32
     values: list[float] = [numerics.AMAX_FLOOR]
     for fmt in _UNSCALED:
-        values += [fmt.flushed, fmt.max, fmt.normal]
+        values += [fmt.flushed, fmt.max, fmt.normal, fmt.least]
     for fmt in _SCALED:
         bound, tie_stays = fmt.finite
         top = np_dtype(bound) if tie_stays else np.nextafter(np_dtype(bound), np_dtype(0))
@@ -153,10 +154,11 @@ def _partials(  # type: ignore[no-untyped-def]
     tl.store(counts + 2, tl.sum((valid & (x - x == 0)).to(tl.int32)))
     if NUMERICS:
         for i in tl.static_range(N_UNSCALED):
-            bounds = const_ptr + 1 + 3 * i  # flush to zero, max, smallest normal
-            tl.store(counts + 3 + 3 * i, tl.sum((valid & (a <= tl.load(bounds))).to(tl.int32)))
-            tl.store(counts + 4 + 3 * i, tl.sum((valid & (a <= tl.load(bounds + 1))).to(tl.int32)))
-            tl.store(counts + 5 + 3 * i, tl.sum((valid & (a < tl.load(bounds + 2))).to(tl.int32)))
+            bounds = const_ptr + 1 + 4 * i  # flush to zero, max, smallest normal, past the least subnormal
+            tl.store(counts + 3 + 4 * i, tl.sum((valid & (a <= tl.load(bounds))).to(tl.int32)))
+            tl.store(counts + 4 + 4 * i, tl.sum((valid & (a <= tl.load(bounds + 1))).to(tl.int32)))
+            tl.store(counts + 5 + 4 * i, tl.sum((valid & (a < tl.load(bounds + 2))).to(tl.int32)))
+            tl.store(counts + 6 + 4 * i, tl.sum((valid & (a < tl.load(bounds + 3))).to(tl.int32)))
     if UNITS:
         cols = pu * BU + tl.arange(0, BU)
         tl.store(unit_ptr + pr * U + cols, _nan_max(x, ok, nan, -float("inf"), 0), mask=cols < U)
@@ -248,7 +250,7 @@ def _sum_counts(  # type: ignore[no-untyped-def]
 ):  # fmt: skip
     """The counts of every partial added up (in int64); the scaled formats' start at 0."""
     lanes = tl.arange(0, C)
-    for slot in tl.static_range(1, 3 + 3 * N_UNSCALED):  # (the partials' slot 0 is the NaN count)
+    for slot in tl.static_range(1, 3 + 4 * N_UNSCALED):  # (the partials' slot 0 is the NaN count)
         acc = tl.zeros([C], tl.int64)
         if slot < 3 or NUMERICS:
             for start in range(0, P, C):
@@ -261,7 +263,7 @@ def _sum_counts(  # type: ignore[no-untyped-def]
             tl.store(cnt_ptr + 2, NUMEL - tl.sum(acc))
         else:  # (the counts' slot 2 is the non-finite count: the formats' are the partials')
             tl.store(cnt_ptr + slot, tl.sum(acc))
-    for slot in tl.static_range(3 + 3 * N_UNSCALED, N_COUNTS):
+    for slot in tl.static_range(3 + 4 * N_UNSCALED, N_COUNTS):
         tl.store(cnt_ptr + slot, tl.full([], 0, tl.int64))
 
 
@@ -277,7 +279,7 @@ def _scaled_counts(  # type: ignore[no-untyped-def]
     a = tl.abs(tl.load(x_ptr + at, mask=m, other=0.0).to(ACC))
     scale = _reciprocal(tl.load(out_ptr + 6).to(ACC), ACC)
     for i in tl.static_range(N_SCALED):
-        c = const_ptr + 1 + 3 * N_UNSCALED + 3 * i
+        c = const_ptr + 1 + 4 * N_UNSCALED + 3 * i
         seen = a * (scale * tl.load(c))
         tl.atomic_add(cnt_ptr + FIRST + 2 * i, tl.sum((m & (seen <= tl.load(c + 1))).to(tl.int64)))
         tl.atomic_add(cnt_ptr + FIRST + 2 * i + 1, tl.sum((m & (seen <= tl.load(c + 2))).to(tl.int64)))

@@ -68,6 +68,12 @@ class Format:
         return self.tiny * 2.0**-self._mantissa_bits / 2
 
     @property
+    def least(self) -> float:
+        """Magnitudes above :attr:`flushed` and below this become the smallest subnormal: the tie
+        at 1.5 of it goes to the even 2."""
+        return 3 * self.flushed
+
+    @property
     def normal(self) -> float:
         """Magnitudes from this on are normal after the cast (below it, subnormal or 0): the
         tie between the largest subnormal (odd) and ``tiny`` (even) goes to ``tiny``."""
@@ -92,7 +98,7 @@ OF_DTYPE = {f.dtype: f.name for f in FORMATS.values()}
 
 def names(fmt: Format) -> tuple[str, ...]:
     """A format's device counts (see :func:`measure`)."""
-    counts = ("zero", "finite") if fmt.scaled else ("zero", "finite", "small")
+    counts = ("zero", "finite") if fmt.scaled else ("zero", "finite", "small", "least")
     return tuple(f"{count}_{fmt.name}" for count in counts)
 
 
@@ -100,9 +106,9 @@ def measure(x: Tensor, units: int, *, channels: bool) -> dict[str, Tensor]:
     """The device values of ``x``: ``amax``; ``ref`` (``max(amax, 1e-12)``) with ``sum2`` and
     ``sum4``, the sums of ``(x / ref)²`` and ``(x / ref)⁴`` (in float32, or float64 for float64
     tensors: relative to the amax they neither overflow nor lose the largest terms);
-    ``nonzero`` and per format the count of elements the
-    cast makes 0 (``zero_F``), keeps finite (``finite_F``) and, unscaled, makes subnormal or 0
-    (``small_F``). With ``channels``, also per unit (along dim ``units``) the amax
+    ``nonzero`` and per format the count of elements the cast makes 0 (``zero_F``), keeps
+    finite (``finite_F``) and, unscaled, makes subnormal or 0 (``small_F``) or its smallest
+    subnormal or 0 (``least_F``). With ``channels``, also per unit (along dim ``units``) the amax
     (``unit_amax``, empty for a 0-d or 1-d ``x``); the median of ``|x|`` is :func:`median_abs`'s."""
     wide = acc_dtype(x.dtype)
     a = x.abs() if x.dtype == wide else x.to(wide).abs_()
@@ -123,15 +129,7 @@ def measure(x: Tensor, units: int, *, channels: bool) -> dict[str, Tensor]:
     out["sum2"], out["sum4"] = square.sum(), square.square_().sum()
     out["nonzero"] = torch.count_nonzero(x)
     for fmt in FORMATS.values():
-        seen = a * (scale * fmt.max) if fmt.scaled else a
-        out[f"zero_{fmt.name}"] = torch.count_nonzero(seen <= fmt.flushed)
-        if fmt.scaled:  # non-finite after the cast
-            bound, tie_stays = fmt.finite
-            out[f"finite_{fmt.name}"] = torch.count_nonzero(seen <= bound if tie_stays else seen < bound)
-        else:  # |x| > max, or non-finite (NaN fails every comparison)
-            out[f"finite_{fmt.name}"] = torch.count_nonzero(seen <= fmt.max)
-        if not fmt.scaled:
-            out[f"small_{fmt.name}"] = torch.count_nonzero(seen < fmt.normal)
+        out.update(_counts(a * (scale * fmt.max) if fmt.scaled else a, fmt))
     return out
 
 
@@ -140,6 +138,44 @@ def median_abs(x: Tensor, units: int) -> dict[str, Tensor]:
     (``kernels/fused.py``), so a measure of its own."""
     wide = acc_dtype(x.dtype)
     return {"median": (x.abs() if x.dtype == wide else x.to(wide).abs_()).median()}
+
+
+def _counts(seen: Tensor, fmt: Format) -> dict[str, Tensor]:
+    """:func:`measure`'s counts of one format, of the magnitudes ``seen`` as they are cast."""
+    bound, tie_stays = fmt.finite  # finite after the cast (NaN fails every comparison)
+    out = {
+        f"zero_{fmt.name}": torch.count_nonzero(seen <= fmt.flushed),
+        f"finite_{fmt.name}": torch.count_nonzero(seen <= bound if tie_stays else seen < bound),
+    }
+    if not fmt.scaled:
+        out[f"small_{fmt.name}"] = torch.count_nonzero(seen < fmt.normal)
+        out[f"least_{fmt.name}"] = torch.count_nonzero(seen < fmt.least)
+    return out
+
+
+#: The format fp8 training casts a Linear's input and weight to (torchao, Transformer Engine).
+FORWARD = "e4m3"
+
+
+def fp8_cast(x: Tensor) -> dict[str, Tensor]:
+    """The device values of a Linear's input or weight as fp8 training casts it: to e4m3 after
+    per-tensor scaling by ``max_F / amax``: ``nonzero`` and the ``zero_e4m3`` and ``finite_e4m3``
+    counts of :func:`measure`."""
+    fmt = FORMATS[FORWARD]
+    wide = acc_dtype(x.dtype)
+    a = x.abs() if x.dtype == wide else x.to(wide).abs_()
+    scale = a.amax().clamp(min=AMAX_FLOOR).reciprocal()
+    return {"nonzero": torch.count_nonzero(x), **_counts(a * (scale * fmt.max), fmt)}
+
+
+def fp8_statistics(v: Values, count: int) -> dict[str, float]:
+    """The e4m3 underflow and overflow fractions of a Linear's pooled input or weight values."""
+    n = float(count)
+    zeros = n - float(v["nonzero"][0])
+    return {
+        per_format(Lost.UNDERFLOW, FORWARD): (float(v[f"zero_{FORWARD}"][0]) - zeros) / n,
+        per_format(Lost.OVERFLOW, FORWARD): (n - float(v[f"finite_{FORWARD}"][0])) / n,
+    }
 
 
 Values = Mapping[str, np.ndarray]
@@ -176,6 +212,7 @@ def statistics(v: Values, count: int, *, zero_frac: bool) -> dict[str, float]:
         out[per_format(Lost.OVERFLOW, fmt.name)] = (n - float(v[f"finite_{fmt.name}"][0])) / n
         if not fmt.scaled:
             out[per_format(Lost.SUBNORMAL, fmt.name)] = (float(v[f"small_{fmt.name}"][0]) - made_zero) / n
+            out[per_format(Lost.FLOOR, fmt.name)] = (float(v[f"least_{fmt.name}"][0]) - made_zero) / n
     return out
 
 
@@ -186,7 +223,7 @@ def stats(*, zero_frac: bool, channels: bool) -> tuple[str, ...]:
     lost = tuple(
         per_format(kind, fmt.name)
         for fmt in FORMATS.values()
-        for kind in (Lost.UNDERFLOW, Lost.OVERFLOW, *([] if fmt.scaled else [Lost.SUBNORMAL]))
+        for kind in (Lost.UNDERFLOW, Lost.OVERFLOW, *([] if fmt.scaled else [Lost.SUBNORMAL, Lost.FLOOR]))
     )
     return (*base, *extra, *lost)
 
@@ -215,7 +252,8 @@ def check(numerics: object) -> tuple[str, ...] | None:
 class Written:
     """Which formats' scalar tags a logger writes: those ``numerics=`` names, or with
     ``numerics=True`` the one the run trains in: the autocast dtype its logged forward passes
-    ran under (when fp16 or bf16), else bf16."""
+    ran under (when fp16 or bf16), else bf16. With a float8 format named, each Linear's input and
+    weight are judged as fp8 training casts them (:func:`fp8_cast`)."""
 
     def __init__(self, named: Sequence[str]) -> None:
         self._named = tuple(named)
@@ -231,6 +269,11 @@ class Written:
     @property
     def formats(self) -> tuple[str, ...]:
         return self._named or (self._seen or DEFAULT,)
+
+    @property
+    def fp8(self) -> bool:
+        """Whether a float8 format is named: then each Linear's casts are recorded."""
+        return any(FORMATS[f].scaled for f in self._named)
 
     def written(self, scalars: dict[str, float], formats: Mapping[str, str]) -> dict[str, float]:
         """Take every per-format scalar (``formats``: their format, by tag) of formats not

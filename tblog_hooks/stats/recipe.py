@@ -20,6 +20,7 @@ from types import MappingProxyType
 from ..errors import HookLoggerError
 from .kinds import (
     ATTENTION_HEADS,
+    FP8_CAST,
     GRADIENT_NONFINITE,
     GRADIENT_NORM,
     HISTOGRAM_ROWS,
@@ -63,6 +64,10 @@ class Source(enum.StrEnum):
     ATTENTION = "attention"
     #: Every histogram of the step, binned.
     BINNED = "binned"
+    #: With a float8 format in ``numerics=``, a watched ``nn.Linear``'s input and weight as fp8
+    #: training casts them (``input/underflow_e4m3/*``, ``param/underflow_e4m3/*``): numerics only.
+    FP8_INPUT = "fp8_input"
+    FP8_WEIGHT = "fp8_weight"
 
 
 #: The sources a measure of one's own may be added to: those whose records a measure's device
@@ -99,7 +104,11 @@ _TRAVEL: dict[Source, dict[str, object]] = {
     Source.IMAGE: {"name": Root.FEATURE_MAP},
     Source.ATTENTION: {"name": Root.ATTENTION, "per_call": True},
     Source.BINNED: {"name": "histogram"},
+    Source.FP8_INPUT: {"name": Root.INPUT, "per_call": True},
+    Source.FP8_WEIGHT: {"name": Root.PARAM, "per_call": True},
 }
+#: The sources of numerics alone, and their measure.
+FP8_SOURCES = {Source.FP8_INPUT: FP8_CAST, Source.FP8_WEIGHT: FP8_CAST}
 _MEASURES: dict[Source, tuple[Measure, ...]] = {
     Source.OUTPUT: TENSOR_MEASURES,
     Source.INPUT: TENSOR_MEASURES,
@@ -133,7 +142,8 @@ class Recipe:
         built-in ones of their source (:data:`EXTENSIBLE`). Raises :class:`HookLoggerError` for a
         measure the source cannot compute and for a field or statistic two measures give."""
         extra = _extra(measures or {}, inputs=inputs)
-        wanted = [s for s in Source if s is not (Source.NONFINITE_INPUT if inputs else Source.INPUT)]
+        skipped = (Source.NONFINITE_INPUT if inputs else Source.INPUT, *FP8_SOURCES)
+        wanted = [s for s in Source if s not in skipped]
         kinds = {s: Kind(**_TRAVEL[s], measures=(*_MEASURES[s], *extra.get(s, ()))) for s in wanted}  # type: ignore[arg-type]
         numeric = {}
         if numerics:
@@ -143,6 +153,8 @@ class Recipe:
                     per_call=per_call,
                     measures=numeric_measures(zero_frac=zero_frac, channels=channels),
                 )
+            for source, measure in FP8_SOURCES.items():
+                numeric[source] = Kind(**_TRAVEL[source], measures=(measure,))  # type: ignore[arg-type]
         recipe = cls(MappingProxyType(kinds), MappingProxyType(numeric))
         recipe._check_tags()
         return recipe

@@ -9,10 +9,12 @@ device work (sampling and binning) too.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..errors import HookLoggerError
+from ..keywords import Renamed, keywords
 from .kinds import HISTOGRAM_KINDS
 from .tags import Root
 
@@ -22,6 +24,15 @@ from .tags import Root
 DEFAULT_KINDS = tuple(k for k in HISTOGRAM_KINDS if k != Root.GRADIENT)
 
 
+@keywords(
+    every="every_logged",
+    param_every=Renamed(
+        "weights_every_logged",
+        "param_every counted histogram steps, weights_every_logged counts logged steps: "
+        "weights_every_logged = every_logged * param_every",
+        lambda value, given: given["every_logged"] * value,
+    ),
+)
 @dataclass(frozen=True)
 class Histograms:
     """Which histograms logged steps write, counted in the logged steps that recorded something
@@ -37,12 +48,21 @@ class Histograms:
         weights_every_logged: weight histograms (``param/...``) on logged steps ``0,
             weights_every_logged, ...``; the other kinds follow ``every_logged``.
         kinds: the tag roots to write histograms of, among
-            :data:`~tblog_hooks.stats.kinds.HISTOGRAM_KINDS`; kept as a tuple in that order. By
-            default all but ``gradient``, of those the logger's options produce; kinds given
-            here must all be produced (``input`` needs ``inputs=True``, ...).
+            :data:`~tblog_hooks.stats.kinds.HISTOGRAM_KINDS`; kept as a tuple in that order. A
+            kind is named as its histograms' tags are (``activation/{module}``), singular, where
+            the options that produce them are plural: ``activations=`` produces ``activation``,
+            ``inputs=`` ``input``, ``gradients=`` ``gradient`` and ``gradient_log10``,
+            ``parameters=`` ``param_grad`` and ``param`` (the weights). By default all but
+            ``gradient``, of those the logger's options produce; kinds given here must all be
+            produced (``input`` needs ``inputs=True``, ...).
+
+    ``every=`` and ``param_every=``, the old keywords, still work for this release, with a
+    ``DeprecationWarning``: ``every`` is ``every_logged``, and ``weights_every_logged = every_logged
+    * param_every``.
 
     Raises:
-        HookLoggerError: a count that is not a positive int, an empty ``kinds`` or an unknown kind.
+        HookLoggerError: a count that is not a positive int, an empty ``kinds``, an unknown kind
+            or an unknown keyword.
     """
 
     every_logged: int = 5
@@ -62,11 +82,14 @@ class Histograms:
         given: object = self.kinds
         object.__setattr__(self, "explicit", given is not DEFAULT_KINDS)
         kinds = list(given) if isinstance(given, Iterable) and not isinstance(given, str) else [given]
-        unknown = [repr(k) for k in kinds if k not in HISTOGRAM_KINDS]
+        unknown = [k for k in kinds if k not in HISTOGRAM_KINDS]
         if unknown or not kinds:
-            what = f"holds {', '.join(unknown)}" if unknown else "is empty (pass histograms=False for none)"
+            what = (
+                f"holds {', '.join(map(_named, unknown))}" if unknown else "is empty (pass histograms=False for none)"
+            )
             raise HookLoggerError(
-                f"Histograms(kinds={given!r}) {what}; kinds are tag roots among {', '.join(HISTOGRAM_KINDS)}"
+                f"Histograms(kinds={given!r}) {what}; kinds are tag roots among {', '.join(HISTOGRAM_KINDS)} "
+                "(singular, as the tags are: activation/{module}; unlike the options activations=, inputs=, ...)"
             )
         chosen = frozenset(str(k) for k in kinds)
         weights = chosen & {Root.PARAM}
@@ -85,17 +108,23 @@ class Histograms:
         return self._steps[others + 2 * weights]
 
 
+def _named(kind: object) -> str:
+    """An unknown kind, with the kind it is closest to (``'activations'``: ``'activation'``)."""
+    close = difflib.get_close_matches(str(kind), HISTOGRAM_KINDS, n=1, cutoff=0.7)
+    return f"{kind!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+
+
 def schedule(value: object) -> Histograms | None:
     """``HookLogger(histograms=...)`` as a :class:`Histograms` (``None``: no histograms)."""
     if isinstance(value, Histograms):
         return value
     if value is True:
         return Histograms()
-    if value is False:
+    if value is False or value is None:
         return None
-    if isinstance(value, int) and value >= 1:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return Histograms(every_logged=value, weights_every_logged=2 * value)
     raise HookLoggerError(
-        "histograms must be True (the defaults, Histograms()), False (none), a positive int n "
+        "histograms must be True (the defaults, Histograms()), False or None (none), a positive int n "
         f"(histograms on every n-th logged step, weights on every 2n-th) or a tblog_hooks.Histograms, got {value!r}"
     )

@@ -61,6 +61,8 @@ class Lost(enum.StrEnum):
     UNDERFLOW = "underflow"
     OVERFLOW = "overflow"
     SUBNORMAL = "subnormal"
+    #: Left at the format's smallest subnormal, the last step above zero (fp16, bf16).
+    FLOOR = "floor"
 
 
 def per_format(lost: str, fmt: str) -> str:
@@ -135,9 +137,9 @@ SAMPLES_TAG = tag(Root.STEP, Stat.SAMPLES)
 ORDER_TAG = tag(Root.HEALTH, "forward_order")
 #: Per logged step, the numbers behind the layers x heads pictures (``attention=``: a float32
 #: ``layers x heads x 2`` tensor, each head's max logit then mean entropy) and the modules x formats
-#: pictures (``numerics=``: a float32 ``2 x modules x formats x 3`` tensor, outputs then output
-#: gradients, each format's underflow, overflow and subnormal fractions); each with its rows' module
-#: names in the string tensor :func:`rows_tag`.
+#: pictures (``numerics=``: a float32 ``2 x modules x formats x 4`` tensor, outputs then output
+#: gradients, each format's underflow, overflow, subnormal and floor fractions, :class:`Lost`);
+#: each with its rows' module names in the string tensor :func:`rows_tag`.
 HEADS_TABLE_TAG, NUMERICS_TABLE_TAG = tag(Root.HEALTH, "attention_heads"), tag(Root.HEALTH, "numerics")
 #: The plugin the value tables are written for (the dashboard's; TensorBoard's other tabs skip them).
 TABLE_PLUGIN = "tblog_hooks"

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .._compat import context_parallel, parallel_output, prepared_input, tree_flatten
+from . import titan
 from .sharding import Split, is_dtensor, local, placed
 
 if TYPE_CHECKING:
@@ -45,6 +46,18 @@ UNKNOWN_STYLE = (
     "DTensor, or leave the module out of modules="
 )
 
+#: Where a plain tensor past a torchtitan layout has another size than the data that layout placed.
+UNKNOWN_PIECE = (
+    "it takes or returns a tensor of another size than the data the latest torchtitan sharding layout placed (the "
+    "fused query, key and value split apart, its rotary embedding), and how that tensor is placed over the "
+    "tensor-parallel ranks is said nowhere, so its statistics would be this rank's piece only; leave the module out "
+    "of modules="
+)
+
+
+#: How many of the latest boundaries' data a plain tensor past a torchtitan layout is matched against.
+_KEPT = 4
+
 
 class TensorParallel:
     """The tensor-parallel styles of a model's modules, and how the data of a logged step is placed."""
@@ -53,9 +66,11 @@ class TensorParallel:
         self._model = weakref.ref(model)
         self._styles: dict[int, tuple[DeviceMesh, tuple[Placement, ...] | None]] = {}  # id(module) -> its style
         self._prepared: dict[int, tuple[DeviceMesh, Placement]] = {}  # id(module) -> its prepared input
-        #: How the data the latest boundary left is placed, and its local shape; an error where
-        #: that cannot be told; ``None``: whole (no boundary yet in this forward).
-        self._flow: tuple[Split | None, torch.Size] | ValueError | None = None
+        self._titan: dict[int, titan.Layouts] = {}  # id(module) -> its torchtitan sharding layouts
+        #: How the data the latest boundaries left is placed, and its local shape (the latest
+        #: first); an error where that cannot be told; ``None``: whole (no boundary yet in this forward).
+        self._flow: list[tuple[Split | None, torch.Size]] | ValueError | None = None
+        self._strict = False  # whether a tensor of no such size is unknown (past a torchtitan layout), not whole
         self._following = False
 
     def look_up(self) -> None:
@@ -64,15 +79,26 @@ class TensorParallel:
         modules = [] if model is None else list(model.modules())
         self._styles = {id(m): style for m in modules if (style := parallel_output(m)) is not None}
         self._prepared = {id(m): prepared for m in modules if (prepared := prepared_input(m)) is not None}
+        mesh = None if model is None else titan.tensor_parallel_mesh(model)
+        self._titan = {}
+        for m in modules if mesh is not None else []:
+            layouts = titan.layouts(m)
+            if layouts is None:
+                continue
+            self._titan[id(m)] = layouts
+            if layouts.declared:
+                self._styles[id(m)] = (mesh, None if layouts.output is None else (layouts.output,))  # type: ignore[assignment]
+            if layouts.handed is not None:
+                self._prepared[id(m)] = (mesh, layouts.handed)  # type: ignore[assignment]
 
     def begin(self) -> None:
         """A logged step begins: look the styles up, follow the data from the model's input on."""
         self.look_up()
-        self._flow, self._following = None, True
+        self._flow, self._strict, self._following = None, False, True
 
     def end(self) -> None:
         """A logged step ended: stop following the data."""
-        self._flow, self._following = None, False
+        self._flow, self._strict, self._following = None, False, False
 
     def boundaries(self, model: nn.Module) -> list[tuple[nn.Module, bool, Callable[..., None]]]:
         """The hooks that follow how the data is placed during logged steps, as ``(module,
@@ -125,11 +151,18 @@ class TensorParallel:
             elif style is not None:
                 mesh, placements = style
                 if placements is None:
-                    raise ValueError(UNKNOWN_STYLE)
+                    raise ValueError(titan.UNKNOWN_LAYOUT if id(module) in self._titan else UNKNOWN_STYLE)
                 out.append((t, placed(mesh, placements, t.dim())))
             else:
                 out.append((t, self._placed_as_flow(t)))
         return out
+
+    def check_gradient(self, module: nn.Module) -> None:
+        """Raises ``ValueError`` where ``module``'s output gradient will be a partial sum over
+        ranks that no hook sees as such (a plain tensor Replicate under ``spmd_types``)."""
+        layouts = self._titan.get(id(module))
+        if layouts is not None and layouts.partial_gradient:
+            raise ValueError(titan.PARTIAL_GRADIENT)
 
     def inputs(self, tensors: Sequence[Tensor]) -> list[tuple[Tensor, Split | None]]:
         """Each input tensor (of the module whose forward is about to run) as this rank's piece and its split."""
@@ -149,27 +182,46 @@ class TensorParallel:
 
     def _placed_as_flow(self, t: Tensor) -> Split | None:
         """The split of a plain tensor where the latest boundary left the data: that of the
-        data if ``t`` has its shape; along no known axis if only its size (a view of it, its
-        heads laid out otherwise); else whole."""
+        data if ``t`` has its shape, or is a view of it that keeps the dims before the split
+        axis and folds or unfolds the dims from it on (heads flattened into features); along
+        no known axis if only its size (its heads laid out otherwise); else whole, but past a
+        torchtitan layout, where a tensor of another size (its fused query, key and value split
+        apart) is unknown: ``ValueError``."""
         flow = self._flow
         if isinstance(flow, ValueError):
             raise flow
-        if flow is None or flow[0] is None or t.numel() != flow[1].numel():
+        if not flow or (flow[0][0] is None and not self._strict):
             return None
-        return flow[0] if t.shape == flow[1] else dataclasses.replace(flow[0], axis=None)
+        for split, shape in flow if self._strict else flow[:1]:
+            if t.numel() == shape.numel():
+                if split is None:
+                    return None
+                return split if _same_axis(t.shape, shape, split.axis) else dataclasses.replace(split, axis=None)
+        if self._strict:
+            raise ValueError(UNKNOWN_PIECE)
+        return None
 
     def _enter_model(self, module: nn.Module, args: object) -> None:
         if not torch.compiler.is_compiling() and self._following:
-            self._flow = None
+            self._flow, self._strict = None, False
 
     def _enter_prepared(self, module: nn.Module, args: object) -> None:
-        """After ``PrepareModuleInput`` (registered before this hook): the first input as prepared."""
+        """After ``PrepareModuleInput`` (registered before this hook): the first input as prepared.
+        A torchtitan module redistributes its input inside its forward: the data as handed
+        (of the shape redistributing gives), and as given, for the module's own input."""
         if torch.compiler.is_compiling() or not self._following:  # (compiled hooks record whole tensors)
             return
         first = next((t for t in tree_flatten(args)[0] if isinstance(t, Tensor)), None)
-        if first is not None:
-            mesh, placement = self._prepared[id(module)]
-            self._flow = self._boundary(first, lambda t: placed(mesh, (placement,), t.dim()))
+        if first is None:
+            return
+        mesh, placement = self._prepared[id(module)]
+        layouts = self._titan.get(id(module))
+        if layouts is None or is_dtensor(first):
+            self._follow(self._boundary(first, lambda t: placed(mesh, (placement,), t.dim())), module)
+            return
+        shape = titan.handed_shape(first.shape, layouts.given, placement, mesh.size())
+        handed = self._boundary(first, lambda t: placed(mesh, (placement,), len(shape)))
+        self._follow(handed if isinstance(handed, ValueError) else (handed[0], shape), module)
 
     def _leave_styled(self, module: nn.Module, args: object, output: object) -> None:
         if torch.compiler.is_compiling() or not self._following:  # (compiled hooks record whole tensors)
@@ -177,7 +229,15 @@ class TensorParallel:
         first = next((t for t in tree_flatten(output)[0] if isinstance(t, Tensor)), None)
         if first is not None:
             mesh, placements = self._styles[id(module)]
-            self._flow = self._boundary(first, lambda t: placed(mesh, _known(placements), t.dim()))
+            self._follow(self._boundary(first, lambda t: placed(mesh, _known(placements), t.dim())), module)
+
+    def _follow(self, boundary: tuple[Split | None, torch.Size] | ValueError, module: nn.Module) -> None:
+        """The data is placed as ``boundary`` left it from here on. Past torchtitan layouts,
+        a tensor of another size may still be data an earlier boundary placed (the input of a
+        feed-forward's second projection, beside its first's output): the latest few are kept."""
+        previous = self._flow if isinstance(self._flow, list) else []
+        self._flow = boundary if isinstance(boundary, ValueError) else [boundary, *previous][:_KEPT]
+        self._strict = self._strict or id(module) in self._titan
 
     @staticmethod
     def _boundary(t: Tensor, split: Callable[[Tensor], Split | None]) -> tuple[Split | None, torch.Size] | ValueError:
@@ -187,6 +247,16 @@ class TensorParallel:
         except ValueError as error:  # (Partial, an unknown style: said by the modules that follow)
             return ValueError(f"the data it takes follows a module whose output cannot be told about: {error}")
         return of, piece.shape
+
+
+def _same_axis(shape: torch.Size, flow: torch.Size, axis: int | None) -> bool:
+    """Whether a tensor of ``shape``, a view of data of shape ``flow`` split along ``axis``, is
+    split along that axis too: the dims before it alike, those from it on folded or unfolded."""
+    if shape == flow:
+        return True
+    if axis is None or len(shape) <= axis or len(flow) <= axis:
+        return False
+    return shape[:axis] == flow[:axis] and shape[axis:].numel() == flow[axis:].numel()
 
 
 def _known(placements: tuple[Placement, ...] | None) -> tuple[Placement, ...]:
