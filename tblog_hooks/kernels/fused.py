@@ -65,18 +65,21 @@ _NC = 3 + 4 * len(_UNSCALED)  # (``numerics.names``: zero, finite, small, least;
 @functools.cache
 def _constants(device: torch.device, dtype: torch.dtype) -> Tensor:
     """The boundaries the kernels compare with, in the accumulation dtype, as ``numerics.measure``
-    compares: the amax floor; per unscaled format its flush-to-zero bound, max, smallest normal
-    and the bound below which a cast gives at most the least subnormal; per scaled format its
-    max, flush bound and largest magnitude that stays finite (a tie that rounds up to inf/NaN
-    moved one step down, so every test is ``<=``)."""
+    compares: the amax floor; per unscaled format its flush-to-zero bound, largest magnitude that
+    stays finite, smallest normal and the bound below which a cast gives at most the least
+    subnormal; per scaled format its max, flush bound and largest magnitude that stays finite."""
     np_dtype = np.float64 if dtype == torch.float64 else np.float32
+
+    def finite(fmt: numerics.Format) -> float:
+        """A tie that rounds up to inf/NaN moved one step down: every test of it is ``<=``."""
+        bound, tie_stays = fmt.finite
+        return float(np_dtype(bound) if tie_stays else np.nextafter(np_dtype(bound), np_dtype(0)))
+
     values: list[float] = [numerics.AMAX_FLOOR]
     for fmt in _UNSCALED:
-        values += [fmt.flushed, fmt.max, fmt.normal, fmt.least]
+        values += [fmt.flushed, finite(fmt), fmt.normal, fmt.least]
     for fmt in _SCALED:
-        bound, tie_stays = fmt.finite
-        top = np_dtype(bound) if tie_stays else np.nextafter(np_dtype(bound), np_dtype(0))
-        values += [fmt.max, fmt.flushed, float(top)]
+        values += [fmt.max, fmt.flushed, finite(fmt)]
     return torch.tensor(np.array(values, dtype=np_dtype), device=device)
 
 
@@ -154,7 +157,7 @@ def _partials(  # type: ignore[no-untyped-def]
     tl.store(counts + 2, tl.sum((valid & (x - x == 0)).to(tl.int32)))
     if NUMERICS:
         for i in tl.static_range(N_UNSCALED):
-            bounds = const_ptr + 1 + 4 * i  # flush to zero, max, smallest normal, past the least subnormal
+            bounds = const_ptr + 1 + 4 * i  # flush to zero, finite, smallest normal, past the least subnormal
             tl.store(counts + 3 + 4 * i, tl.sum((valid & (a <= tl.load(bounds))).to(tl.int32)))
             tl.store(counts + 4 + 4 * i, tl.sum((valid & (a <= tl.load(bounds + 1))).to(tl.int32)))
             tl.store(counts + 5 + 4 * i, tl.sum((valid & (a < tl.load(bounds + 2))).to(tl.int32)))
