@@ -133,6 +133,25 @@ def compiled_code_ran(module: nn.Module) -> bool:
     return code is not None and bool(_debug_get_cache_entry_list(code))
 
 
+# -- data parallelism --------------------------------------------------------------------------
+def fsdp_gradient_divisor(module: nn.Module) -> float | None:
+    """What FSDP2 (``fully_shard``) divides ``module``'s summed parameter gradients by: its
+    ``set_gradient_divide_factor`` (torchtitan sets 1: its loss is normalised over the global
+    batch), else the data-parallel size, the shard group's times the replicate group's under HSDP
+    (as ``_fsdp_collectives._get_gradient_divide_factors``); ``None`` for a module without a
+    parameter group of its own. Its param groups are private (``FSDPState._fsdp_param_groups``)."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return None
+    for group in getattr(get_state(), "_fsdp_param_groups", ()):
+        factor = getattr(group, "gradient_divide_factor", None)
+        if factor is not None:
+            return float(factor)
+        info = group.mesh_info
+        return float(getattr(info, "shard_mesh_size", 1) * getattr(info, "replicate_mesh_size", 1))
+    return None
+
+
 # -- GradScaler --------------------------------------------------------------------------------
 def step_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> object | None:
     """The closure of the ``optimizer.step(...)`` call an optimizer step hook sees (``args[0]``

@@ -29,7 +29,7 @@ from .output.event_files import frame
 from .output.outbox import Outbox, WriteError
 from .spike_log import SpikeLog
 from .topology.parallel import TensorParallel
-from .transport.distributed import Ranks, rank_and_world
+from .transport.distributed import Ranks, gradient_divisor, rank_and_world
 
 
 class _State(enum.Enum):
@@ -83,6 +83,7 @@ class HookLogger:
     @logger_signature(Options)
     def __init__(self, model: nn.Module, **options: Any) -> None:
         check_names(options)
+        wrapper = model
         model, averaged = _model_to_watch(model)
         config = Options(**options)
         selected, mapped = _select(model, config)
@@ -112,7 +113,8 @@ class HookLogger:
         restore = None if self._writer is None else fast_checksum(self._writer, frame)
         # Hooks, tensor hooks and an owned writer go when the logger is closed or collected.
         self._detach = weakref.finalize(self, _detach, self._recording, self._destination, owns_writer, restore)
-        self._outbox = _outbox(self._destination, self._diagnostics, self._recording)
+        divisor = gradient_divisor(wrapper if wrapper is not model else None, model)
+        self._outbox = _outbox(self._destination, self._diagnostics, self._recording, divisor)
         _warn_if_shared(model, self._destination)
         health, order = self._diagnostics.health, self._diagnostics.order
         spiking = (self._recording.handles, health, self._destination, self._ranks, order, model)
@@ -336,13 +338,16 @@ def _check_optimizer(config: Options, *, averaged: bool, split: bool, graded: bo
         )
 
 
-def _outbox(destination: Destination | None, diagnostics: Diagnostics, recording: Recording) -> Outbox | None:
-    """Where logged steps go once copied to the host: diagnosed and written to ``destination``."""
+def _outbox(
+    destination: Destination | None, diagnostics: Diagnostics, recording: Recording, divisor: Callable[[], float]
+) -> Outbox | None:
+    """Where logged steps go once copied to the host: diagnosed and written to ``destination``
+    (``divisor``: of the output gradients, ``distributed.gradient_divisor``)."""
     if destination is None:
         return None
     scaled = recording.optimizer_hooks is None  # (see scaling.unscale)
     write = functools.partial(diagnostics.write, destination)
-    return Outbox(write, param_grads_scaled=scaled, numerics=recording.numerics)
+    return Outbox(write, param_grads_scaled=scaled, numerics=recording.numerics, gradient_divisor=divisor)
 
 
 def _open_writer(config: Options, rank: int) -> tuple[SummaryWriter | None, bool]:

@@ -36,7 +36,7 @@ class SpikeLog:
         self._log_until = -1  # steps up to this one are logged in full
         self._failed = False
         self.samples = Samples()
-        self._samples: dict[int, int | None] = {}  # {step: its samples} of the rows not judged yet
+        self._unjudged = 0  # steps in a row with nothing to judge (no norms read, no loss); -1: said so
 
     @classmethod
     def of(
@@ -48,14 +48,14 @@ class SpikeLog:
         watched modules in forward order, as far as known; ``model``'s forward pre-hook counts
         each step's samples)."""
         spikes = config.spike_config
-        if spikes is None or (destination is None and not any_split(watched)):
+        if spikes is None or (destination is None and not (ranks.reduce or any_split(watched))):
             return NoSpikes(off=spikes is None)
-        norms = StepNorms(watched, modules, spikes.steps)
+        norms = StepNorms(watched, modules, spikes.steps, samples_over_ranks=ranks.reduce, lead=ranks.lead)
         handles.add(register_optimizer_step_pre_hook(norms.pre))
         handles.add(register_optimizer_step_post_hook(norms.post))
         watch = None if destination is None else SpikeWatch(spikes, modules, order)
         log = cls(norms, watch, health, destination, every=config.every, force=not ranks.needed)
-        if model is not None and watch is not None:
+        if model is not None:
             handles.add(model.register_forward_pre_hook(log.samples, with_kwargs=True))
         # Under collectives in logged steps every rank must log the same steps: no extra ones then.
         return log
@@ -65,15 +65,15 @@ class SpikeLog:
         is logged in full."""
         check_loss(loss)
         loss = whole_loss(loss)  # type: ignore[arg-type]  # (checked)
-        if self.watch is None:  # a rank that only joins the collectives of sharded norms
-            self.norms.drop()
+        if self.watch is None:  # a rank that only joins the collectives (sharded norms, samples)
+            self.norms.drop(self.samples.take())
             if (step + 1) % self._every == 0:
                 self.norms.refresh()
             return False
-        self.norms.end_step(step, loss)
-        self._samples[step] = self.samples.take()
+        queued = self.norms.end_step(step, loss, self.samples.take())
         if self._failed:
             return False
+        self._say_if_unjudged(queued)
         self._judge(wait=False)
         if (step + 1) % self._every == 0 or len(self.watch.pending) >= _MAX_PENDING:
             self.norms.refresh()  # as a logged step looks the parameters up again
@@ -89,11 +89,31 @@ class SpikeLog:
     def _judge(self, *, wait: bool) -> None:
         assert self.watch is not None
         for at, row, loss_given in self.norms.take(wait=wait):
-            found = self.watch.feed(at, row, loss_given, self._samples.pop(at, None))
+            samples = int(row[-1]) if row[-1] > 0 else None  # (NaN, 0: none counted)
+            found = self.watch.feed(at, row[:-1], loss_given, samples)
             if found:  # (on CUDA a row is read a step or more after its own: the window is the spike's)
                 self._log_until = max(self._log_until, at + self.watch.config.after)
                 if self.health is not None:
                     self.health.spiked(found)
+
+    def _say_if_unjudged(self, queued: bool) -> None:
+        """Warn once when ``warmup`` steps in a row brought nothing to judge: no gradient norms read
+        (no ``torch.optim`` optimizer stepped the watched parameters) and no loss given."""
+        assert self.watch is not None
+        if self._unjudged < 0:
+            return
+        self._unjudged = 0 if queued else self._unjudged + 1
+        if self._unjudged < self.watch.config.warmup or self.norms.failed:
+            return
+        self._unjudged = -1
+        warnings.warn(
+            f"tblog_hooks: spikes= has had nothing to judge for {self.watch.config.warmup} steps: no "
+            "torch.optim optimizer stepped the watched parameters (their gradient norms are read in its step "
+            "hooks) and step() was given no loss; pass the loss, hooks.step(loss=loss), or train with a "
+            "torch.optim.Optimizer",
+            UserWarning,
+            stacklevel=4,
+        )
 
     def _flush(self) -> None:
         assert self.watch is not None and self.destination is not None

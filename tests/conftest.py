@@ -8,6 +8,7 @@ import faulthandler
 import gc
 import io
 import json
+import math
 import os
 import signal
 import socket
@@ -172,7 +173,7 @@ def assert_same_run(
     run: Run, reference: Run, steps: range, roots: tuple[str, ...], *, histograms: bool = True, gradients: float = 1.0
 ) -> None:
     """Every scalar (and histogram) under ``roots`` at ``steps``: the same tags, the same values
-    (output-gradient norms ``gradients`` times the reference's)."""
+    (output gradients ``gradients`` times the reference's: norms, extremes, log10 histograms shifted)."""
     compared = [("scalar", run.scalars, reference.scalars)]
     if histograms:
         compared.append(("histogram", run.histograms, reference.histograms))  # type: ignore[arg-type]
@@ -186,16 +187,19 @@ def assert_same_run(
                     continue  # (an update ratio of all-zero weights)
                 got, want = ours[tag][step], theirs[tag][step]
                 if kind == "scalar":
-                    scale = gradients if tag.startswith("gradient/norm/") else 1.0
+                    scale = gradients if tag.startswith(("gradient/norm/", "gradient/amax/", "gradient/rms/")) else 1.0
                     assert got == pytest.approx(want * scale, rel=1e-4, abs=1e-7), (tag, step)
-                else:
-                    # Extremes as exact as float32 sums in another order allow. The smallest gradient
-                    # magnitude (gradient_log10's min) is a near-cancellation of larger terms, whose
-                    # rounding error is of the order of those terms: not compared.
-                    assert got.num == want.num, (tag, step)  # type: ignore[attr-defined]
-                    assert got.max == pytest.approx(want.max, rel=1e-5, abs=1e-7), (tag, step)  # type: ignore[attr-defined]
-                    if not tag.startswith("gradient_log10/"):
-                        assert got.min == pytest.approx(want.min, rel=1e-5, abs=1e-7), (tag, step)  # type: ignore[attr-defined]
+                    continue
+                scale, shift = (gradients, 0.0) if tag.startswith("gradient/") else (1.0, 0.0)
+                if tag.startswith("gradient_log10/"):
+                    scale, shift = 1.0, math.log10(gradients)
+                # Extremes as exact as float32 sums in another order allow. The smallest gradient
+                # magnitude (gradient_log10's min) is a near-cancellation of larger terms, whose
+                # rounding error is of the order of those terms: not compared.
+                assert got.num == want.num, (tag, step)  # type: ignore[attr-defined]
+                assert got.max == pytest.approx(want.max * scale + shift, rel=1e-5, abs=1e-7), (tag, step)  # type: ignore[attr-defined]
+                if not tag.startswith("gradient_log10/"):
+                    assert got.min == pytest.approx(want.min * scale, rel=1e-5, abs=1e-7), (tag, step)  # type: ignore[attr-defined]
 
 
 def _free_port() -> int:

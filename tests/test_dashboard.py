@@ -4,26 +4,41 @@ the findings ``tblog-hooks report --json`` gives."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 import health_runs
 import numpy as np
 import pytest
-from conftest import get, read_run, read_tags, read_tensors, read_text, tensorboard, wait_until_loaded
+from conftest import (
+    TENSORBOARD_READY_S,
+    get,
+    read_run,
+    read_tags,
+    read_tensors,
+    read_text,
+    tensorboard,
+    wait_until_loaded,
+)
 from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
 from tensorboard.context import RequestContext
 from tensorboard.plugins import base_plugin
+from torch.utils.tensorboard import SummaryWriter
+from werkzeug.test import Client
 
+from tblog_hooks.dashboard import analyses, documents
 from tblog_hooks.dashboard.documents import SEVERITY
 from tblog_hooks.dashboard.plugin import HealthPlugin
 from tblog_hooks.dashboard.source import Source
@@ -32,9 +47,12 @@ from tblog_hooks.stats.tags import (
     HEADS_TABLE_TAG,
     NUMERICS_TABLE_TAG,
     ORDER_TAG,
+    Lost,
+    Stat,
     escape,
     parse_order,
     rows_tag,
+    scale_of,
     split_prefix,
     unescape,
 )
@@ -166,11 +184,16 @@ def _report(logdir: Path) -> dict[str, object]:
     return {doc["run"]: doc for doc in map(json.loads, lines.splitlines())}
 
 
+def _as_reported(findings: object) -> list[dict[str, object]]:
+    """Served findings as ``report --json`` gives them: NaN and infinities there are ``null``."""
+    return [{**f, "value": None if isinstance(f["value"], str) else f["value"]} for f in findings]  # type: ignore[attr-defined, index]
+
+
 def test_findings_are_those_of_the_report(server, logdir) -> None:
     reported = _report(logdir)
     for run, prefix in health_runs.MODELS:
         name = f"{run} [{prefix}]" if prefix else run
-        assert get(server, f"{ROUTE}/findings", run=run, prefix=prefix) == reported[name]["findings"]  # type: ignore[index]
+        assert _as_reported(get(server, f"{ROUTE}/findings", run=run, prefix=prefix)) == reported[name]["findings"]  # type: ignore[index]
     kinds = {f["kind"] for f in reported["net"]["findings"]}  # type: ignore[index]
     assert {"dead_units", "vanishing_gradient", "nonfinite", "gradient_spike", "loss_spike"} <= kinds
 
@@ -178,10 +201,11 @@ def test_findings_are_those_of_the_report(server, logdir) -> None:
 def test_tensorboards_python_data_provider_gives_the_same_findings(logdir) -> None:
     """``tensorboard --load_fast=false`` serves runs from Python's multiplexer, not the data server."""
     source, reported = Source(_provider(logdir)), _report(logdir)
-    models = source.models(RequestContext(), "")
+    models, judged = source.models(RequestContext(), ""), analyses.Analyses(source)
     assert [(m.run, m.prefix) for m in models] == health_runs.MODELS
     for model in models:
-        assert source.analysis(RequestContext(), "", model).findings == reported[model.name]["findings"]  # type: ignore[index]
+        served = documents.findings(judged.of(RequestContext(), "", model))
+        assert _as_reported(served) == reported[model.name]["findings"]  # type: ignore[index]
     net = next(m for m in models if m.run == "net")
     assert net.tables == {HEADS_TABLE_TAG, NUMERICS_TABLE_TAG}
     for table in net.tables:
@@ -282,6 +306,9 @@ def test_the_runs_say_which_hold_the_value_tables(server) -> None:
     code, message = error(server, f"{ROUTE}/numerics", run="net", step="5")
     assert code == 404 and "holds no health/numerics at step 5" in message
     assert error(server, f"{ROUTE}/heads", run="net", step="x")[0] == 400
+    for step in ("--5", "\u00b2", "+3", " 4"):  # int() takes some, isdigit() others
+        code, message = error(server, f"{ROUTE}/numerics", run="net", step=step)
+        assert code == 400 and f"step={step!r} is not a step number" in message, (step, message)
 
 
 def test_the_heads_grid_is_each_heads_values_and_their_max_the_modules_scalar(server, logdir) -> None:
@@ -324,3 +351,85 @@ def test_the_numerics_grid_holds_every_format_and_the_written_ones_are_the_scala
                             assert served == scalars[tag][step], tag  # the written format's column
                             checked += 1
     assert checked >= 2 * 5 * 3  # bf16 (the format numerics=True writes on float32): every module, both roots
+
+
+def _app(plugin: HealthPlugin, route: str) -> Any:
+    """The WSGI application of one of the plugin's routes, under werkzeug's test client."""
+    return Client(plugin.get_plugin_apps()[route])
+
+
+def test_findings_give_non_finite_values_as_strings(tmp_path) -> None:
+    with SummaryWriter(tmp_path / "inf") as writer:  # a parameter gradient that overflowed, nothing else
+        for step in range(3):
+            writer.add_scalar("gradient/norm/fc", 1.0, step)
+            writer.add_scalar("param_grad/norm/fc.weight", math.inf if step == 2 else 1.0, step)
+    found = json.loads(_app(_plugin(tmp_path), "/findings").get("/findings?run=inf").get_data())
+    assert [(f["kind"], f["module"], f["step"], f["value"]) for f in found] == [
+        ("nonfinite", "fc.weight", 2, "Infinity")
+    ]
+    assert _as_reported(found) == _report(tmp_path)["inf"]["findings"]  # type: ignore[index]
+
+
+def test_a_run_is_judged_once_for_the_routes_that_ask_at_once(tmp_path, monkeypatch) -> None:
+    health_runs.write_net(tmp_path / "net")
+    plugin, judged = _plugin(tmp_path), []
+    real = analyses.findings
+    monkeypatch.setattr(analyses, "findings", lambda run: judged.append(run.label) or real(run))
+    routes = ["/findings", "/modules", "/spikes", "/series", "/findings", "/modules"]
+    with concurrent.futures.ThreadPoolExecutor(len(routes)) as pool:
+        answers = list(pool.map(lambda r: _app(plugin, r).get(f"{r}?run=net&module=dead"), routes))
+    assert [a.status_code for a in answers] == [200] * len(routes)
+    assert judged == ["net"]
+    assert answers[0].get_data() == answers[4].get_data()
+    _app(plugin, "/findings").get("/findings?run=net")  # asked again, unchanged: not judged again
+    assert judged == ["net"]
+
+
+def test_the_scales_are_the_statistics_declarations(server) -> None:
+    scales = get(server, f"{ROUTE}/scales")
+    assert scales["dead_frac"] == scales["zero_frac"] == "fraction"  # type: ignore[index]
+    assert scales["norm"] == scales["update_ratio"] == scales["underflow_fp16"] == "log"  # type: ignore[index]
+    assert scales["mean"] == scales["entropy"] == "linear"  # type: ignore[index]
+    assert {k: v for k, v in scales.items() if k in set(Stat) | set(Lost)} == {  # type: ignore[union-attr]
+        str(s): str(scale_of(s)) for s in [*Stat, *Lost]
+    }
+    held = {stat.split("/")[1] for r in get(server, f"{ROUTE}/runs") for stat in r["stats"]}  # type: ignore[union-attr, index]
+    assert held <= set(scales)  # type: ignore[arg-type]
+
+
+#: The flag docs/dashboard.md gives for reading every value of a run of up to 100,000 logged steps.
+EVERY_VALUE = ("--samples_per_plugin", "scalars=100000,tblog_hooks=100000")
+
+
+def test_the_documented_flag_keeps_every_value_and_the_page_says_when_a_sample_is_read(tmp_path) -> None:
+    assert " ".join(EVERY_VALUE) in (Path(__file__).parents[1] / "docs" / "dashboard.md").read_text()
+    logdir = tmp_path / "runs"
+    health_runs.write_net(logdir / "net")
+    with SummaryWriter(logdir / "many") as writer:  # more logged steps than TensorBoard keeps by default
+        for step in range(1200):
+            writer.add_scalar("gradient/norm/0", 1.0 + step % 3, step)
+    tables = read_tensors(logdir / "net", HEADS_TABLE_TAG)
+    assert len(tables) > 10  # more than TensorBoard keeps of a tensor tag by default
+    with tensorboard(logdir, *EVERY_VALUE) as url:
+        wait_until_loaded(url, logdir)
+        assert get(url, f"{ROUTE}/heads", run="net")["steps"] == sorted(tables)  # type: ignore[index]
+        doc = get(url, f"{ROUTE}/heatmap", run="many", tag="gradient/norm")
+        assert len(doc["steps"]) == 1200 and doc["sampled"] is False  # type: ignore[index]
+        assert get(url, f"{ROUTE}/modules", run="many")["sampled"] is False  # type: ignore[index]
+    with tensorboard(logdir) as url:  # TensorBoard's defaults: 1,000 values of a scalar tag
+        deadline = time.monotonic() + TENSORBOARD_READY_S
+        while not any(r["run"] == "many" and r["max_step"] == 1199 for r in _runs(url)):
+            assert time.monotonic() < deadline, "tensorboard did not load the run"
+            time.sleep(0.5)
+        doc = get(url, f"{ROUTE}/heatmap", run="many", tag="gradient/norm")
+        assert len(doc["steps"]) == 1000 and doc["sampled"] is True  # type: ignore[index]
+        modules = get(url, f"{ROUTE}/modules", run="many")
+        assert modules["sampled"] is True and modules["logged_steps"] == 1000  # type: ignore[index]
+        assert get(url, f"{ROUTE}/modules", run="net")["sampled"] is False  # type: ignore[index]
+
+
+def _runs(url: str) -> list[dict[str, Any]]:
+    try:
+        return get(url, f"{ROUTE}/runs")  # type: ignore[return-value]
+    except (urllib.error.URLError, ConnectionError):
+        return []  # not listening yet

@@ -99,7 +99,7 @@ def health(page: Any, expression: str) -> Any:
 
 def test_the_tab_is_listed_and_shows_the_run(page) -> None:
     assert page.get_by_text("Model health", exact=False).count() >= 1
-    assert frame(page).locator("#run option").all_text_contents() == ["gan [D]", "gan [G]", "net"]
+    assert frame(page).locator("#run option").all_text_contents()[:3] == ["gan [D]", "gan [G]", "net"]
     assert frame(page).locator("#stat").input_value() == "gradient/norm"  # the first statistic offered
 
 
@@ -136,6 +136,21 @@ def test_clicking_a_finding_selects_its_module_and_step(page) -> None:
     frame(page).locator("#series .chart").first.wait_for()
     titles = frame(page).locator("#series .chart .title").all_text_contents()
     assert "gradient/norm" in titles and "activation/dead_frac" in titles and "param_grad/norm · weight" in titles
+
+
+def test_a_modules_non_finite_steps_are_shown_in_its_series(page, logdir) -> None:
+    _open(page, "net")
+    frame(page).locator('#modules tbody tr[data-module="head"]').click()
+    chart = frame(page).locator('#series .chart[data-stat="activation/mean"][data-name="head"] canvas')
+    chart.wait_for(timeout=READY_MS)
+    written = read_run(logdir / "net").scalars["activation/mean/head"]
+    step = min(s for s, v in written.items() if math.isnan(v))
+    chart.scroll_into_view_if_needed()
+    box = chart.bounding_box()
+    x = chart.evaluate(f"(c) => c.xOf({step})")
+    page.mouse.move(box["x"] + x, box["y"] + box["height"] / 2)
+    tooltip = frame(page).locator("#tooltip")
+    assert f"step {step}: NaN" in tooltip.inner_text() and tooltip.get_attribute("data-value") == "NaN"
 
 
 def test_the_spikes_and_attention_cards_show_what_the_run_holds(page) -> None:
@@ -236,5 +251,189 @@ def test_another_run_is_drawn_beside_on_the_same_colour_scale(page) -> None:
     frame(page).locator("#compare-card").wait_for(state="hidden", timeout=READY_MS)
 
 
+def _wait(page: Any, condition: str, timeout: int = READY_MS) -> None:
+    """Until ``condition`` (an expression of ``page``, the dashboard's state) holds in the plugin's frame."""
+    frame_page = "document.querySelector('iframe').contentWindow.tblogHealth"
+    page.wait_for_function(f"() => {{ const page = {frame_page}; return !!page && !!({condition}); }}", timeout=timeout)
+
+
+def _open(page: Any, name: str) -> None:
+    frame(page).locator("#run").select_option(label=name)
+    _wait(page, f"page.model.name === {name!r} && page.analysis && !page.opening")
+
+
+def test_a_selection_stays_only_where_the_run_has_its_module(page) -> None:
+    _open(page, "net")
+    frame(page).locator('#modules tbody tr[data-module="dead"]').click()
+    assert (
+        frame(page).locator("#selection").inner_text() == "dead · step undefined"
+        or "dead" in frame(page).locator("#selection").inner_text()
+    )
+    _open(page, "gan [G]")  # modules "0" and "2": no "dead"
+    assert frame(page).locator("#selection").inner_text() == "click a cell or a finding"
+    assert health(page, "page.selection") is None and health(page, "page.heatmap.selected") is None
+    frame(page).locator("#heatmap canvas.cells").hover()
+    _open(page, "net")
+    assert not frame(page).locator("#tooltip").is_visible()  # no tooltip outlives its chart
+
+
+def test_the_compared_run_is_on_the_same_step_axis_with_its_findings(page) -> None:
+    _open(page, "gan [G]")
+    frame(page).locator("#compare").select_option(label="net")
+    frame(page).locator("#compare-title", has_text="net · gradient/norm").wait_for(timeout=READY_MS)
+    _wait(page, "page.compare.marks.length > 0")
+    steps = health(page, "page.heatmap.doc.steps")
+    assert health(page, "page.compare.doc.steps") == steps
+    own = get(page.url.split("/#")[0], "/data/plugin/tblog_hooks/heatmap", run="gan", prefix="G", tag="gradient/norm")
+    other = get(page.url.split("/#")[0], "/data/plugin/tblog_hooks/heatmap", run="net", tag="gradient/norm")
+    assert steps == sorted(set(own["steps"]) | set(other["steps"]))  # type: ignore[index]
+    row = health(page, "page.compare.doc.values[page.compare.doc.modules.indexOf('dead')]")
+    written = dict(zip(other["steps"], other["values"][other["modules"].index("dead")]))  # type: ignore[index]
+    assert row == [written.get(s) for s in steps]  # a column is one step in both
+    findings = get(page.url.split("/#")[0], "/data/plugin/tblog_hooks/findings", run="net")
+    assert health(page, "page.compare.marks") == findings
+    frame(page).locator("#compare").select_option(label="—")
+    _open(page, "net")
+
+
+def test_a_finding_about_the_whole_model_marks_its_step(page) -> None:
+    _open(page, "net")
+    row = frame(page).locator('#findings tr[data-module=""]', has_text="loss_spike")
+    step = int(row.get_attribute("data-step"))
+    column = health(page, f"page.heatmap.column({step})")  # its own, or the first logged step after it
+    assert health(page, "page.heatmap.doc.steps")[column] >= step and column in health(
+        page, "page.heatmap.modelColumns()"
+    )
+    row.click()
+    assert frame(page).locator("#selection").inner_text() == f"step {step} (whole model)"
+    assert health(page, "page.heatmap.selected") == {"row": None, "col": column}
+
+
+def test_findings_and_module_rows_are_chosen_with_the_keyboard(page) -> None:
+    _open(page, "net")
+    row = frame(page).locator('#findings tr[data-module="dead"]').first
+    row.focus()
+    page.keyboard.press("Enter")
+    assert frame(page).locator("#selection").get_attribute("data-module") == "dead"
+    page.keyboard.press("Tab")  # the next finding
+    page.keyboard.press("Enter")
+    assert health(page, "page.selection.module") == frame(page).locator("#findings tr.selected").get_attribute(
+        "data-module"
+    )
+    frame(page).locator('#modules tbody tr[data-module="embed"]').focus()
+    page.keyboard.press(" ")
+    assert frame(page).locator("#selection").get_attribute("data-module") == "embed"
+
+
+def test_the_filter_says_what_it_shows(page) -> None:
+    _open(page, "net")
+    frame(page).locator("#filter").fill("dead|head")
+    frame(page).locator("#heatmap-title", has_text="2 of 5 \u00d7").wait_for(timeout=READY_MS)
+    frame(page).locator("#filter").fill("(")
+    frame(page).locator("#heatmap-title", has_text="invalid filter: every row shown").wait_for(timeout=READY_MS)
+    assert "invalid" in frame(page).locator("#filter").get_attribute("class")
+    frame(page).locator("#filter").fill("")
+    frame(page).locator("#heatmap-title", has_text="gradient/norm · 5 \u00d7").wait_for(timeout=READY_MS)
+
+
+def test_scales_come_from_the_servers_table_and_the_legend_ends_differ(page) -> None:
+    _open(page, "net")
+    frame(page).locator("#stat").select_option("activation/dead_frac")  # a fraction: linear from 0 to 1
+    _wait(page, "page.heatmap.stat === 'activation/dead_frac'")
+    assert health(page, "[page.heatmap.scale.log, page.heatmap.scale.lo, page.heatmap.scale.hi]") == [False, 0, 1]
+    frame(page).locator("#stat").select_option("gradient/norm")
+    _wait(page, "page.heatmap.stat === 'gradient/norm'")
+    assert health(page, "page.heatmap.scale.log") is True
+    for kind in ("log", "linear"):  # a range within the last digits of four
+        labels = health(
+            page, f"new page.heatmap.scale.constructor([[1.91712, 1.91718]], {kind!r}).ticks().map((t) => t[1])"
+        )
+        assert len(set(labels)) == len(labels), labels
+
+
+def test_a_later_step_chosen_after_an_automatic_reload_is_drawn(page, logdir) -> None:
+    _open(page, "net")
+    frame(page).locator("#heads-cells").wait_for(timeout=READY_MS)
+    steps = health(page, "page.tables.heads.doc.steps")
+    with SummaryWriter(logdir / "net") as writer:  # the run grows
+        writer.add_scalar("gradient/norm/embed", 0.25, LATER + 1)
+    url = page.url.split("/#")[0]
+    deadline = time.monotonic() + TENSORBOARD_READY_S
+    while next(r["max_step"] for r in get(url, "/data/plugin/tblog_hooks/runs") if r["run"] == "net") != LATER + 1:  # type: ignore[index, union-attr]
+        assert time.monotonic() < deadline, "tensorboard did not load the later step"
+        time.sleep(0.25)
+    health(page, "(page.openTook = 1e9, page.reload(false))")  # the automatic reload of a run slow to judge
+    _wait(page, f"page.model.max_step === {LATER + 1}")
+    frame(page).locator("#heads-step").select_option(str(steps[0]))
+    _wait(page, f"page.tables.heads.doc.step === {steps[0]}")
+    assert frame(page).locator("#heads-step").input_value() == str(steps[0])
+
+
+def test_tensorboards_reload_shows_new_runs_and_steps(page, logdir) -> None:
+    _open(page, "net")
+    health_runs.write_gan(logdir / "late")  # a run started while the tab is open
+    url = page.url.split("/#")[0]
+    deadline = time.monotonic() + TENSORBOARD_READY_S
+    while not any(r["run"] == "late" for r in get(url, "/data/plugin/tblog_hooks/runs")):  # type: ignore[index, union-attr]
+        assert time.monotonic() < deadline, "tensorboard did not load the later run"
+        time.sleep(0.25)
+    page.locator("app-header-reload button.reload-button").click()  # TensorBoard's own reload
+    _wait(page, "[...page.runSelect.options].some((o) => o.text === 'late [G]')")
+    assert "late [D]" in frame(page).locator("#compare option").all_text_contents()
+    assert health(page, "page.model.name") == "net"  # the run shown stays
+
+
+def test_a_browser_reload_keeps_the_run_statistic_comparison_and_selection(page) -> None:
+    _open(page, "gan [G]")
+    frame(page).locator("#stat").select_option("activation/std")
+    frame(page).locator("#compare").select_option(label="net")
+    frame(page).locator('#modules tbody tr[data-module="2"]').click()
+    assert "p.tblog_hooks.run=gan%20%5BG%5D" in page.url
+    drawn = "page.seriesTitle.textContent === 'Module 2' && !page.opening && page.compare.marks.length"
+    _wait(page, drawn)  # nothing in flight that the reload would abort
+    page.reload()
+    frame(page).locator("#modules table").wait_for(timeout=READY_MS)
+    _wait(page, "page.analysis && page.selection")
+    assert health(page, "[page.model.name, page.statSelect.value, page.compareModel().name]") == [
+        "gan [G]",
+        "activation/std",
+        "net",
+    ]
+    assert frame(page).locator("#selection").get_attribute("data-module") == "2"
+
+
 def test_no_errors_in_the_browser(page, console) -> None:
     assert console == []
+
+
+def test_a_tab_opened_before_any_run_shows_the_first_and_says_it_is_sampled(page, tmp_path) -> None:
+    logdir = tmp_path / "runs"
+    logdir.mkdir()
+    with tensorboard(logdir) as url:
+        tab = page.context.browser.new_page(viewport={"width": 1400, "height": 1000})  # the fixture's browser
+        try:
+            deadline = time.monotonic() + TENSORBOARD_READY_S
+            while True:
+                try:
+                    get(url, "/data/plugin/tblog_hooks/runs")
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "tensorboard did not start"
+                    time.sleep(0.5)
+            tab.goto(f"{url}/#tblog_hooks")
+            frame(tab).locator("#no-runs").wait_for(timeout=READY_MS)
+            with SummaryWriter(logdir / "many") as writer:  # more logged steps than TensorBoard keeps
+                for step in range(1200):
+                    writer.add_scalar("gradient/norm/0", 1.0 + step % 3, step)
+            while not get(url, "/data/plugin/tblog_hooks/runs"):
+                assert time.monotonic() < deadline + TENSORBOARD_READY_S, "tensorboard did not load the run"
+                time.sleep(0.5)
+            tab.locator("app-header-reload button.reload-button").click()  # TensorBoard's own reload
+            frame(tab).locator("#modules table").wait_for(timeout=READY_MS)
+            sampling = frame(tab).locator("#sampling")
+            sampling.wait_for(timeout=READY_MS)
+            assert "a sample of 1,000 of this run's logged steps" in sampling.inner_text()
+            assert "scalars=100000" in sampling.inner_text()
+            assert "sample of 1,000 logged steps" in frame(tab).locator("#findings-hint").inner_text()
+        finally:
+            tab.close()

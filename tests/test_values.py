@@ -328,3 +328,36 @@ def test_two_backward_passes_through_one_output_warn_once(tmp_path) -> None:
         assert len([w for w in caught if "second backward" in str(w.message)]) == 1
     pooled = math.sqrt(sum(float(g.double().norm()) ** 2 for g in grads))
     assert read_run(tmp_path).scalar("gradient/norm/0", 0) == pytest.approx(pooled, rel=1e-5)
+
+
+def test_an_exploding_gradient_is_logged_finite_and_found_exploding(tmp_path) -> None:
+    """A finite gradient whose norm's square is past float32's range (norm ~1e21): its norms are
+    the float64 ones, and it is an ``exploding_gradient``, not ``nonfinite``."""
+    model = mlp(8, 32, 32, 2, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    at, outputs = 30, {}
+
+    def keep_output_gradient(name: str, module: nn.Module, args: object, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: outputs.__setitem__(name, float(g.double().norm())))
+
+    for name in ("0", "2", "4"):
+        model[int(name)].register_forward_hook(functools.partial(keep_output_gradient, name))
+    torch.manual_seed(1)
+    with HookLogger(model, log_dir=tmp_path, every=5, optimizer=opt, spikes=True) as hooks:
+        for step in range(at + 1):
+            loss = model(torch.randn(16, 8)).square().mean()
+            (loss * (1e21 if step == at else 1.0)).backward()
+            params = {n: float(p.grad.double().norm()) for n, p in model.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+            hooks.step(loss=loss)
+        kinds = {(f.kind, f.step) for f in hooks.findings}
+    assert max(params.values()) > 1e20  # (squares past float32's 3.4e38)
+    run = read_run(tmp_path)
+    expected = {f"param_grad/norm/{n}": v for n, v in params.items()}
+    expected |= {f"gradient/norm/{m}": v for m, v in outputs.items()}
+    expected["param_grad/global_norm"] = expected["step/grad_norm"] = math.sqrt(sum(v * v for v in params.values()))
+    for tag, value in expected.items():
+        assert run.scalar(tag, at) == pytest.approx(value, rel=1e-5), tag
+    assert ("exploding_gradient", at) in kinds and ("gradient_spike", at) in kinds
+    assert not any(kind == "nonfinite" for kind, _ in kinds), kinds

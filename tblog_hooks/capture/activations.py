@@ -43,7 +43,6 @@ class ActivationRecorder:
         recipe = buffer.recipe
         self._output, self._image = recipe[Source.OUTPUT], recipe[Source.IMAGE]
         self._input = recipe[Source.INPUT if inputs else Source.NONFINITE_INPUT]
-        self._numeric_output = recipe.numerics.get(Source.OUTPUT) if numerics is not None else None
         # With a float8 format named: each Linear's input and weight, as fp8 training casts them.
         fp8 = numerics is not None and numerics.fp8
         self._casts = (recipe.numerics[Source.FP8_INPUT], recipe.numerics[Source.FP8_WEIGHT]) if fp8 else None
@@ -97,8 +96,7 @@ class ActivationRecorder:
                     self._add_feature_map(mode, name, [t for t, _ in pieces])
                 if self.activations and counted.activations:
                     for t, split in pieces:
-                        named = mode.record(self._output, name, t, units, split, self._numeric_output)
-                        self._remember(mode, t, named)
+                        self._remember(mode, t, mode.record(self._output, name, t, units, split))
                     if self._casts is not None and isinstance(module, nn.Linear):
                         self._fp8_casts(mode, name, module, args)
             if counted.gradients and self.gradients is not None:

@@ -21,6 +21,7 @@ out of the per-step norms, said once: only a collective of the whole gradient co
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import deque
 from collections.abc import Sequence
@@ -34,9 +35,9 @@ from torch.optim import Optimizer
 
 from .._compat import grad_scale, in_backward, step_closure
 from ..errors import HookLoggerError
-from ..stats.reductions import loggable, norms
+from ..stats.reductions import loggable, stacked_norms
 from ..topology.sharding import is_dtensor, is_partial, local
-from ..transport.distributed import rank_and_world
+from ..transport.distributed import collective_device, rank_and_world
 from .watched import Watched, _Hook
 
 Groups = tuple[dist.ProcessGroup, ...]
@@ -47,8 +48,19 @@ NOT_READ = -1.0
 class StepNorms:
     """The optimizer step pre-hook and the host ring of per-step norms and losses."""
 
-    def __init__(self, watched: Watched, modules: Sequence[str], steps: int) -> None:
+    def __init__(
+        self,
+        watched: Watched,
+        modules: Sequence[str],
+        steps: int,
+        *,
+        samples_over_ranks: bool = False,
+        lead: bool = True,
+    ) -> None:
+        """``samples_over_ranks`` (``reduce_ranks=True`` over several ranks): each step's samples are
+        summed over the ranks, those of the first rank of each tensor-parallel group (``lead``)."""
         self.watched, self.modules, self.steps = watched, tuple(modules), steps
+        self._samples_over_ranks, self._lead = samples_over_ranks, lead
         # id(parameter) -> (slot: group-set index * modules + module index, parameter, whether it is a
         # DTensor, whose gradient is one too); None: look up again.
         self._owners: dict[int, tuple[int, Tensor, bool]] | None = None
@@ -59,7 +71,8 @@ class StepNorms:
         self._stepped: dict[int, Tensor] = {}  # id(optimizer) -> its per-module squares this step
         self._device = torch.device("cpu")  # of the squares
         self._after: set[int] = set()  # optimizers stepping with a closure: read after their step
-        self._host: Tensor | None = None  # [steps, modules + 1] float32, pinned on CUDA
+        self._host: Tensor | None = None  # [steps, modules + 2] float64, pinned on CUDA
+        self._rows: np.ndarray | None = None  # the same memory, written on the host without an op
         self._pinned = False
         # (step, row, the copies' events (none on the CPU), whether a loss was given)
         self._pending: deque[tuple[int, int, tuple[torch.cuda.Event, ...], bool]] = deque()
@@ -118,20 +131,39 @@ class StepNorms:
         except Exception as error:  # the logger must never stop training
             self._fail(error)
 
-    def end_step(self, step: int, loss: Tensor | float | None) -> None:
-        """The step's squares (summed over ranks) and ``loss`` into the ring (one non-blocking
-        copy); nothing read."""
-        sums = self._combined()
+    def end_step(self, step: int, loss: Tensor | float | None, samples: int | None) -> bool:
+        """The step's squares (summed over ranks), ``loss`` and ``samples`` (summed over ranks with
+        ``samples_over_ranks``) into the ring (one non-blocking copy per device); nothing read.
+        Whether a row was queued: none without squares or a loss (nothing to judge)."""
+        sums, counted = self._combined(), self._over_ranks(samples)
         if self.failed or (sums is None and loss is None):
-            return
+            return False
         try:
-            self._copy(step, sums, loss)
+            self._copy(step, sums, loss, counted)
         except Exception as error:
             self._fail(error)
+            return False
+        return True
 
-    def drop(self) -> None:
-        """The step's squares summed over ranks, and forgotten (a rank that does not write)."""
+    def drop(self, samples: int | None) -> None:
+        """The step's squares and samples summed over ranks, and forgotten (a rank that does not write)."""
         self._combined()
+        self._over_ranks(samples)
+
+    def _over_ranks(self, samples: int | None) -> Tensor | int | None:
+        """``samples``, or with ``samples_over_ranks`` their sum over the ranks (one ``all_reduce`` of
+        one value, on every rank at each step, failed or not: the other ranks make it too)."""
+        if not self._samples_over_ranks:
+            return samples
+        try:
+            mine = float(samples or 0) if self._lead else 0.0  # (a fill on the device: no copy, no sync)
+            total = torch.full((1,), mine, dtype=torch.float64, device=collective_device())
+            dist.all_reduce(total)
+        except Exception as error:  # a broken process group: no collective from now on
+            self._samples_over_ranks = False
+            self._fail(error)
+            return None
+        return total
 
     def _combined(self) -> Tensor | None:
         """The step's per-module squares, over every optimizer that stepped and, for sharded
@@ -147,7 +179,7 @@ class StepNorms:
             if stepped:
                 rows = torch.stack(on_one_device(stepped)).sum(0).view(blocks, len(self.modules))
             else:  # (this rank stepped nothing it watches, or stopped watching: it joins with zeros)
-                rows = torch.zeros(blocks, len(self.modules), device=self._device)
+                rows = torch.zeros(blocks, len(self.modules), dtype=torch.float64, device=self._device)
             for block, groups in enumerate(self._group_sets.values(), 1):
                 for group in groups:
                     dist.all_reduce(rows[block], group=group)
@@ -159,8 +191,9 @@ class StepNorms:
 
     def take(self, *, wait: bool) -> list[tuple[int, np.ndarray, bool]]:
         """Rows whose copy is complete, in step order (with ``wait``: all), as ``(step, row, loss
-        given)``: ``[squared norm per module..., loss]``, :data:`NOT_READ` squares where the step's
-        gradients were not read, a NaN loss where none was given."""
+        given)``: ``[squared norm per module..., loss, samples]``, :data:`NOT_READ` squares where the
+        step's gradients were not read, a NaN loss where none was given, 0 or NaN samples where
+        none were counted."""
         while self._pending and (wait or all(event.query() for event in self._pending[0][2])):
             self._read_oldest()
         done, self._done = self._done, []
@@ -204,7 +237,7 @@ class StepNorms:
     def _squares(self, grads: list[Tensor], slots: tuple[int, ...], scale: Tensor | None) -> Tensor:
         """Per-module sums of the squared gradient norms (over the shard groups too), on the device."""
         with torch.no_grad():
-            squares = torch.stack(on_one_device(norms(grads))).float().square()
+            squares = stacked_norms(grads).square()
             device = squares.device
             index = self._indices.get(slots)
             if index is None:
@@ -212,36 +245,41 @@ class StepNorms:
             self._device = device
             sums = squares.new_zeros((1 + len(self._group_sets)) * len(self.modules)).index_add_(0, index, squares)
             if scale is not None:  # a fused optimizer's gradients, still scaled
-                sums = sums / scale.to(device).reshape(()).float().square()
+                sums = sums / scale.to(device).reshape(()).double().square()
             return sums
 
-    def _copy(self, step: int, sums: Tensor | None, loss: Tensor | float | None) -> None:
-        width = len(self.modules) + 1
-        device = sums.device if sums is not None else loss.device if isinstance(loss, Tensor) else None
-        cuda = device is not None and device.type == "cuda"
+    def _copy(self, step: int, sums: Tensor | None, loss: Tensor | float | None, samples: Tensor | int | None) -> None:
+        parts = ((sums, len(self.modules), NOT_READ), (loss, 1, math.nan), (samples, 1, math.nan))
+        tensors = [t for t, _, _ in parts if isinstance(t, Tensor)]
+        cuda = any(t.device.type == "cuda" for t in tensors)
         if self._host is None or (cuda and not self._pinned):
             # Pinned once a CUDA tensor comes (a first step without an optimizer step has none):
             # a copy into pageable memory blocks.
-            ring = torch.empty((self.steps, width), dtype=torch.float32, pin_memory=cuda)
+            ring = torch.empty((self.steps, len(self.modules) + 2), dtype=torch.float64, pin_memory=cuda)
             if self._host is not None:
                 ring.copy_(self._host)  # (rows of CPU values: their copies are done)
-            self._host, self._pinned = ring, cuda
+            self._host, self._rows, self._pinned = ring, ring.numpy(), cuda
         if len(self._pending) == self.steps:
             self._read_oldest()  # a row still in flight after `steps` steps: wait for it
         row, self._next_row = self._next_row, (self._next_row + 1) % self.steps
-        host = self._host[row]
-        with torch.no_grad():
-            if sums is not None and isinstance(loss, Tensor) and loss.device == sums.device:
-                host.copy_(torch.cat([sums, loss.reshape(1)]), non_blocking=True)  # one copy for both
-            elif sums is not None:
-                host[:-1].copy_(sums, non_blocking=True)
+        host, values = self._host[row], self._rows[row]  # type: ignore[index]
+        # Device values copied in runs of neighbours on one device (one copy for squares and loss).
+        runs: list[tuple[int, list[Tensor]]] = []
+        at = 0
+        for value, width, missing in parts:
+            if not isinstance(value, Tensor):
+                values[at : at + width] = missing if value is None else float(value)
+            elif runs and runs[-1][1][-1].device == value.device and runs[-1][0] + _length(runs[-1][1]) == at:
+                runs[-1][1].append(value)
             else:
-                host[:-1] = NOT_READ
-            if isinstance(loss, Tensor) and (sums is None or loss.device != sums.device):
-                host[-1:].copy_(loss.reshape(1), non_blocking=True)
-            elif not isinstance(loss, Tensor):
-                host[-1] = float("nan") if loss is None else float(loss)
-        self._pending.append((step, row, _events(sums, loss), loss is not None))
+                runs.append((at, [value]))
+            at += width
+        with torch.no_grad():
+            for start, run in runs:
+                flat = [t if t.dim() == 1 else t.reshape(1) for t in run]  # (the squares, or one value)
+                source = flat[0] if len(flat) == 1 else torch.cat(flat)
+                host[start : start + source.numel()].copy_(source, non_blocking=True)
+        self._pending.append((step, row, _events(*tensors), loss is not None))
 
     def _read_oldest(self) -> None:
         step, row, events, given = self._pending.popleft()
@@ -309,6 +347,10 @@ def on_one_device(tensors: list[Tensor]) -> list[Tensor]:
 def any_split(watched: Watched) -> bool:
     """Whether a watched parameter is a ``DTensor`` of several ranks (its norm needs a collective)."""
     return rank_and_world()[1] > 1 and any(is_dtensor(p) for _, p in watched.params())
+
+
+def _length(tensors: list[Tensor]) -> int:
+    return sum(t.numel() for t in tensors)
 
 
 def _events(*tensors: Tensor | float | None) -> tuple[torch.cuda.Event, ...]:

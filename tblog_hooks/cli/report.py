@@ -89,7 +89,7 @@ def load_all(run_dir: Path, label: str) -> list[Run]:
                 run.scalars = {s: v for s, v in run.scalars.items() if s < step}
             run.scalars[step] = scalars
     for prefix, run in runs.items():
-        run.order = forward_order(orders.get(prefix, []), run.scalars)
+        run.order = forward_order(orders.get(prefix, []), set().union(*run.scalars.values()))
     return [runs[prefix] for prefix in sorted(runs)]
 
 

@@ -26,11 +26,15 @@ from ..stats.tags import (
     NUMERICS_TABLE_TAG,
     Lost,
     Root,
+    Scale,
     Stat,
+    per_format,
+    scale_of,
     tag,
     unescape,
 )
-from .source import Analysis, Model, in_forward_order, names_of
+from .analyses import Analysis
+from .source import Model, in_forward_order, names_of
 
 #: The statistics the page offers first, in this order (then the others a run holds, sorted).
 FIRST_ROOTS = (
@@ -66,6 +70,23 @@ def number(value: float | None) -> float | str | None:
     if value is None or math.isfinite(value):
         return value
     return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+
+
+def scales() -> dict[str, str]:
+    """The ``scales`` document: the scale of each statistic (``dead_frac``), each per-format
+    statistic (``underflow_fp16``) and each per-format loss (``underflow``); any other is ``log``."""
+    named = {str(stat): scale_of(stat) for stat in Stat} | {str(lost): scale_of(lost) for lost in Lost}
+    formats = {per_format(lost, fmt): scale_of(lost) for lost in Lost for fmt in FORMATS}
+    return {"default": Scale.LOG} | {name: str(scale) for name, scale in (named | formats).items()}
+
+
+def findings(analysis: Analysis) -> list[dict[str, Any]]:
+    """The ``findings`` document: those ``tblog-hooks report --json`` gives, in step order, with
+    NaN and infinite values as the documents give them (:func:`number`)."""
+    return [
+        {"kind": f.kind, "module": f.module, "step": f.step, "value": number(f.value), "message": f.message}
+        for f in analysis.findings
+    ]
 
 
 def roots(model: Model) -> list[str]:
@@ -134,21 +155,28 @@ def _nested(values: np.ndarray, absent: np.ndarray | None = None) -> list[Any]:
     return out
 
 
-def heatmap(model: Model, root: str, values: Mapping[str, Mapping[int, float]], order: list[str]) -> dict[str, Any]:
+def heatmap(
+    model: Model, root: str, values: Mapping[str, Mapping[int, float]], order: list[str], kept: int
+) -> dict[str, Any]:
     """The ``heatmap`` document of ``root`` (``gradient/norm``): one row per name in forward
-    order, one column per step at which any of them has a value, ``None`` where one has none."""
+    order, one column per step at which any of them has a value, ``None`` where one has none;
+    ``sampled`` when a tag has as many values as TensorBoard keeps of one (``kept``, ``0`` for
+    all), so that the steps are its sample of those written."""
     names = names_of(model, root)
     rows = in_forward_order(names.values(), order)
     tag_of = {name: t for t, name in names.items()}
     steps = sorted({step for t in names for step in values.get(t, {})})
     table = [[number(values.get(tag_of[name], {}).get(step)) for step in steps] for name in rows]
-    return {"run": model.run, "prefix": model.prefix, "tag": root, "modules": rows, "steps": steps, "values": table}
+    sampled = 0 < kept <= max((len(v) for v in values.values()), default=0)
+    doc = {"run": model.run, "prefix": model.prefix, "tag": root, "modules": rows, "steps": steps, "values": table}
+    return doc | {"sampled": sampled}
 
 
 def module_table(analysis: Analysis) -> dict[str, Any]:
     """The ``modules`` document: per watched module, the latest value of each of its statistics
     and the findings naming it (a parameter's findings count for its module), worst first:
-    by the most severe finding kind, then the number of findings, then forward order."""
+    by the most severe finding kind, then the number of findings, then forward order; and how
+    many logged steps the findings were judged on, and whether those are TensorBoard's sample."""
     run = analysis.run
     latest: dict[str, float] = {}
     for scalars in run.scalars.values():
@@ -161,8 +189,8 @@ def module_table(analysis: Analysis) -> dict[str, Any]:
     modules = in_forward_order(values, run.order)
     found: dict[str, list[str]] = {m: [] for m in modules}
     for finding in analysis.findings:
-        if (held := owner(finding["module"], modules)) is not None:
-            found[held].append(finding["kind"])
+        if (held := owner(finding.module, modules)) is not None:
+            found[held].append(finding.kind)
     position = {m: i for i, m in enumerate(modules)}
 
     def rank(module: str) -> tuple[int, int, int]:
@@ -175,7 +203,12 @@ def module_table(analysis: Analysis) -> dict[str, Any]:
     ]
     stats = {stat for row in values.values() for stat in row}
     first = [r for r in FIRST_ROOTS if r in stats]
-    return {"stats": first + sorted(stats - set(first)), "rows": rows}
+    return {
+        "stats": first + sorted(stats - set(first)),
+        "rows": rows,
+        "logged_steps": len(run.scalars),
+        "sampled": analysis.sampled,
+    }
 
 
 #: Roots whose names are modules (``param`` and ``param_grad`` name parameters).
@@ -219,5 +252,5 @@ def spikes(analysis: Analysis) -> dict[str, Any]:
         points = [(step, values[name]) for step, values in series.items() if name in values]
         return {"steps": [s for s, _ in points], "values": [number(v) for _, v in points]}
 
-    marked = [f for f in analysis.findings if f["kind"] in _SPIKE_KINDS]
+    marked = [f for f in findings(analysis) if f["kind"] in _SPIKE_KINDS]
     return {"grad_norm": line(GRAD_NORM_TAG), "loss": line(LOSS_TAG), "spikes": marked}

@@ -1,7 +1,7 @@
 """The "Model health" plugin: TensorBoard finds it through the ``tensorboard_plugins`` entry point
 of this package and serves its routes under ``/data/plugin/tblog_hooks/``.
 
-Routes (JSON, documented in ``docs/dashboard.md``): ``runs``, ``heatmap?run=&tag=``,
+Routes (JSON, documented in ``docs/dashboard.md``): ``runs``, ``scales``, ``heatmap?run=&tag=``,
 ``findings?run=``, ``modules?run=``, ``series?run=&module=``, ``spikes?run=``, ``heads?run=&step=``,
 ``numerics?run=&step=``, ``compare?run=&other=``; each route of one
 run also takes ``prefix=`` (needed only when the run holds several loggers' prefixes). The page
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Callable, Iterable
 from importlib import resources
 from typing import Any
@@ -24,11 +25,14 @@ from werkzeug import wrappers
 
 from ..diagnostics import compare
 from ..diagnostics.compare import Tolerance
-from ..stats.tags import HEADS_TABLE_TAG, NUMERICS_TABLE_TAG, split_prefix
+from ..stats.tags import HEADS_TABLE_TAG, NUMERICS_TABLE_TAG, TABLE_PLUGIN, split_prefix
 from . import documents
-from .source import Model, Source, names_of
+from .analyses import Analyses
+from .source import DEFAULT_SCALARS_KEPT, Model, Source, names_of
 
-PLUGIN_NAME = "tblog_hooks"
+PLUGIN_NAME = TABLE_PLUGIN
+#: A step number as a query gives it: ASCII digits, optionally negative (``int()`` takes more).
+_STEP = re.compile(r"-?[0-9]+")
 _STATIC = {"/index.js": "application/javascript", "/compare.js": "application/javascript", "/style.css": "text/css"}
 
 #: What TensorBoard serves a route with: a WSGI application.
@@ -43,20 +47,23 @@ class HealthPlugin(base_plugin.TBPlugin):  # type: ignore[misc]
     plugin_name = PLUGIN_NAME
 
     def __init__(self, context: base_plugin.TBContext) -> None:
-        self._source = Source(context.data_provider)
+        kept = (context.sampling_hints or {}).get("scalars", DEFAULT_SCALARS_KEPT)
+        self._source = Source(context.data_provider, kept)
+        self._analyses = Analyses(self._source)
 
     def get_plugin_apps(self) -> dict[str, WSGIApp]:
         documents_of: dict[str, Build] = {
             "/heatmap": self._heatmap,
-            "/findings": lambda request, ctx, eid, model: self._source.analysis(ctx, eid, model).findings,
-            "/modules": lambda request, ctx, eid, model: documents.module_table(self._source.analysis(ctx, eid, model)),
+            "/findings": lambda request, ctx, eid, model: documents.findings(self._analyses.of(ctx, eid, model)),
+            "/modules": lambda request, ctx, eid, model: documents.module_table(self._analyses.of(ctx, eid, model)),
             "/series": self._series,
-            "/spikes": lambda request, ctx, eid, model: documents.spikes(self._source.analysis(ctx, eid, model)),
+            "/spikes": lambda request, ctx, eid, model: documents.spikes(self._analyses.of(ctx, eid, model)),
             "/heads": functools.partial(self._table, HEADS_TABLE_TAG),
             "/numerics": functools.partial(self._table, NUMERICS_TABLE_TAG),
             "/compare": self._compare,
         }
         apps = {path: _app(self._static) for path in _STATIC} | {"/runs": _app(self._runs)}
+        apps["/scales"] = _app(lambda request: _respond(request, documents.scales()))
         return apps | {path: _app(functools.partial(self._of_model, build)) for path, build in documents_of.items()}
 
     def is_active(self) -> bool:
@@ -111,15 +118,15 @@ class HealthPlugin(base_plugin.TBPlugin):  # type: ignore[misc]
             held = ", ".join(documents.roots(model))
             raise errors.InvalidArgumentError(f"{model.name!r} holds no {root}/{{module}} scalars; it holds {held}")
         values = self._source.read(ctx, eid, model, tags)
-        return documents.heatmap(model, root, values, self._source.order(ctx, eid, model))
+        return documents.heatmap(model, root, values, self._source.order(ctx, eid, model), self._source.scalars_kept)
 
     def _table(self, table: str, request: wrappers.Request, ctx: Any, eid: str, model: Model) -> object:
         """A value table at ``step=`` (the latest without it)."""
         if table not in model.tables:
             raise errors.NotFoundError(f"{model.name!r} holds no {table} (written with attention= or numerics=)")
         step = request.args.get("step")
-        if step is not None and not step.lstrip("-").isdigit():
-            raise errors.InvalidArgumentError(f"step={step!r} is not a step number")
+        if step is not None and not _STEP.fullmatch(step):
+            raise errors.InvalidArgumentError(f"step={step!r} is not a step number (an integer such as 40)")
         chosen = None if step is None else int(step)
         doc = documents.value_table(model, table, self._source.table(ctx, eid, model, table), chosen)
         if chosen is not None and chosen not in doc["steps"]:
@@ -133,7 +140,7 @@ class HealthPlugin(base_plugin.TBPlugin):  # type: ignore[misc]
         other = self._model(request, ctx, eid, ("other", "other_prefix"))
         try:
             tolerance = Tolerance(**{k: float(request.args[k]) for k in ("rtol", "atol") if k in request.args})
-            a, b = (self._source.analysis(ctx, eid, m).run for m in (model, other))
+            a, b = (self._analyses.of(ctx, eid, m).run for m in (model, other))
             return compare.as_json(compare.compare(a, b, tolerance))
         except ValueError as error:
             raise errors.InvalidArgumentError(f"rtol= and atol= are numbers ({error})") from None
@@ -141,7 +148,7 @@ class HealthPlugin(base_plugin.TBPlugin):  # type: ignore[misc]
             raise errors.InvalidArgumentError(str(error)) from None
 
     def _series(self, request: wrappers.Request, ctx: Any, eid: str, model: Model) -> object:
-        module, analysis = _argument(request, "module"), self._source.analysis(ctx, eid, model)
+        module, analysis = _argument(request, "module"), self._analyses.of(ctx, eid, model)
         series = documents.module_series(analysis, module)
         if not series["series"] and module not in analysis.run.order:
             raise errors.NotFoundError(f"{model.name!r} holds no statistics of a module {module!r}")

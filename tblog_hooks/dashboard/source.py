@@ -1,29 +1,26 @@
 """This package's runs as TensorBoard's data provider serves them: which runs (and prefixes) hold
-its tags, the values of a tag root, and a whole run as a :class:`~tblog_hooks.diagnostics.replay.Run`
-for the rules ``tblog-hooks report`` replays.
+its tags, and the values of their tags (what a run means is :mod:`~tblog_hooks.diagnostics.replay`'s).
 
 TensorBoard keeps a reservoir of each scalar tag (1,000 values unless ``--samples_per_plugin
-scalars=N`` says otherwise); every value it kept is read, never fewer.
+scalars=N`` says otherwise, ``0`` for every value); every value it kept is read, never fewer.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from tensorboard.data import provider
+from tensorboard.data import grpc_provider, provider
+from tensorboard.data.proto import data_provider_pb2
 
-from ..cli.report import as_json
-from ..diagnostics.replay import Run, forward_key, forward_order, is_logged_step
+from ..diagnostics.replay import forward_key, is_logged_step
 from ..stats.tags import (
     GRAD_NORM_TAG,
     NAMED_ROOTS,
     ORDER_TAG,
     TABLE_PLUGIN,
-    Root,
     parse_order,
     rows_tag,
     split_prefix,
@@ -33,8 +30,10 @@ from ..stats.tags import (
 _SCALARS, _TEXT = "scalars", "text"
 #: More values than any reservoir keeps: every kept value of a tag is read.
 ALL_VALUES = 1 << 30
-#: Tags of the every-step series (``spikes=``), which :attr:`Run.series` holds.
-_SERIES = (f"{Root.STEP}/", f"{Root.SPIKE}/")
+#: How many values of a scalar tag TensorBoard keeps without ``--samples_per_plugin scalars=N``.
+DEFAULT_SCALARS_KEPT = 1000
+#: ``(steps, values)`` of one tag, in step order.
+Column = tuple[list[int], list[float]]
 
 
 @dataclass(frozen=True)
@@ -73,23 +72,13 @@ class Model:
 _NAMED = tuple(f"{root}/" for root in NAMED_ROOTS)
 
 
-@dataclass(frozen=True)
-class Analysis:
-    """A model's whole run and its findings, as ``tblog-hooks report --json`` gives them
-    (``kind``, ``module``, ``step``, ``value``, ``message``; NaN/Inf values are ``None``)."""
-
-    run: Run
-    findings: list[dict[str, Any]]
-
-
 class Source:
-    """Reads through one TensorBoard data provider. Whole runs are cached until TensorBoard
-    loads more of them."""
+    """Reads through one TensorBoard data provider, which keeps ``scalars_kept`` values of each
+    scalar tag (``0``: every one)."""
 
-    def __init__(self, data_provider: provider.DataProvider) -> None:
+    def __init__(self, data_provider: provider.DataProvider, scalars_kept: int = DEFAULT_SCALARS_KEPT) -> None:
         self._provider = data_provider
-        self._runs: dict[tuple[str, str], tuple[tuple[int, float], Analysis]] = {}
-        self._lock = threading.Lock()  # TensorBoard serves requests from several threads
+        self.scalars_kept = scalars_kept
 
     def models(self, ctx: Any, experiment_id: str, run: str | None = None) -> list[Model]:
         """The loggers whose tags the runs (or the one ``run``) hold, by run then prefix."""
@@ -118,19 +107,33 @@ class Source:
 
     def read(self, ctx: Any, experiment_id: str, model: Model, tags: list[str]) -> dict[str, dict[int, float]]:
         """``{tag: {step: value}}`` of the model's ``tags`` (as TensorBoard names them)."""
-        return {tag: {d.step: d.value for d in points} for tag, points in self._points(ctx, experiment_id, model, tags)}
+        return {t: dict(zip(*column)) for t, column in self.columns(ctx, experiment_id, model, tags).items()}
 
-    def _points(
-        self, ctx: Any, experiment_id: str, model: Model, tags: list[str]
-    ) -> Iterable[tuple[str, list[provider.ScalarDatum]]]:
+    def columns(self, ctx: Any, experiment_id: str, model: Model, tags: list[str]) -> dict[str, Column]:
+        """``{tag: (steps, values)}`` of the model's ``tags`` (as TensorBoard names them).
+
+        TensorBoard's data server answers in columns, which its Python client turns into an object
+        per value (seconds for the millions of a deep model's run): the columns are read as they
+        come where the provider is that client, through the request it would make itself."""
+        run_tag_filter = provider.RunTagFilter(runs=[model.run], tags=tags)
+        if isinstance(self._provider, grpc_provider.GrpcDataProvider):
+            request = data_provider_pb2.ReadScalarsRequest(experiment_id=experiment_id)
+            request.plugin_filter.plugin_name = _SCALARS
+            request.run_tag_filter.runs.names[:] = [model.run]
+            request.run_tag_filter.tags.names[:] = tags
+            request.downsample.num_points = ALL_VALUES
+            response = self._provider._stub.ReadScalars(request)  # the client's own stub: no public columnar read
+            return {
+                entry.tag_name: (list(entry.data.step), list(entry.data.value))
+                for run in response.runs
+                if run.run_name == model.run
+                for entry in run.tags
+            }
         data = self._provider.read_scalars(
-            ctx,
-            experiment_id=experiment_id,
-            plugin_name=_SCALARS,
-            downsample=ALL_VALUES,
-            run_tag_filter=provider.RunTagFilter(runs=[model.run], tags=tags),
+            ctx, experiment_id=experiment_id, plugin_name=_SCALARS, downsample=ALL_VALUES, run_tag_filter=run_tag_filter
         )
-        return data.get(model.run, {}).items()  # type: ignore[no-any-return]
+        points = data.get(model.run, {})
+        return {t: ([d.step for d in series], [d.value for d in series]) for t, series in points.items()}
 
     def order(self, ctx: Any, experiment_id: str, model: Model) -> list[str]:
         """The forward order the logger wrote last (``health/forward_order``); empty without one."""
@@ -162,28 +165,6 @@ class Source:
             run_tag_filter=provider.RunTagFilter(runs=[model.run], tags=tags),
         )
         return data.get(model.run, {})  # type: ignore[no-any-return]
-
-    def analysis(self, ctx: Any, experiment_id: str, model: Model) -> Analysis:
-        """The model's whole run (its logged steps, every-step series and forward order) and its findings."""
-        key = (model.run, model.prefix)
-        with self._lock:
-            cached = self._runs.get(key)
-        if cached is not None and cached[0] == model.version:
-            return cached[1]
-        by_step: dict[int, dict[str, float]] = {}
-        series: dict[int, dict[str, float]] = {}
-        for full, points in self._points(ctx, experiment_id, model, list(model.tags)):
-            own = model.own(full)
-            into = series if own.startswith(_SERIES) else by_step
-            for d in points:
-                into.setdefault(d.step, {})[own] = d.value
-        scalars = {step: by_step[step] for step in sorted(by_step) if is_logged_step(by_step[step])}
-        run = Run(model.run, model.prefix, scalars, [], series={s: series[s] for s in sorted(series)})
-        run.order = forward_order(self.order(ctx, experiment_id, model), scalars)
-        analysis = Analysis(run, as_json(run)["findings"])  # type: ignore[index]
-        with self._lock:
-            self._runs[key] = (model.version, analysis)
-        return analysis
 
 
 def in_forward_order(names: Iterable[str], order: list[str]) -> list[str]:

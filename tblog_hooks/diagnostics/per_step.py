@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..output.summary import StepSummary
-from ..stats.tags import ORDER_TAG, Root, Stat, by_name, order_markdown, tag, unescape
+from ..stats.tags import ORDER_TAG, TABLE_PLUGIN, Root, Stat, by_name, order_markdown, tag, unescape
 from . import pictures
 from .attention_rules import heads_pictures, heads_tensors
 from .findings import Thresholds
@@ -221,4 +221,4 @@ def custom_scalars_layout(scalars: Iterable[str], order: Sequence[str]) -> dict[
         for start in range(0, len(ordered), MAX_CHART_LINES):  # consecutive in forward order
             part = ordered[start : start + MAX_CHART_LINES]
             layout[f"{quantity} ({start + 1}-{start + len(part)} of {len(ordered)})"] = ["Multiline", part]
-    return {"tblog_hooks": layout}
+    return {TABLE_PLUGIN: layout}

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..stats.tags import Root, Stat, tag, unescape
+from ..stats.tags import Indexed, Root, Stat, tag, unescape
 from .findings import Finding, Thresholds, log
 from .health import default_health
 from .spikes import replay
@@ -57,12 +57,56 @@ def is_series(scalars: Mapping[str, float]) -> bool:
     return all(t.startswith(_SERIES) for t in scalars)
 
 
-def forward_order(written: Sequence[str], scalars: Mapping[int, Mapping[str, float]]) -> list[str]:
+def forward_order(written: Sequence[str], tags: Iterable[str]) -> list[str]:
     """The watched modules in forward order: as written (``health/forward_order``), then those
-    only the scalars name, sorted."""
-    tags: set[str] = set().union(*scalars.values())  # each tag once: most recur at every step
+    only the run's scalar ``tags`` name, sorted."""
     named = {unescape(t.split("/", 2)[2]) for t in tags if t.startswith(_NAMED)}
     return [*written, *sorted(named - set(written))]
+
+
+def from_columns(
+    label: str, prefix: str, columns: Mapping[str, tuple[Sequence[int], Sequence[float]]], written: Sequence[str]
+) -> Run:
+    """A run from each of its scalar tags' ``(steps, values)`` (tags without the prefix, as a
+    data provider serves them) and the forward order it wrote: the steps holding a statistic are
+    its logged steps, the every-step series of ``spikes=`` go to :attr:`Run.series`.
+
+    Tags written at the same steps are laid out as one table, so that a step's scalars (and their
+    :class:`~tblog_hooks.stats.tags.Indexed` index) are built a table row at a time rather than
+    value by value: a deep model's run holds millions."""
+    order = forward_order(written, columns)
+    tables: dict[tuple[bool, tuple[int, ...]], list[str]] = {}
+    for t in sorted(columns, key=_tag_key(order)):
+        tables.setdefault((t.startswith(_SERIES), tuple(columns[t][0])), []).append(t)
+    steps_of: dict[bool, dict[int, tuple[Indexed, dict[str, dict[str, float]]]]] = {False: {}, True: {}}
+    for (series, steps), tags in tables.items():
+        heads = _heads(tags)
+        for step, row in zip(steps, zip(*(columns[t][1] for t in tags))):
+            if step not in steps_of[series]:
+                index: dict[str, dict[str, float]] = {}
+                steps_of[series][step] = (Indexed({}, index), index)
+            held, index = steps_of[series][step]
+            held.update(zip(tags, row))
+            for head, names, start in heads:
+                index.setdefault(head, {}).update(zip(names, row[start : start + len(names)]))
+    scalars = {step: held for step, (held, _) in steps_of[False].items()}
+    every_step = {step: held for step, (held, _) in steps_of[True].items()}
+    logged = {step: scalars[step] for step in sorted(scalars) if is_logged_step(scalars[step])}
+    return Run(label, prefix, dict(logged), order, series={s: every_step[s] for s in sorted(every_step)})
+
+
+def _heads(tags: Sequence[str]) -> list[tuple[str, list[str], int]]:
+    """``(root/stat/, names, first position)`` of each run of ``tags`` named ``root/stat/{name}``."""
+    found: list[tuple[str, list[str], int]] = []
+    for i, t in enumerate(tags):
+        head, slash, name = t.rpartition("/")
+        if not slash:
+            continue
+        if found and found[-1][0] == f"{head}/" and found[-1][2] + len(found[-1][1]) == i:
+            found[-1][1].append(unescape(name))
+        else:
+            found.append((f"{head}/", [unescape(name)], i))
+    return found
 
 
 def findings(run: Run, thresholds: Thresholds | None = None) -> list[Finding]:
@@ -86,13 +130,16 @@ def _in_order(
     steps: Mapping[int, Mapping[str, float]], key: Callable[[str], object]
 ) -> Iterator[tuple[int, dict[str, float]]]:
     """Each step's values with their tags in ``key`` order (sorted again only where a step's tags
-    differ from the step's before: most steps hold the same)."""
+    differ from the step's before: most steps hold the same), :class:`~tblog_hooks.stats.tags.Indexed`
+    for the rules' look-ups."""
     tags: list[str] = []
     held: set[str] = set()
     for step, values in steps.items():
         if values.keys() != held:
             held, tags = set(values), sorted(values, key=key)  # type: ignore[arg-type]
-        yield step, {t: values[t] for t in tags}
+        if list(values) != tags:
+            values = values.reordered(tags) if isinstance(values, Indexed) else {t: values[t] for t in tags}
+        yield step, values if isinstance(values, Indexed) else Indexed(values)
 
 
 def forward_key(order: Sequence[str]) -> Callable[[str], tuple[float, int, tuple[tuple[int, str], ...]]]:

@@ -395,13 +395,14 @@ def replay(
             if not math.isfinite(norm) and not nonfinite:
                 found.append(nonfinite_finding(step, norm, now, order))
             nonfinite = not math.isfinite(norm)
+        if now:  # (a stretch of written module norms goes on through a small batch)
+            if step != last + 1:
+                own.reset()
+            last = step
         if batches.small(values.get(SAMPLES_TAG)):
             continue
         spiked: list[tuple[int, float, float]] = []
         if now:
-            if step != last + 1:
-                own.reset()
-            last = step
             norms = np.array([now.get(m, math.nan) for m in modules])
             spiked = own.judge(norms)
         if (judged := grad.judge(norm)) is not None:

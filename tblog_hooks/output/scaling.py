@@ -1,4 +1,5 @@
-"""Gradients as training sees them without the ``GradScaler``'s loss scale, on the host.
+"""Gradients as training sees them without the ``GradScaler``'s loss scale, and output gradients
+as of the loss the data-parallel reduction averages, on the host.
 
 The scale a logged step's backward used and whether the scaler skipped the step travel in the
 step's transfer (``capture/recording.py``'s ``ScaleWatch``); here the step's gradient statistics that scale with the
@@ -27,20 +28,36 @@ def unscale(summary: StepSummary, *, param_grads_scaled: bool) -> None:
         return
     scale, skipped = summary.scalars[SCALE_TAG], bool(summary.scalars[SKIPPED_TAG])
     sources = {Source.OUTPUT_GRADIENT, Source.PARAM_GRAD} if param_grads_scaled or skipped else {Source.OUTPUT_GRADIENT}
+    _divide(summary, sources, None if skipped else scale)
+
+
+def divide_output_gradients(summary: StepSummary, divisor: float) -> None:
+    """Divide the step's output-gradient statistics that scale with the loss, and their
+    histograms, by what the data-parallel reduction divides the parameter gradients by
+    (``distributed.gradient_divisor``): each rank's output gradients are of its own loss, the
+    parameter gradients the optimizer applies of their average. Counts and fractions stay those
+    of the values the rank held (as under a loss scale)."""
+    if divisor != 1.0:
+        _divide(summary, {Source.OUTPUT_GRADIENT}, divisor)
+
+
+def _divide(summary: StepSummary, sources: set[Source], by: float | None) -> None:
+    """The scalars of ``sources`` that scale with the loss, and their histograms, divided by
+    ``by`` (``None``: dropped)."""
     for key in [k for k, source in summary.scaled.items() if source in sources and k in summary.scalars]:
-        if skipped:
+        if by is None:
             del summary.scalars[key]
         else:
-            summary.scalars[key] /= scale
+            summary.scalars[key] /= by
     for key, (source, log10) in summary.scaled_histograms.items():
         if source not in sources or key not in summary.histograms:
             continue
-        if skipped:
+        if by is None:
             del summary.histograms[key]
         elif log10:
-            summary.histograms[key] = _affine(summary.histograms[key], 1.0, -math.log10(scale))
+            summary.histograms[key] = _affine(summary.histograms[key], 1.0, -math.log10(by))
         else:
-            summary.histograms[key] = _affine(summary.histograms[key], 1.0 / scale, 0.0)
+            summary.histograms[key] = _affine(summary.histograms[key], 1.0 / by, 0.0)
 
 
 def _affine(h: Histogram, a: float, b: float) -> Histogram:

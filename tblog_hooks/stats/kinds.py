@@ -316,7 +316,7 @@ GRADIENT_NORM = Measure(
     fields=(Field(name="norm", pool=NORM),),
     stats=(Stat.NORM,),
     scalars=lambda v, n: {Stat.NORM: float(v["norm"][0])},
-    compute=lambda g, units: {"norm": torch.linalg.vector_norm(g, dtype=reductions.acc_dtype(g.dtype))},
+    compute=lambda g, units: {"norm": reductions.norm(g)},
     scaled=True,
     fused=True,
 )
@@ -391,18 +391,20 @@ MEDIAN_ABS = Measure(
 )
 
 
-def numeric_measures(*, zero_frac: bool, channels: bool) -> tuple[Measure, ...]:
+def numeric_measures(*, zero_frac: bool, channels: bool, shared: bool = False) -> tuple[Measure, ...]:
     """With ``numerics=``, a tensor's low-precision health (``stats/numerics.py``): the max |x|
     and RMS, which scale with the loss under a ``GradScaler``, and the kurtosis and per-format
-    fractions, which do not (they are judged at the loss scale, as the format sees the gradients);
-    with ``channels``, also the median |x| (:data:`MEDIAN_ABS`)."""
+    fractions, which do not (they are judged at the loss scale, as the format sees the gradients).
+    ``shared``: measures of a kind whose :data:`ZERO_FRAC` counts the non-zero elements already
+    (its field ``nonzero`` is theirs too)."""
     magnitude = (Stat.AMAX, Stat.RMS)
     every = numerics.stats(zero_frac=zero_frac, channels=channels)
-    counts = ("nonzero", *(n for f in numerics.FORMATS.values() for n in numerics.names(f)))
+    own = ("nonzero",) * (not shared)
+    counts = (*own, *(n for f in numerics.FORMATS.values() for n in numerics.names(f)))
     per_unit = (Field(name="unit_amax", pool=MAX, per_unit=True),) * channels
 
     def compute(x: Tensor, units: int) -> Named:
-        return numerics.measure(x, units, channels=channels)
+        return numerics.measure(x, units, channels=channels, nonzero=not shared)
 
     def scalars(v: Values, n: int, keep: tuple[str, ...]) -> dict[str, float]:
         found = numerics.statistics(v, n, zero_frac=zero_frac)

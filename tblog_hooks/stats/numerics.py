@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import sampling
 from .formats import DEFAULT, SPECS, Spec
 from .reductions import acc_dtype
 from .tags import Lost, Stat, per_format
@@ -102,14 +103,15 @@ def names(fmt: Format) -> tuple[str, ...]:
     return tuple(f"{count}_{fmt.name}" for count in counts)
 
 
-def measure(x: Tensor, units: int, *, channels: bool) -> dict[str, Tensor]:
+def measure(x: Tensor, units: int, *, channels: bool, nonzero: bool = True) -> dict[str, Tensor]:
     """The device values of ``x``: ``amax``; ``ref`` (``max(amax, 1e-12)``) with ``sum2`` and
     ``sum4``, the sums of ``(x / ref)²`` and ``(x / ref)⁴`` (in float32, or float64 for float64
     tensors: relative to the amax they neither overflow nor lose the largest terms);
-    ``nonzero`` and per format the count of elements the cast makes 0 (``zero_F``), keeps
-    finite (``finite_F``) and, unscaled, makes subnormal or 0 (``small_F``) or its smallest
-    subnormal or 0 (``least_F``). With ``channels``, also per unit (along dim ``units``) the amax
-    (``unit_amax``, empty for a 0-d or 1-d ``x``); the median of ``|x|`` is :func:`median_abs`'s."""
+    ``nonzero`` (unless ``nonzero=False``: the kind counts it already) and per format the count
+    of elements the cast makes 0 (``zero_F``), keeps finite (``finite_F``) and, unscaled, makes
+    subnormal or 0 (``small_F``) or its smallest subnormal or 0 (``least_F``). With ``channels``,
+    also per unit (along dim ``units``) the amax, and the median of ``|x|`` (:func:`median`);
+    ``unit_amax`` is empty for a 0-d or 1-d ``x``."""
     wide = acc_dtype(x.dtype)
     a = x.abs() if x.dtype == wide else x.to(wide).abs_()
     out: dict[str, Tensor] = {}
@@ -127,17 +129,11 @@ def measure(x: Tensor, units: int, *, channels: bool) -> dict[str, Tensor]:
     square = a * scale
     square.square_()
     out["sum2"], out["sum4"] = square.sum(), square.square_().sum()
-    out["nonzero"] = torch.count_nonzero(x)
+    if nonzero:
+        out["nonzero"] = torch.count_nonzero(x)
     for fmt in FORMATS.values():
         out.update(_counts(a * (scale * fmt.max) if fmt.scaled else a, fmt))
     return out
-
-
-def median_abs(x: Tensor, units: int) -> dict[str, Tensor]:
-    """The median of ``|x|`` (``median``): a selection, which no fused kernel computes
-    (``kernels/fused.py``), so a measure of its own."""
-    wide = acc_dtype(x.dtype)
-    return {"median": (x.abs() if x.dtype == wide else x.to(wide).abs_()).median()}
 
 
 def _counts(seen: Tensor, fmt: Format) -> dict[str, Tensor]:
@@ -176,6 +172,27 @@ def fp8_statistics(v: Values, count: int) -> dict[str, float]:
         per_format(Lost.UNDERFLOW, FORWARD): (float(v[f"zero_{FORWARD}"][0]) - zeros) / n,
         per_format(Lost.OVERFLOW, FORWARD): (n - float(v[f"finite_{FORWARD}"][0])) / n,
     }
+
+
+#: The sample indices :func:`median` takes, by size: made on the host once per size, as the
+#: histograms' (a function of the size alone, shared by every logger of the process).
+_SAMPLES = sampling.IndexCache()
+
+
+def median_abs(x: Tensor, units: int) -> dict[str, Tensor]:
+    """The median of ``|x|`` (``median``, :func:`median`): a selection, which no fused kernel
+    computes (``kernels/fused.py``), so a measure of its own."""
+    wide = acc_dtype(x.dtype)
+    return {"median": median(x.abs() if x.dtype == wide else x.to(wide).abs_())}
+
+
+def median(a: Tensor) -> Tensor:
+    """The median of the magnitudes ``a`` (the lower of the two middle values, as ``torch.median``):
+    of every element up to ``sampling.SAMPLE_CAP`` of them, else of the histograms' jittered
+    sample of that many (``sampling.sample``), so its cost is bounded whatever the tensor's size."""
+    if a.numel() > sampling.SAMPLE_CAP:
+        a = sampling.traced_sample(a) if torch.compiler.is_compiling() else sampling.sample(a, _SAMPLES)
+    return a.median()
 
 
 Values = Mapping[str, np.ndarray]

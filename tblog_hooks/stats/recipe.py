@@ -73,14 +73,18 @@ class Source(enum.StrEnum):
 #: The sources a measure of one's own may be added to: those whose records a measure's device
 #: function computes from the tensor (the others' records are built by hand).
 EXTENSIBLE = (Source.OUTPUT, Source.INPUT, Source.OUTPUT_GRADIENT)
-#: The sources that ``numerics=`` measures too: (zero fraction, per-unit peaks, pooled over
-#: ranks) of each (``activation/zero_frac`` is the output's own measure; the gradient's is for
-#: fp16 underflow; an output gradient's numerics are measured eagerly, not through a probe).
+#: The sources whose tensors ``numerics=`` measures in a kind of their own: (zero fraction,
+#: per-unit peaks, pooled over ranks) of each (the gradient's zero fraction is for fp16
+#: underflow; an output gradient's numerics are measured eagerly, not through a probe; a
+#: parameter gradient's records are built by ``capture/parameters.py``). An output's numerics
+#: are measures of its own kind (:data:`NUMERIC_OUTPUT`), computed with its other statistics.
 NUMERIC_SOURCES = {
-    Source.OUTPUT: (False, True, True),
     Source.OUTPUT_GRADIENT: (True, False, True),
     Source.PARAM_GRAD: (False, False, False),
 }
+#: With ``numerics=``, the measures added to the output's kind: its per-unit peaks and median
+#: |x| too, sharing the non-zero count with its zero fraction (``activation/zero_frac``).
+NUMERIC_OUTPUT = numeric_measures(zero_frac=False, channels=True, shared=True)
 #: The sources whose scaled statistics carry the ``GradScaler``'s loss scale (parameter
 #: gradients only where they are read before ``unscale_``, see ``output/scaling.py``).
 LOSS_SCALED = (Source.OUTPUT_GRADIENT, Source.PARAM_GRAD)
@@ -132,8 +136,8 @@ class Recipe:
     #: Every source's kind (:attr:`Source.INPUT` only with ``inputs=True``, else
     #: :attr:`Source.NONFINITE_INPUT`).
     kinds: Mapping[Source, Kind]
-    #: With ``numerics=``, the low-precision health of a source's tensors, by that source
-    #: (:data:`NUMERIC_SOURCES`); empty without.
+    #: With ``numerics=``, the low-precision health of a source's tensors measured in a kind of
+    #: its own, by that source (:data:`NUMERIC_SOURCES`; an output's is in its own kind); empty without.
     numerics: Mapping[Source, Kind]
 
     @classmethod
@@ -144,7 +148,11 @@ class Recipe:
         extra = _extra(measures or {}, inputs=inputs)
         skipped = (Source.NONFINITE_INPUT if inputs else Source.INPUT, *FP8_SOURCES)
         wanted = [s for s in Source if s not in skipped]
-        kinds = {s: Kind(**_TRAVEL[s], measures=(*_MEASURES[s], *extra.get(s, ()))) for s in wanted}  # type: ignore[arg-type]
+        numeric_output = {Source.OUTPUT: NUMERIC_OUTPUT} if numerics else {}
+        kinds = {
+            s: Kind(**_TRAVEL[s], measures=(*_MEASURES[s], *numeric_output.get(s, ()), *extra.get(s, ())))  # type: ignore[arg-type]
+            for s in wanted
+        }
         numeric = {}
         if numerics:
             for source, (zero_frac, channels, per_call) in NUMERIC_SOURCES.items():

@@ -65,6 +65,31 @@ class Lost(enum.StrEnum):
     FLOOR = "floor"
 
 
+class Scale(enum.StrEnum):
+    """How a statistic's values are drawn (the dashboard's colour scales and charts)."""
+
+    LOG = "log"  #: a magnitude: log10, zeros apart (linear where a value is negative)
+    LINEAR = "linear"  #: a signed or bounded quantity: linear
+    FRACTION = "fraction"  #: a share of the elements, in [0, 1]: linear
+
+
+#: The scale of each statistic and each per-format loss; any other is :attr:`Scale.LOG`.
+SCALES: Mapping[str, Scale] = {
+    Stat.MEAN: Scale.LINEAR,
+    Stat.MIN: Scale.LINEAR,
+    Stat.MAX: Scale.LINEAR,
+    Stat.ENTROPY: Scale.LINEAR,
+    Stat.SKIPPED_STEP: Scale.LINEAR,
+    Stat.ZERO_FRAC: Scale.FRACTION,
+    Stat.DEAD_FRAC: Scale.FRACTION,
+}
+
+
+def scale_of(stat: str) -> Scale:
+    """The scale of a statistic (``dead_frac``) or a per-format loss (``underflow``)."""
+    return SCALES.get(stat, Scale.LOG)
+
+
 def per_format(lost: str, fmt: str) -> str:
     """The statistic of ``lost`` in format ``fmt``: ``underflow_fp16``, ..."""
     return f"{lost}_{fmt}"
@@ -101,9 +126,40 @@ def split_prefix(full: str) -> tuple[str, str] | None:
 
 
 def by_name(scalars: Mapping[str, float], root: str, stat: str) -> dict[str, float]:
-    """``{name: value}`` of the scalars tagged ``root/stat/{name}``."""
+    """``{name: value}`` of the scalars tagged ``root/stat/{name}`` (not to be changed by the caller)."""
     prefix = tag(root, stat, "")
+    if isinstance(scalars, Indexed):
+        return scalars.named(prefix)
     return {unescape(t[len(prefix) :]): v for t, v in scalars.items() if t.startswith(prefix)}
+
+
+class Indexed(dict[str, float]):
+    """One step's scalars that also hold them by ``root/stat/`` (``named``: ``{"gradient/norm/":
+    {name: value}}``), so that a rule's look-up of a statistic costs its own tags, not a scan of
+    every tag (a replay judges thousands of tags per step). Without ``named`` the index is built on
+    the first :func:`by_name`. Not changed after it is built."""
+
+    __slots__ = ("_named",)
+    _named: dict[str, dict[str, float]]
+
+    def __init__(self, values: Mapping[str, float], named: dict[str, dict[str, float]] | None = None) -> None:
+        super().__init__(values)
+        if named is not None:
+            self._named = named
+
+    def reordered(self, tags: Sequence[str]) -> Indexed:
+        """The same scalars with their tags in the order of ``tags`` (all of them), the index kept."""
+        return Indexed({t: self[t] for t in tags}, getattr(self, "_named", None))
+
+    def named(self, prefix: str) -> dict[str, float]:
+        """``{name: value}`` of the tags ``{prefix}{name}`` (``prefix`` ends in ``/``)."""
+        if not hasattr(self, "_named"):
+            self._named = {}
+            for t, v in self.items():
+                head, slash, name = t.rpartition("/")
+                if slash:
+                    self._named.setdefault(f"{head}/", {})[unescape(name)] = v
+        return self._named.get(prefix, {})
 
 
 def escape(name: str) -> str:
@@ -125,7 +181,7 @@ def _percent(char: str) -> str:
 
 def unescape(part: str) -> str:
     """The name :func:`escape` was given."""
-    return unquote(part, errors="surrogatepass")
+    return unquote(part, errors="surrogatepass") if "%" in part else part
 
 
 #: The ``GradScaler``'s loss scale of a logged step's backward, and whether the scaler skipped it.
@@ -141,7 +197,8 @@ ORDER_TAG = tag(Root.HEALTH, "forward_order")
 #: gradients, each format's underflow, overflow, subnormal and floor fractions, :class:`Lost`);
 #: each with its rows' module names in the string tensor :func:`rows_tag`.
 HEADS_TABLE_TAG, NUMERICS_TABLE_TAG = tag(Root.HEALTH, "attention_heads"), tag(Root.HEALTH, "numerics")
-#: The plugin the value tables are written for (the dashboard's; TensorBoard's other tabs skip them).
+#: The dashboard plugin's name, declared once: the value tables are written for it (TensorBoard's
+#: other tabs skip them), and it titles the custom-scalars layout.
 TABLE_PLUGIN = "tblog_hooks"
 
 

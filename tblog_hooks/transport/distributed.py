@@ -28,14 +28,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import weakref
 from collections.abc import Callable, Iterable
 from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
+from .._compat import fsdp_gradient_divisor
 from ..errors import HookLoggerError
 from ..stats.binning import Sample
 from ..stats.packing import Entry, Record, StepLayout
@@ -54,6 +56,35 @@ def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def collective_device() -> torch.device:
+    """Where a tensor for the default process group's collectives lives: the current CUDA device
+    under NCCL, else the CPU (gloo)."""
+    backend = str(dist.get_backend())
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+
+
+def gradient_divisor(wrapper: nn.Module | None, model: nn.Module) -> Callable[[], float]:
+    """What the data-parallel reduction divides the ranks' summed parameter gradients by, read
+    from the wrapper at each logged step: ``DistributedDataParallel``'s average (its group's
+    size), FSDP2's divide factor (``_compat.fsdp_gradient_divisor``: the data-parallel size, or
+    what ``set_gradient_divide_factor`` set, 1 under torchtitan), else 1. Each rank's output
+    gradients are of its own loss; divided by this, they are those of the loss whose gradients
+    the optimizer applies (those of one process with the whole batch, for a mean loss)."""
+    if isinstance(wrapper, nn.parallel.DistributedDataParallel):
+        size = float(dist.get_world_size(wrapper.process_group))
+        return lambda: size
+    sharded = next((m for m in model.modules() if fsdp_gradient_divisor(m) is not None), None)
+    if sharded is None:
+        return lambda: 1.0
+    root = weakref.ref(sharded)  # (the outermost: its factor is the whole model's unless set apart)
+
+    def divisor() -> float:
+        module = root()
+        return 1.0 if module is None else fsdp_gradient_divisor(module) or 1.0
+
+    return divisor
 
 
 class Told(NamedTuple):

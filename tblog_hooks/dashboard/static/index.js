@@ -17,12 +17,12 @@ async function fetchJson(name, query) {
 const isValue = (v) => v !== null && v !== undefined;
 const finite = (v) => typeof v === 'number' && Number.isFinite(v);
 
-function format(v) {
+function format(v, digits = 4) {
   if (!isValue(v)) return '–';
   if (typeof v === 'string') return v;
   if (v === 0) return '0';
   const a = Math.abs(v);
-  return a >= 1e5 || a < 1e-3 ? v.toExponential(3) : String(+v.toPrecision(4));
+  return a >= 1e5 || a < 1e-3 ? v.toExponential(digits - 1) : String(+v.toPrecision(digits));
 }
 
 function el(tag, attrs = {}, ...children) {
@@ -50,10 +50,17 @@ function viridis(t) {
   return VIRIDIS[i].map((c, k) => Math.round(c + (VIRIDIS[i + 1][k] - c) * f));
 }
 
-// A colour scale over the finite values: log10 where they are all >= 0 (zeros get their own
-// colour), linear where some are negative or `linear` (by default: the statistic is a fraction).
+// How a statistic is drawn, from the table the server sends (`scales`: `log`, `linear` or
+// `fraction`, by statistic name: `dead_frac`, `underflow_fp16`, `entropy`).
+let SCALES = { default: 'log' };
+const scaleOf = (stat) => SCALES[stat.slice(stat.indexOf('/') + 1)] || SCALES.default;
+
+// A colour scale over the finite values of a statistic of scale `kind`: `log` is log10 where they
+// are all >= 0 (zeros get their own colour) and linear where some are negative; `linear` is linear
+// over the values; `fraction` is linear from 0 to 1.
 class Scale {
-  constructor(rows, stat, linear = stat.endsWith('_frac')) {
+  constructor(rows, kind) {
+    const linear = kind !== 'log';
     let lo = Infinity;
     let hi = -Infinity;
     let negative = false;
@@ -68,6 +75,7 @@ class Scale {
     if (negative) {
       for (const row of rows) for (const v of row) if (finite(v)) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
     }
+    if (kind === 'fraction') [lo, hi] = [0, 1];
     if (lo === Infinity) [lo, hi] = this.log ? [1, 10] : [0, 1];  // nothing to scale: an empty (or all-zero) map
     if (this.log) { lo = Math.log10(lo); hi = Math.log10(hi); }
     if (hi - lo < 1e-12) { hi = lo + (this.log ? 1 : Math.max(1e-12, Math.abs(lo))); }
@@ -83,14 +91,25 @@ class Scale {
   }
 
   ticks() {
+    const at = (t) => (this.log ? 10 ** (this.lo + t * (this.hi - this.lo)) : this.lo + t * (this.hi - this.lo));
     if (this.log) {
       const out = [];
       const step = Math.max(1, Math.ceil((Math.floor(this.hi) - Math.ceil(this.lo)) / 6));
       for (let e = Math.ceil(this.lo); e <= this.hi; e += step) out.push([(e - this.lo) / (this.hi - this.lo), `1e${e}`]);
-      return out.length > 1 ? out : [[0, format(10 ** this.lo)], [1, format(10 ** this.hi)]];  // within a decade: the ends
+      if (out.length > 1) return out;
+      return distinct([0, 1], at);  // within a decade: the ends
     }
-    return [0, 0.25, 0.5, 0.75, 1].map((t) => [t, format(this.lo + t * (this.hi - this.lo))]);
+    return distinct([0, 0.25, 0.5, 0.75, 1], at);
   }
+}
+
+// Labels of the values at positions `ts`, with as many digits as they need to differ.
+function distinct(ts, valueAt) {
+  for (let digits = 4; digits <= 12; digits++) {
+    const labels = ts.map((t) => format(valueAt(t), digits));
+    if (new Set(labels).size === labels.length || digits === 12) return ts.map((t, i) => [t, labels[i]]);
+  }
+  return [];
 }
 
 function legend(scale, findings = true) {
@@ -110,7 +129,8 @@ function legend(scale, findings = true) {
   for (const [t, label] of scale.ticks()) {
     const x = 10 + t * (width - 21);
     ctx.fillRect(x, 12, 1, 3);
-    ctx.fillText(label, x, 26);
+    ctx.textAlign = t === 0 ? 'left' : t === 1 ? 'right' : 'center';  // the ends' labels stay inside
+    ctx.fillText(label, t === 0 ? 0 : t === 1 ? width : x, 26);
   }
   const swatch = (rgb, text) => {
     const box = el('i');
@@ -121,7 +141,7 @@ function legend(scale, findings = true) {
     'div',
     { class: 'legend' },
     canvas,
-    el('span', {}, scale.log ? 'log scale' : 'linear scale'),
+    el('span', { class: 'scale-name' }, scale.log ? 'log scale' : 'linear scale'),
     scale.log ? swatch(ZERO_RGB, '0') : null,
     swatch(NONFINITE_RGB, 'NaN/Inf'),
     swatch(NONE_RGB, 'no value'),
@@ -175,7 +195,8 @@ class Heatmap {
     this.stat = stat;
     this.rowOf = new Map(doc.modules.map((m, i) => [m, i]));
     this.marks = marks;
-    this.scale = scale || new Scale(doc.values, stat);
+    this.gap = undefined;
+    this.scale = scale || new Scale(doc.values, scaleOf(stat));
     const rows = doc.modules.length;
     const cols = Math.max(1, doc.steps.length);
     const image = new ImageData(cols, Math.max(1, rows));
@@ -257,11 +278,28 @@ class Heatmap {
     const module = this.doc.modules[cell.row];
     const step = this.doc.steps[cell.col];
     const value = this.doc.values[cell.row][cell.col];
-    const found = this.marks.filter((f) => this.rowFor(f.module) === cell.row && this.column(f.step) === cell.col);
-    const html = `<b>${escapeHtml(module)}</b><br>step ${step}<br>${escapeHtml(this.stat)} = ${escapeHtml(format(value))}`
-      + found.map((f) => `<br><span class="bad">${escapeHtml(f.kind)}</span>`).join('');
+    const found = this.marks.filter((f) => (!f.module || this.rowFor(f.module) === cell.row) && this.column(f.step) === cell.col);
+    const gap = this.denser(cell.col) ? ` <span class="hint">(${step - this.doc.steps[cell.col - 1]} after the column before; ${this.gap} elsewhere)</span>` : '';
+    const html = `<b>${escapeHtml(module)}</b><br>step ${step}${gap}<br>${escapeHtml(this.stat)} = ${escapeHtml(format(value))}`
+      + found.map((f) => `<br><span class="bad">${escapeHtml(f.kind)}${f.module ? '' : ' (whole model)'}</span>`).join('');
     showTooltip(event, html, value === null ? '' : value);
     this.draw();
+  }
+
+  // The columns of the findings about the whole model.
+  modelColumns() {
+    if (!this.doc.steps.length) return [];
+    return [...new Set(this.marks.filter((f) => !f.module).map((f) => this.column(f.step)))];
+  }
+
+  // The usual gap between logged steps (the median), and whether column `c` is closer to the one before.
+  denser(c) {
+    const steps = this.doc.steps;
+    if (this.gap === undefined) {
+      const gaps = steps.slice(1).map((s, i) => s - steps[i]).sort((a, b) => a - b);
+      this.gap = gaps.length ? gaps[gaps.length >> 1] : 0;
+    }
+    return c > 0 && steps[c] - steps[c - 1] < this.gap;
   }
 
   // The column a step is drawn in: its own, else the first logged step after it.
@@ -273,9 +311,16 @@ class Heatmap {
     return Math.min(lo, steps.length - 1);
   }
 
+  // Outline a module's row (and its cell at `step`), or without a module (a finding about the
+  // whole model) the column of `step`; nothing when the map has neither.
   select(module, step) {
-    this.selected = { row: this.rowFor(module), col: step === undefined ? undefined : this.column(step) };
-    if (this.selected.row === undefined) { this.selected = null; this.draw(); return; }
+    const col = step === undefined || !this.doc.steps.length ? undefined : this.column(step);
+    this.selected = { row: module ? this.rowFor(module) : undefined, col };
+    if (this.selected.row === undefined) {
+      if (module || col === undefined) this.selected = null;
+      this.draw();
+      return;
+    }
     const y = this.selected.row * this.rowHeight;
     if (y < this.scroller.scrollTop || y + this.rowHeight > this.scroller.scrollTop + this.plotHeight) {
       this.scroller.scrollTop = y - this.plotHeight / 2;
@@ -324,11 +369,20 @@ class Heatmap {
     ctx.lineWidth = 1.5;
     ctx.strokeStyle = '#ff1744';
     for (const f of this.marks) {
+      if (!f.module) continue;
       const r = this.rowFor(f.module);
       if (r === undefined || r < first || r >= last) continue;
       ctx.strokeRect(this.left + this.column(f.step) * this.colWidth + 0.75, r * this.rowHeight - top + 0.75, w - 1.5, h - 1.5);
     }
-    if (this.selected) {
+    // Findings about the whole model (a loss spike): their step's column, dashed.
+    ctx.setLineDash([4, 3]);
+    for (const col of this.modelColumns()) ctx.strokeRect(this.left + col * this.colWidth + 0.75, 0.75, w - 1.5, this.plotHeight - 1.5);
+    ctx.setLineDash([]);
+    if (this.selected && this.selected.row === undefined) {
+      ctx.strokeStyle = '#000';
+      ctx.lineWidth = 2;
+      ctx.strokeRect(this.left + this.selected.col * this.colWidth - 1, 0, w + 2, this.plotHeight);
+    } else if (this.selected) {
       const y = this.selected.row * this.rowHeight - top;
       ctx.strokeStyle = '#e65100';
       ctx.lineWidth = 1;
@@ -356,6 +410,11 @@ class Heatmap {
     ctx.fillStyle = '#616161';
     ctx.textAlign = 'center';
     ctx.textBaseline = 'top';
+    // Columns are logged steps: where they are closer than usual (every step logged after a
+    // spike), the axis is marked, so that a column's width is not read as a span of steps.
+    ctx.fillStyle = '#ffb74d';
+    for (let c = 1; c < steps.length; c++) if (this.denser(c)) ctx.fillRect(this.left + c * this.colWidth, y + 1, Math.max(1, this.colWidth), 3);
+    ctx.fillStyle = '#616161';
     const every = Math.max(1, Math.ceil(56 / this.colWidth));
     for (let c = 0; c < steps.length; c += every) {
       const x = this.left + (c + 0.5) * this.colWidth;
@@ -380,9 +439,9 @@ class Grid {
   }
 
   // `values[row][col]`; `columns`: their labels; `groups`: labels over runs of columns ([label, count]).
-  set({ modules, columns, groups = [], values, quantity, linear = false }) {
+  set({ modules, columns, groups = [], values, quantity, scale }) {
     Object.assign(this, { modules, columns, groups, values, quantity });
-    this.scale = new Scale(values, quantity, linear);
+    this.scale = new Scale(values, scale);
     const ctx = this.canvas.getContext('2d');
     ctx.font = '11px Roboto, Arial, sans-serif';
     this.left = Math.min(280, Math.ceil(modules.reduce((w, m) => Math.max(w, ctx.measureText(m).width), 0)) + 12);
@@ -476,7 +535,11 @@ function lineChart({ steps, values, width = 300, height = 130, log = false, mark
   canvas.style.height = `${height}px`;
   const ctx = canvas.getContext('2d');
   const pad = { l: 46, r: 8, t: 6, b: 18 };
-  const points = steps.map((s, i) => [s, values[i]]).filter(([, v]) => finite(v) && (!log || v > 0));
+  const drawn = (v) => finite(v) && (!log || v > 0);
+  // Every step with a value: those drawn on the line, and the non-finite ones, marked in red as on the heatmap.
+  const held = steps.map((s, i) => [s, values[i]]).filter(([, v]) => isValue(v));
+  const points = held.filter(([, v]) => drawn(v));
+  const bad = held.filter(([, v]) => !finite(v)).map(([s]) => s);
   const ys = points.map(([, v]) => (log ? Math.log10(v) : v));
   let [lo, hi] = [Math.min(...ys), Math.max(...ys)];
   if (!points.length) [lo, hi] = [0, 1];
@@ -484,6 +547,8 @@ function lineChart({ steps, values, width = 300, height = 130, log = false, mark
   const [s0, s1] = steps.length ? [steps[0], Math.max(steps[0] + 1, steps[steps.length - 1])] : [0, 1];
   const X = (s) => pad.l + ((s - s0) / (s1 - s0)) * (width - pad.l - pad.r);
   const Y = (y) => pad.t + (1 - (y - lo) / (hi - lo)) * (height - pad.t - pad.b);
+  const yOf = (v) => Y(log ? Math.log10(v) : v);
+  canvas.xOf = X;  // for the browser tests: where a step is drawn
   const draw = (hover) => {
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
     ctx.clearRect(0, 0, width, height);
@@ -492,10 +557,10 @@ function lineChart({ steps, values, width = 300, height = 130, log = false, mark
     ctx.strokeStyle = '#eeeeee';
     ctx.textAlign = 'right';
     ctx.textBaseline = 'middle';
-    for (const t of [0, 0.5, 1]) {
+    for (const [t, text] of distinct([0, 0.5, 1], (t) => (log ? 10 ** (lo + t * (hi - lo)) : lo + t * (hi - lo)))) {
       const y = lo + t * (hi - lo);
       ctx.beginPath(); ctx.moveTo(pad.l, Y(y)); ctx.lineTo(width - pad.r, Y(y)); ctx.stroke();
-      ctx.fillText(format(log ? 10 ** y : y), pad.l - 4, Y(y));
+      ctx.fillText(text, pad.l - 4, Y(y));
     }
     ctx.textAlign = 'center';
     ctx.textBaseline = 'top';
@@ -505,34 +570,65 @@ function lineChart({ steps, values, width = 300, height = 130, log = false, mark
       ctx.fillStyle = 'rgba(255, 23, 68, 0.55)';
       ctx.fillRect(X(s) - 0.75, pad.t, 1.5, height - pad.t - pad.b);
     }
+    for (const s of bad) {
+      ctx.fillStyle = `rgba(${NONFINITE_RGB.join(',')}, 0.18)`;
+      ctx.fillRect(X(s) - 2, pad.t, 4, height - pad.t - pad.b);
+      ctx.fillStyle = `rgb(${NONFINITE_RGB.join(',')})`;
+      ctx.fillRect(X(s) - 2.5, pad.t, 5, 5);
+    }
     if (at !== undefined) { ctx.fillStyle = '#e65100'; ctx.fillRect(X(at) - 0.5, pad.t, 1, height - pad.t - pad.b); }
     ctx.strokeStyle = '#f57c00';
     ctx.lineWidth = 1.5;
     ctx.beginPath();
-    points.forEach(([s], i) => (i ? ctx.lineTo(X(s), Y(ys[i])) : ctx.moveTo(X(s), Y(ys[i]))));
+    let joined = false;  // the line breaks at a step that is not drawn (NaN/Inf, or <= 0 on a log axis)
+    for (const [s, v] of held) {
+      if (!drawn(v)) { joined = false; continue; }
+      if (joined) ctx.lineTo(X(s), yOf(v)); else ctx.moveTo(X(s), yOf(v));
+      joined = true;
+    }
     ctx.stroke();
     if (points.length < 40) {
       ctx.fillStyle = '#f57c00';
-      points.forEach(([s], i) => ctx.fillRect(X(s) - 1.5, Y(ys[i]) - 1.5, 3, 3));
+      points.forEach(([s, v]) => ctx.fillRect(X(s) - 1.5, yOf(v) - 1.5, 3, 3));
     }
-    if (hover !== undefined) {
-      const [s] = points[hover];
+    if (hover !== undefined && drawn(held[hover][1])) {
+      const [s, v] = held[hover];
       ctx.fillStyle = '#212121';
-      ctx.beginPath(); ctx.arc(X(s), Y(ys[hover]), 3, 0, 2 * Math.PI); ctx.fill();
+      ctx.beginPath(); ctx.arc(X(s), yOf(v), 3, 0, 2 * Math.PI); ctx.fill();
     }
   };
   draw();
   canvas.addEventListener('mousemove', (e) => {
-    if (!points.length) return;
+    if (!held.length) return;
     const x = e.clientX - canvas.getBoundingClientRect().left;
     let best = 0;
-    points.forEach(([s], i) => { if (Math.abs(X(s) - x) < Math.abs(X(points[best][0]) - x)) best = i; });
-    const [s, v] = points[best];
+    held.forEach(([s], i) => { if (Math.abs(X(s) - x) < Math.abs(X(held[best][0]) - x)) best = i; });
+    const [s, v] = held[best];
     draw(best);
-    showTooltip(e, `${escapeHtml(label)}<br>step ${s}: <b>${escapeHtml(format(v))}</b>`, v);
+    const text = finite(v) ? `<b>${escapeHtml(format(v))}</b>` : `<b class="bad">${escapeHtml(v)}</b>`;
+    showTooltip(e, `${escapeHtml(label)}<br>step ${s}: ${text}`, v);
   });
   canvas.addEventListener('mouseleave', () => { draw(); hideTooltip(); });
   return canvas;
+}
+
+// `node` reached with Tab and chosen with Enter or Space, as with a click.
+function chooseable(node) {
+  node.tabIndex = 0;
+  node.addEventListener('keydown', (event) => {
+    if (event.key !== 'Enter' && event.key !== ' ') return;
+    event.preventDefault();
+    node.click();
+  });
+  return node;
+}
+
+// A heatmap document on the columns `steps` (a superset of its own): `null` where it has no value.
+function onSteps(doc, steps) {
+  if (steps === doc.steps) return doc;
+  const at = new Map(doc.steps.map((s, i) => [s, i]));
+  const columns = steps.map((s) => at.get(s));
+  return { ...doc, steps, values: doc.values.map((row) => columns.map((c) => (c === undefined ? null : row[c]))) };
 }
 
 const positive = (values) => values.some(finite) && values.every((v) => !finite(v) || v > 0);
@@ -560,8 +656,12 @@ class TableCard {
     await this.load(keep && this.doc ? this.doc.step : undefined);
   }
 
+  // The table at `step` (the latest when undefined, or when that step is no longer kept), for the
+  // page's model as it is now; only the latest of several loads in flight is drawn.
   async load(step) {
-    const model = this.model;
+    const model = this.page.model;
+    const ticket = (this.ticket = (this.ticket || 0) + 1);
+    this.model = model;
     let doc;
     try {
       doc = await fetchJson(this.name, this.page.query({ step }));
@@ -569,7 +669,7 @@ class TableCard {
       if (step === undefined) throw error;
       doc = await fetchJson(this.name, this.page.query());  // that step is no longer kept
     }
-    if (this.page.model !== model) return;
+    if (this.page.model !== model || this.ticket !== ticket) return;
     this.doc = doc;
     this.stepSelect.replaceChildren(...[...doc.steps].reverse().map((s) => el('option', { value: s }, String(s))));
     this.stepSelect.value = String(doc.step);
@@ -585,7 +685,7 @@ class TableCard {
     const quantity = doc.quantities[q];
     if (this.name === 'heads') {
       const columns = Array.from({ length: doc.heads }, (_, h) => `head ${h}`);
-      this.grid.set({ modules: doc.modules, columns, values: doc.values.map((heads) => heads.map((v) => v[q])), quantity, linear: quantity === 'entropy' });
+      this.grid.set({ modules: doc.modules, columns, values: doc.values.map((heads) => heads.map((v) => v[q])), quantity, scale: scaleOf(`/${quantity}`) });
       return;
     }
     const pairs = doc.roots.flatMap((root, r) => doc.formats.map((fmt, f) => [root, fmt, r, f]));
@@ -595,35 +695,121 @@ class TableCard {
       groups: doc.roots.map((root) => [root, doc.formats.length]),
       values: doc.modules.map((_, m) => pairs.map(([, , r, f]) => doc.values[r][m][f][q])),
       quantity: `${quantity} fraction`,
+      scale: scaleOf(`/${quantity}`),
     });
   }
 }
 
+// TensorBoard's plugin API for a tab in an iframe: a message port to the page around it, which
+// says when TensorBoard reloaded its data (`DataReloaded`) or its runs changed (`RunsChanged`), and
+// gives the tab's state kept in the URL (`p.{plugin}.{key}` entries of its hash).
+class Host {
+  constructor(plugin) {
+    this.plugin = plugin;
+    this.id = 0;
+    this.waits = new Map();
+    this.listeners = new Map();
+    this.port = null;
+    if (window.parent === window) return;  // not inside TensorBoard's page
+    const channel = new MessageChannel();
+    this.port = channel.port1;
+    this.port.addEventListener('message', (event) => this.receive(JSON.parse(event.data)));
+    this.port.start();
+    window.parent.postMessage('experimental.bootstrap', '*', [channel.port2]);
+  }
+
+  receive(message) {
+    if (message.isReply) {
+      const wait = this.waits.get(message.id);
+      this.waits.delete(message.id);
+      if (wait) wait(message.error ? null : message.payload);
+      return;
+    }
+    const listener = this.listeners.get(message.type);
+    Promise.resolve(listener ? listener(message.payload) : null).catch(() => null).then(() => {
+      this.port.postMessage(JSON.stringify({ type: message.type, id: message.id, payload: null, error: null, isReply: true }));
+    });
+  }
+
+  // The host's answer, or null without one within 3 s.
+  send(type, payload) {
+    if (!this.port) return Promise.resolve(null);
+    const id = this.id++;
+    this.port.postMessage(JSON.stringify({ type, id, payload, error: null, isReply: false }));
+    return new Promise((resolve) => {
+      this.waits.set(id, resolve);
+      setTimeout(() => { this.waits.delete(id); resolve(null); }, 3000);
+    });
+  }
+
+  listen(type, listener) { this.listeners.set(type, listener); }
+
+  // The tab's state in the URL: as TensorBoard gives it, and as this tab wrote it into the hash of
+  // TensorBoard's page (TensorBoard 2.21 keeps its tabs' URL state apart from the hash it shows).
+  async state() {
+    const given = (await this.send('experimental.GetURLPluginData', { pluginName: this.plugin })) || {};
+    const mine = `p.${this.plugin}.`;
+    const written = {};
+    try {
+      for (const part of window.parent.location.hash.slice(1).split('&')) {
+        const [key, value] = part.split('=').map(decodeURIComponent);
+        if (value !== undefined && key.startsWith(mine)) written[key.slice(mine.length)] = value;
+      }
+    } catch { /* another origin's page */ }
+    return { ...written, ...given };
+  }
+
+  // Keep `state` in the URL of TensorBoard's page (replacing this tab's entries, keeping the others'),
+  // so that a browser reload or a shared link opens the tab as it is.
+  keep(state) {
+    try {
+      const url = new URL(window.parent.location.href);
+      const mine = `p.${this.plugin}.`;
+      const others = url.hash.slice(1).split('&').filter((part) => part && !decodeURIComponent(part.split('=')[0]).startsWith(mine));
+      const entries = Object.entries(state).filter(([, v]) => isValue(v) && v !== '')
+        .map(([k, v]) => `${encodeURIComponent(mine + k)}=${encodeURIComponent(v)}`);
+      url.hash = [...others, ...entries].join('&');
+      window.parent.history.replaceState(window.parent.history.state, '', url.href);
+    } catch { /* another origin's page, or none */ }
+  }
+}
+
 class Page {
-  constructor(root) {
+  constructor(root, host) {
     this.root = root;
+    this.host = host;
     this.models = [];
     this.model = null;
     this.analysis = null;
     this.selection = null;
+    this.queue = Promise.resolve();
   }
 
   async start() {
-    this.models = await fetchJson('runs');
-    if (!this.models.length) {
-      this.root.replaceChildren(el('div', { class: 'card empty' }, 'No run holds tblog_hooks tags yet.'));
+    const [models, scales, state] = await Promise.all([fetchJson('runs'), fetchJson('scales'), this.host.state()]);
+    SCALES = scales;
+    this.state = state;
+    const reload = () => this.reload(false).catch(() => {});  // the server may be gone
+    this.host.listen('experimental.DataReloaded', reload);
+    this.host.listen('experimental.RunsChanged', reload);
+    this.models = models;
+    if (!models.length) {
+      this.root.replaceChildren(el('div', { class: 'card empty', id: 'no-runs' }, 'No run holds tblog_hooks tags yet: TensorBoard\'s reload (or its auto-reload) shows them once written.'));
       return;
     }
+    await this.build();
+  }
+
+  async build() {
     this.runSelect = el('select', { id: 'run', onchange: () => this.open(this.models[this.runSelect.value]) });
-    this.models.forEach((m, i) => this.runSelect.append(el('option', { value: i }, m.name)));
-    this.statSelect = el('select', { id: 'stat', onchange: () => this.drawHeatmap() });
-    this.compareSelect = el('select', { id: 'compare', onchange: () => this.drawHeatmap() }, el('option', { value: '' }, '—'));
-    this.models.forEach((m, i) => this.compareSelect.append(el('option', { value: i }, m.name)));
+    this.statSelect = el('select', { id: 'stat', onchange: () => { this.drawHeatmap(); this.keep(); } });
+    this.compareSelect = el('select', { id: 'compare', onchange: () => { this.drawHeatmap(); this.keep(); } });
     this.compare = new Heatmap({ height: 400 });
     this.compareTitle = el('span', { id: 'compare-title' });
     this.compareCard = el('div', { class: 'card', id: 'compare-card', style: 'display:none' }, el('h2', {}, this.compareTitle), this.compare.node);
-    this.filter = el('input', { id: 'filter', type: 'search', placeholder: 'filter modules (regex)', oninput: () => this.drawHeatmap() });
+    this.filter = el('input', { id: 'filter', type: 'search', placeholder: 'filter modules (regex)', value: this.state.filter || '', oninput: () => { this.drawHeatmap(); this.keep(); } });
     this.summary = el('span', { class: 'summary', id: 'summary' });
+    this.sampling = el('div', { class: 'hint sampling', id: 'sampling', style: 'display:none' });
     const toolbar = el('div', { class: 'toolbar' },
       el('label', {}, 'Run', this.runSelect),
       el('label', {}, 'Statistic', this.statSelect),
@@ -638,6 +824,7 @@ class Page {
       el('button', { onclick: () => this.heatmap.zoom(1 / 1.5), title: 'smaller rows' }, '−'),
       el('button', { onclick: () => this.heatmap.zoom(1.5), title: 'taller rows' }, '+'));
     this.findingsBox = el('div', { class: 'findings', id: 'findings' });
+    this.findingsHint = el('span', { class: 'hint', id: 'findings-hint' }, 'click one (or Enter) to see its cell');
     this.seriesBox = el('div', { class: 'charts', id: 'series' });
     this.seriesTitle = el('span', {}, 'Module');
     this.spikesCard = el('div', { class: 'card wide', id: 'spikes' });
@@ -649,12 +836,13 @@ class Page {
     this.tableBox = el('div', { class: 'modules', id: 'modules' });
     this.root.replaceChildren(
       toolbar,
+      this.sampling,
       el('div', { class: 'grid' },
         el('div', {},
           el('div', { class: 'card', id: 'heatmap' }, el('h2', {}, this.heatTitle, this.selectionLine, zoom), this.heatmap.node),
           this.compareCard),
         el('div', {},
-          el('div', { class: 'card' }, el('h2', {}, 'Findings', el('span', { class: 'hint' }, 'click one to see its cell')), this.findingsBox),
+          el('div', { class: 'card' }, el('h2', {}, 'Findings', this.findingsHint), this.findingsBox),
           el('div', { class: 'card' }, el('h2', {}, this.seriesTitle), this.seriesBox))),
       this.spikesCard,
       this.attentionCard,
@@ -662,106 +850,187 @@ class Page {
       this.tables.numerics.node,
       el('div', { class: 'card' }, el('h2', {}, 'Modules', el('span', { class: 'hint' }, 'latest values, worst health first; click a header to sort')), this.tableBox),
       tooltip);
-    await this.open(this.models[0]);
-    this.watch();
+    this.listModels(this.models, this.state.compare);
+    const first = this.models.find((m) => m.name === this.state.run) || this.models[0];
+    const step = this.state.step === undefined ? undefined : Number(this.state.step);
+    this.selection = this.state.module !== undefined || step !== undefined ? { module: this.state.module || '', step } : null;
+    this.wantedStat = this.state.stat;
+    await this.open(first, false, true);
+  }
+
+  // Fill the Run and Compare lists from `models`, keeping what they show (or showing `compare`).
+  listModels(models, compare = this.compareModel()?.name) {
+    this.models = models;
+    const shown = this.model?.name;
+    this.runSelect.replaceChildren(...models.map((m, i) => el('option', { value: i }, m.name)));
+    this.compareSelect.replaceChildren(el('option', { value: '' }, '—'), ...models.map((m, i) => el('option', { value: i }, m.name)));
+    const index = (name) => models.findIndex((m) => m.name === name);
+    if (index(shown) >= 0) this.runSelect.value = String(index(shown));
+    this.compareSelect.value = index(compare) >= 0 ? String(index(compare)) : '';
+  }
+
+  compareModel() {
+    return this.compareSelect.value === '' ? null : this.models[this.compareSelect.value];
+  }
+
+  // The tab's state, in TensorBoard's URL.
+  keep() {
+    const stat = this.statSelect.value;
+    const selection = this.selection || {};
+    this.host.keep({ run: this.model?.name, stat, compare: this.compareModel()?.name, module: selection.module, step: selection.step, filter: this.filter.value });
   }
 
   query(extra = {}) {
     return { run: this.model.run, prefix: this.model.prefix, ...extra };
   }
 
-  // TensorBoard reloads its own tabs; this one asks every 30 s whether the run grew, and reads it
-  // again if so: all of it where that took the server under 3 s, else the heatmap only (the
-  // findings of a large run are read again on Reload).
-  watch() {
-    setInterval(() => {
-      if (!document.hidden && this.model) this.reload(false).catch(() => {});  // the server may be gone
-    }, 30000);
+  // When TensorBoard reloads (its reload button, its auto-reload), read the runs again: new runs join
+  // the lists, and the run shown is read again if it grew (always with `always`, the tab's Reload):
+  // all of it where that took the server under 3 s, else the heatmap and the tables only (the
+  // findings of a large run are read again on Reload). One reload at a time.
+  reload(always) {
+    this.queue = this.queue.then(() => this.reloadNow(always));
+    return this.queue;
   }
 
-  // Read the runs again; open the current one again (keeping the statistic and selection) if it
-  // grew, or always when `always`.
-  async reload(always) {
+  async reloadNow(always) {
     const models = await fetchJson('runs');
-    const now = models.find((m) => m.run === this.model.run && m.prefix === this.model.prefix);
+    if (!this.runSelect) {  // the page waits for a first run
+      this.models = models;
+      if (models.length) await this.build();
+      return;
+    }
+    this.listModels(models);
+    const now = models.find((m) => m.name === this.model.name);
     if (!now || (!always && now.max_step === this.model.max_step)) return;
-    const [before, step] = [this.model, this.model.max_step];
-    this.models[this.models.indexOf(before)] = now;
+    const step = this.model.max_step;
     if (always || this.openTook < 3000) {
       await this.open(now, true);
       return;
     }
     this.model = now;
-    await this.drawHeatmap();
+    await Promise.all([this.drawHeatmap(), ...Object.values(this.tables).map((card) => card.show(this, true))]);
     this.summary.textContent = `${this.summary.textContent.split(' · findings as of')[0]} · findings as of step ${step}: Reload to update`;
   }
 
-  async open(model, keep = false) {
+  // Show `model`: with `keep`, as it was (a reload); else keeping the statistic and the selection
+  // where the run has them. `restore`: the state from the URL (its selection is the run's own).
+  async open(model, keep = false, restore = false) {
+    hideTooltip();
+    this.opening = model;  // until it is all drawn (the browser tests wait for it)
     const started = performance.now();
-    const [stat, selection] = keep ? [this.statSelect.value, this.selection] : [null, null];
+    const stat = this.wantedStat ?? this.statSelect.value;
+    this.wantedStat = undefined;
+    const selection = this.selection;
+    const other = model !== this.model && !restore;
     this.model = model;
-    this.selection = selection;
+    this.runSelect.value = String(this.models.indexOf(model));
     this.statSelect.replaceChildren(...model.stats.map((s) => el('option', { value: s }, s)));
     if (model.stats.includes(stat)) this.statSelect.value = stat;
-    if (!selection) {
-      this.seriesTitle.textContent = 'Module';
-      this.seriesBox.replaceChildren(el('div', { class: 'empty' }, 'Click a row of the heatmap to see that module\'s statistics.'));
-    }
     this.analysis = null;
-    await this.drawHeatmap();  // first: the rest reads the whole run, which takes the server longer
     if (!keep) {
+      this.heatmap.marks = [];
       const reading = () => el('div', { class: 'empty' }, 'Reading the whole run…');
       this.findingsBox.replaceChildren(reading());
       this.tableBox.replaceChildren(reading());
+      this.findingRows = [];
+      this.tableRows = [];
     }
+    await this.drawHeatmap();  // first: the rest reads the whole run, which takes the server longer
+    // A selection belongs to its run: it stays where this run has its module (or it is about the whole model).
+    const held = selection && (!selection.module || this.holds(selection.module));
+    this.selection = held ? selection : null;
+    if (!held || other) {
+      this.selectionLine.textContent = 'click a cell or a finding';
+      delete this.selectionLine.dataset.module;
+      delete this.selectionLine.dataset.step;
+      this.heatmap.select(null, undefined);
+      this.seriesTitle.textContent = 'Module';
+      this.seriesBox.replaceChildren(el('div', { class: 'empty' }, 'Click a row of the heatmap to see that module\'s statistics.'));
+    }
+    this.keep();
     const [findings, table, spikes] = await Promise.all([
       fetchJson('findings', this.query()), fetchJson('modules', this.query()), model.spikes ? fetchJson('spikes', this.query()) : null]);
     if (this.model !== model) return;
     this.analysis = { findings, table, spikes };
-    this.heatmap.marks = findings.filter((f) => f.module);
+    this.heatmap.marks = findings;
     this.heatmap.draw();
     this.summary.textContent = `${table.rows.length} modules · ${findings.length} finding${findings.length === 1 ? '' : 's'}`;
+    this.showSampling();
     this.drawFindings();
     this.drawTable();
     this.drawSpikes();
     await Promise.all([this.drawAttention(), ...Object.values(this.tables).map((card) => card.show(this, keep))]);
-    if (selection) await this.select(selection.module, selection.step);
+    if (this.selection) await this.select(this.selection.module, this.selection.step);
     this.openTook = performance.now() - started;
+    if (this.opening === model) this.opening = null;
+  }
+
+  // Whether the run shown has a module (or parameter) of that name.
+  holds(module) {
+    const names = this.doc?.modules || [];
+    return names.includes(module) || names.some((m) => module.startsWith(`${m}.`) || m.startsWith(`${module}.`));
+  }
+
+  // Say where TensorBoard's sample is what the page shows (it keeps 1,000 values of a scalar tag by default).
+  showSampling() {
+    const parts = [];
+    const table = this.analysis?.table;
+    if (this.doc?.sampled || table?.sampled) {
+      const steps = this.doc.steps;
+      parts.push(`TensorBoard kept a sample of ${(table?.logged_steps ?? steps.length).toLocaleString()} of this run's logged steps (steps ${steps[0]} to ${steps[steps.length - 1]}, more were written): the heatmap shows them and the findings are judged on them.`);
+    }
+    this.sampling.style.display = parts.length ? '' : 'none';
+    this.sampling.textContent = parts.length ? `${parts.join(' ')} tblog-hooks report reads every value; or start TensorBoard with --samples_per_plugin scalars=100000,tblog_hooks=100000.` : '';
+    this.findingsHint.textContent = table?.sampled ? `judged on TensorBoard's sample of ${table.logged_steps.toLocaleString()} logged steps · click one (or Enter) to see its cell` : 'click one (or Enter) to see its cell';
   }
 
   async drawHeatmap() {
     const model = this.model;
     const stat = this.statSelect.value;
     if (!stat) { this.heatTitle.textContent = 'No per-module statistics in this run'; return; }
-    const other = this.models[this.compareSelect.value];
+    const other = this.compareModel();
     const compared = other && other !== model && other.stats.includes(stat);
     const [doc, otherDoc] = await Promise.all([
       fetchJson('heatmap', this.query({ tag: stat })),
       compared ? fetchJson('heatmap', { run: other.run, prefix: other.prefix, tag: stat }) : null]);
-    if (this.model !== model || this.statSelect.value !== stat || this.models[this.compareSelect.value] !== other) return;
+    if (this.model !== model || this.statSelect.value !== stat || this.compareModel() !== other) return;
     this.doc = doc;
-    this.heatTitle.textContent = `${stat} · ${doc.modules.length} × ${doc.steps.length}`;
-    const [shown, otherShown] = [this.filtered(doc), otherDoc && this.filtered(otherDoc)];
-    // Side by side, both heatmaps share one colour scale, so that a colour is one value in both.
-    const scale = otherShown ? new Scale([...shown.values, ...otherShown.values], stat) : null;
-    this.heatmap.set(shown, stat, this.analysis ? this.analysis.findings.filter((f) => f.module) : [], scale);
+    const { doc: filteredDoc, invalid } = this.filtered(doc);
+    this.filter.classList.toggle('invalid', invalid);
+    this.filter.title = invalid ? 'not a regular expression: every row is shown' : '';
+    // Side by side, both heatmaps share one step axis and one colour scale, so that a column is one
+    // step and a colour one value in both.
+    const steps = otherDoc ? [...new Set([...doc.steps, ...otherDoc.steps])].sort((a, b) => a - b) : doc.steps;
+    const shown = onSteps(filteredDoc, steps);
+    const otherShown = otherDoc && onSteps(this.filtered(otherDoc).doc, steps);
+    const rows = shown.modules.length === doc.modules.length ? `${doc.modules.length}` : `${shown.modules.length} of ${doc.modules.length}`;
+    this.heatTitle.textContent = `${stat} · ${rows} × ${doc.steps.length}${invalid ? ' · invalid filter: every row shown' : ''}${doc.sampled ? ' · TensorBoard\'s sample of the steps' : ''}`;
+    const scale = otherShown ? new Scale([...shown.values, ...otherShown.values], scaleOf(stat)) : null;
+    this.heatmap.set(shown, stat, this.analysis ? this.analysis.findings : [], scale);
     if (this.selection) this.heatmap.select(this.selection.module, this.selection.step);
     this.compareCard.style.display = other && other !== model ? '' : 'none';
+    if (this.analysis) this.showSampling();
     if (other && other !== model) {
-      this.compareTitle.textContent = compared ? `${other.name} · ${stat} · same colour scale` : `${other.name} holds no ${stat}`;
-      if (otherShown) this.compare.set(otherShown, stat, [], scale);
+      this.compareTitle.textContent = compared ? `${other.name} · ${stat} · same step axis and colour scale` : `${other.name} holds no ${stat}`;
+      import('./compare.js').then((m) => m.showDifference(this, otherShown && other, stat, shown, otherShown));
+      if (otherShown) {
+        this.compare.set(otherShown, stat, [], scale);
+        const found = await fetchJson('findings', { run: other.run, prefix: other.prefix }).catch(() => []);
+        if (this.compare.doc === otherShown) { this.compare.marks = found; this.compare.draw(); }
+      }
     }
-    if (other && other !== model) import('./compare.js').then((m) => m.showDifference(this, otherShown && other, stat, shown, otherShown));
   }
 
-  // The rows of a heatmap document that the filter's regular expression matches (all when it is empty or invalid).
+  // The rows of a heatmap document that the filter's regular expression matches (all when it is
+  // empty or `invalid`).
   filtered(doc) {
     const pattern = this.filter.value.trim();
     let re = null;
-    try { re = pattern ? new RegExp(pattern) : null; } catch { re = null; }
-    if (!re) return doc;
+    try { re = pattern ? new RegExp(pattern) : null; } catch { return { doc, invalid: true }; }
+    if (!re) return { doc, invalid: false };
     const keep = doc.modules.map((m, i) => (re.test(m) ? i : -1)).filter((i) => i >= 0);
-    return { ...doc, modules: keep.map((i) => doc.modules[i]), values: keep.map((i) => doc.values[i]) };
+    return { doc: { ...doc, modules: keep.map((i) => doc.modules[i]), values: keep.map((i) => doc.values[i]) }, invalid: false };
   }
 
   drawFindings() {
@@ -772,12 +1041,12 @@ class Page {
     }
     const body = el('tbody');
     this.findingRows = findings.map((f) => {
-      const row = el('tr', { 'data-module': f.module, 'data-step': f.step, onclick: () => this.select(f.module, f.step, f) },
+      const row = chooseable(el('tr', { 'data-module': f.module, 'data-step': f.step, onclick: () => this.select(f.module, f.step, f) },
         el('td', {}, el('span', { class: `kind ${f.kind}` }, f.kind)),
         el('td', { class: 'num' }, String(f.step)),
         el('td', {}, f.module || '(model)'),
-        el('td', { class: 'num' }, format(f.value)),
-        el('td', { class: 'message' }, f.message));
+        el('td', { class: 'num', title: 'the quantity the rule compared: see the message' }, format(f.value)),
+        el('td', { class: 'message' }, f.message)));
       row.finding = f;
       body.append(row);
       return row;
@@ -788,12 +1057,13 @@ class Page {
 
   async select(module, step, finding = undefined) {
     this.selection = { module, step };
-    this.selectionLine.textContent = module ? `${module} · step ${step}` : `step ${step}`;
+    this.selectionLine.textContent = module ? `${module} · step ${step}` : `step ${step} (whole model)`;
     this.selectionLine.dataset.module = module;
     this.selectionLine.dataset.step = step;
     for (const row of this.findingRows || []) row.classList.toggle('selected', row.finding === finding);
     for (const row of this.tableRows || []) row.classList.toggle('selected', row.dataset.module === module);
-    if (module) this.heatmap.select(module, step);
+    this.heatmap.select(module, step);
+    this.keep();
     if (module) await this.drawSeries(module, step);
   }
 
@@ -801,13 +1071,14 @@ class Page {
     const model = this.model;
     const doc = await fetchJson('series', this.query({ module }));
     if (this.model !== model || this.selection?.module !== module) return;
+    hideTooltip();
     this.seriesTitle.textContent = `Module ${module}`;
-    const marks = (this.analysis?.findings || []).filter((f) => f.module === module || f.module.startsWith(`${module}.`)).map((f) => f.step);
+    const marks = (this.analysis?.findings || []).filter((f) => f.module && (f.module === module || f.module.startsWith(`${module}.`))).map((f) => f.step);
     const width = Math.max(200, Math.floor((this.seriesBox.clientWidth - 40) / 2));  // two a row, room for a scrollbar
     const charts = doc.series.map((s) => {
       const title = s.name === module ? s.stat : `${s.stat} · ${s.name.slice(module.length + 1)}`;
-      const chart = el('div', { class: 'chart' }, el('div', { class: 'title', title: s.name }, title),
-        lineChart({ steps: doc.steps, values: s.values, width, height: 110, log: positive(s.values) && !s.stat.endsWith('_frac'), marks, at: step, label: `${s.name} ${s.stat}` }));
+      const chart = el('div', { class: 'chart', 'data-stat': s.stat, 'data-name': s.name }, el('div', { class: 'title', title: s.name }, title),
+        lineChart({ steps: doc.steps, values: s.values, width, height: 110, log: positive(s.values) && scaleOf(s.stat) === 'log', marks, at: step, label: `${s.name} ${s.stat}` }));
       chart.style.width = `${width}px`;
       return chart;
     });
@@ -820,7 +1091,7 @@ class Page {
     this.spikesCard.style.display = '';
     const width = Math.max(320, Math.floor((this.spikesCard.clientWidth || 900) / 2) - 30);
     const chart = (name, line, kind) => el('div', { class: 'chart' }, el('div', { class: 'title' }, `${name} · every step · spike steps marked`),
-      lineChart({ ...line, width, height: 160, log: positive(line.values), marks: spikes.spikes.filter((f) => f.kind === kind).map((f) => f.step), label: name }));
+      lineChart({ ...line, width, height: 160, log: positive(line.values) && scaleOf(name) === 'log', marks: spikes.spikes.filter((f) => f.kind === kind).map((f) => f.step), label: name }));
     this.spikesCard.replaceChildren(el('h2', {}, 'Spikes', el('span', { class: 'hint' }, `${spikes.spikes.length} spike${spikes.spikes.length === 1 ? '' : 's'}`)),
       el('div', { class: 'charts' },
         spikes.grad_norm.steps.length ? chart('step/grad_norm', spikes.grad_norm, 'gradient_spike') : null,
@@ -863,17 +1134,17 @@ class Page {
       });
     }
     const head = el('tr', {}, ...columns.map((c) => {
-      const th = el('th', { class: c === 'module' || c === 'findings' ? '' : 'num', onclick: () => this.drawTable(c, sortBy === c ? !up : c === 'module') }, c);
+      const th = chooseable(el('th', { class: c === 'module' || c === 'findings' ? '' : 'num', onclick: () => this.drawTable(c, sortBy === c ? !up : c === 'module') }, c));
       if (c === sortBy) th.classList.add('sorted', ...(up ? ['up'] : []));
       return th;
     }));
-    this.tableRows = rows.map((row) => el('tr', { 'data-module': row.module, onclick: () => this.select(row.module, undefined) },
+    this.tableRows = rows.map((row) => chooseable(el('tr', { 'data-module': row.module, onclick: () => this.select(row.module, undefined) },
       el('td', {}, row.module),
       el('td', {}, ...row.findings.map((k) => el('span', { class: `kind ${k}` }, k))),
       ...table.stats.map((s) => {
         const v = row.values[s];
         return el('td', { class: `num${isValue(v) && !finite(v) ? ' bad' : ''}` }, format(v));
-      })));
+      }))));
     this.tableBox.replaceChildren(el('table', {}, el('thead', {}, head), el('tbody', {}, ...this.tableRows)));
   }
 }
@@ -882,7 +1153,8 @@ export async function render() {
   document.head.append(el('link', { rel: 'stylesheet', href: route('style.css').href }));
   const root = el('div', { class: 'health' }, el('div', { class: 'empty' }, 'Loading…'));
   document.body.append(root);
-  const page = new Page(root);
+  const plugin = new URL('.', import.meta.url).pathname.split('/').filter(Boolean).pop();  // the route's last folder
+  const page = new Page(root, new Host(plugin));
   window.tblogHealth = page;  // for scripts and the browser tests: page.heatmap.centre(module, step)
   try {
     await page.start();
