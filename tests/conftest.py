@@ -39,6 +39,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 #: (``pytest_collection_modifyitems``), which is how scripts/cuda_check.py finds them all.
 NEEDS_CUDA = "needs a CUDA device"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
+if not torch.cuda.is_available():
+    # Triton's interpreter runs the fused kernels on CPU tensors (tests/test_kernels.py); it is
+    # chosen when the kernels are defined, so before anything imports tblog_hooks.kernels.fused.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

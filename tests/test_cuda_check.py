@@ -27,7 +27,7 @@ def test_every_cuda_condition_is_conftest_needs_cuda() -> None:
 
 def test_the_check_selects_the_cuda_tests_of_every_file_that_has_them() -> None:
     files = ["test_cuda.py", "test_no_sync.py", "test_compile.py", "test_param_sources.py"]
-    files += ["test_training_loops.py", "test_spikes.py"]
+    files += ["test_training_loops.py", "test_spikes.py", "test_kernels.py"]
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", *(f"tests/{f}" for f in files)],
         cwd=ROOT,

@@ -128,7 +128,9 @@ def test_fault_in_a_statistic_is_reported_once(tmp_path, monkeypatch, where: str
 
     if where == "gradient":  # the device function of output-gradient records
         compute = Kind.compute
-        monkeypatch.setattr(Kind, "compute", lambda k, t, u: broken() if k.name == Root.GRADIENT else compute(k, t, u))
+        monkeypatch.setattr(
+            Kind, "compute", lambda k, t, u, **kw: broken() if k.name == Root.GRADIENT else compute(k, t, u, **kw)
+        )
     else:
         monkeypatch.setattr(sampling, "sample", broken)
     messages = _run_with_logger(tmp_path, modules=["0"], parameters=False)

@@ -82,7 +82,7 @@ _MODULES = {".".join(p.relative_to(ROOT.parent).with_suffix("").parts).removesuf
 #: The data flow, downhill: a module imports from its own layer or those before it, never after.
 _LAYERS = [
     {"errors", "_compat", "keywords"},
-    {"stats", "topology"},
+    {"stats", "topology", "kernels"},
     {"capture", "transport"},
     {"output"},
     {"diagnostics"},

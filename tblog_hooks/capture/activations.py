@@ -14,7 +14,7 @@ from ..stats.feature_maps import feature_grid
 from ..stats.numerics import Written
 from ..stats.packing import Record
 from ..stats.recipe import Source
-from ..stats.reductions import finite, loggable
+from ..stats.reductions import loggable
 from ..topology.parallel import CONTEXT_PARALLEL, TensorParallel, along_units
 from ..topology.sharding import Split
 from .output_gradients import OutputGradientRecorder
@@ -185,7 +185,7 @@ class ActivationRecorder:
         last = None if mode.compiled else self._last_output  # is_inference() breaks a graph
         if last is not None and last[0]() is t and not t.is_inference() and version(t) == last[1]:
             return last[2]
-        return finite(t)
+        return self.buffer.kernels.compute((self._input,), t, -1)["finite"]
 
     def _add_feature_map(self, mode: Mode, name: str, tensors: list[Tensor]) -> None:
         """Channels of the first sample of the first 3-D-or-more output, first call only."""

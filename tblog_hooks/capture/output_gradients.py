@@ -70,9 +70,7 @@ class OutputGradientRecorder:
                 if is_dtensor(grad):  # (its units are where its output's were)
                     grad, placed = local(grad)
                     split = placed and dataclasses.replace(placed, axis=split.axis if split else placed.axis)
-                self.buffer.eager.record(self._kind, name, grad, split=split)
-                if self._numerics is not None:
-                    self.buffer.eager.measure(self._numerics, name, grad, split=split)
+                self.buffer.eager.record(self._kind, name, grad, split=split, numerics=self._numerics)
         except Exception as error:
             self.buffer.fail(name, error)
 
@@ -128,7 +126,9 @@ class OutputGradientRecorder:
     def _place_probe(self, name: str, device: torch.device) -> None:
         # A weak reference: the probe's tensor hook must not keep the recorder alive.
         deliver = functools.partial(_on_probe, weakref.ref(self), name)
-        self._probes[name] = probes.Probe(device, self._width, self._kind, deliver, self._probe_handles)
+        self._probes[name] = probes.Probe(
+            device, self._width, self._kind, self.buffer.kernels, deliver, self._probe_handles
+        )
 
     def _tap(self, name: str, output: object) -> object | None:
         """The output with each tensor that carries a gradient passed through the module's

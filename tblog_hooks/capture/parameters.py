@@ -120,10 +120,11 @@ class ParameterRecorder:
         kind = self._numerics
         if kind is None or scale is not None or split is not None or key not in dense:
             return None
+        compute = self.buffer.kernels.compute
         if unscaled is None:
-            return Record(kind, key, grad.numel(), kind.values(kind.compute(grad, -1)), split=split)
+            return Record(kind, key, grad.numel(), kind.values(compute((kind,), grad, -1)), split=split)
         factor = unscaled.to(grad.device).reshape(())
-        named = dict(kind.compute(grad * factor, -1))
+        named = dict(compute((kind,), grad * factor, -1))
         named["amax"], named["ref"] = named["amax"] / factor, named["ref"] / factor  # (sums are relative to ref)
         return Record(kind, key, grad.numel(), kind.values(named), split=split)
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..kernels import Kernels
 from ..stats.kinds import Kind
 from ..stats.sampling import traced_sample
 from .watched import Handles
@@ -46,27 +47,27 @@ class _Tap(torch.autograd.Function):
     """Identity on the output; its backward sends the gradient's summary to the probe."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, probe: Tensor, width: int, kind: Kind) -> Tensor:
-        ctx.width, ctx.kind = width, kind
+    def forward(ctx: Any, x: Tensor, probe: Tensor, width: int, kind: Kind, kernels: Kernels) -> Tensor:
+        ctx.width, ctx.kind, ctx.kernels = width, kind, kernels
         return x.clone()  # not x itself: that would be a view, and in-place ops on views of this fail
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
-        return grad, summary(grad, ctx.width, ctx.kind), None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None, None]:
+        return grad, summary(grad, ctx.width, ctx.kind, ctx.kernels), None, None, None
 
 
-def summary(grad: Tensor, width: int, kind: Kind) -> Tensor:
+def summary(grad: Tensor, width: int, kind: Kind, kernels: Kernels) -> Tensor:
     """``[1, elements, kind's fields..., min, max]`` of ``grad`` in float64, then its histogram
     sample (``sampling.traced_sample``: it runs in the compiled backward) padded with NaN to
     ``width`` (0: no histogram)."""
-    named = kind.compute(grad, -1)
+    named = kernels.compute((kind,), grad, -1)
     wide = torch.float64
     fields = [
         f.pool.summed[0](named[n].to(wide)) if f.pool.summed else named[n].to(wide)
         for f in kind.fields
         for n in f.names
     ]
-    lo, hi = torch.aminmax(grad)
+    lo, hi = (named["min"], named["max"]) if "min" in named else torch.aminmax(grad)  # (the kernels give them)
     measured = torch.stack([*fields, lo.to(wide), hi.to(wide)])
     parts = [torch.tensor([1.0, grad.numel()], dtype=wide, device=grad.device), measured]
     if width:
@@ -100,9 +101,15 @@ class Probe:
     with the logger's recipe)."""
 
     def __init__(
-        self, device: torch.device, width: int, kind: Kind, deliver: Callable[[Tensor], None], handles: Handles
+        self,
+        device: torch.device,
+        width: int,
+        kind: Kind,
+        kernels: Kernels,
+        deliver: Callable[[Tensor], None],
+        handles: Handles,
     ) -> None:
-        self.width, self.kind = width, kind
+        self.width, self.kind, self.kernels = width, kind, kernels
         # Stride 0: one element of storage whatever the summary's length.
         self.tensor = torch.empty_strided((head(kind) + width,), (0,), dtype=torch.float64, device=device)
         self.tensor.requires_grad_()
@@ -115,7 +122,7 @@ class Probe:
 
     def tap(self, x: Tensor) -> Tensor:
         """``x`` (a copy) whose gradient will be summarised into the probe."""
-        return _Tap.apply(x, self.tensor, self.width, self.kind)  # type: ignore[no-any-return]
+        return _Tap.apply(x, self.tensor, self.width, self.kind, self.kernels)  # type: ignore[no-any-return]
 
 
 def _take(deliver: Callable[[Tensor], None], tensor: Tensor) -> None:

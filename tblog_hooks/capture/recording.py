@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .._compat import found_inf, initial_scale, loss_scale
+from ..kernels import Kernels
 from ..stats.binning import Sample
 from ..stats.numerics import Written
 from ..stats.packing import Record, StepLayout, pack_step
@@ -49,7 +50,7 @@ class Recording:
         histograms = config.histogram_schedule
         self.watched = watched
         self._parameters = config.parameters
-        self.buffer = StepBuffer(histograms, config.recipe)
+        self.buffer = StepBuffer(histograms, config.recipe, Kernels.from_environment())
         formats = config.numerics_formats
         #: With ``numerics=``, the formats whose scalars are written.
         self.numerics = None if formats is None else Written(formats)
@@ -186,13 +187,13 @@ class Recording:
         stop, said once: no scalar depends on them."""
         buffer = self.buffer
         try:
-            return pack_step(records, samples, buffer.kinds, buffer.indices, buffer.recipe)
+            return pack_step(records, samples, buffer.kinds, buffer.indices, buffer.recipe, buffer.kernels)
         except Exception as error:
             if not samples:
                 raise
             buffer.fail(Part.HISTOGRAMS, error)
             buffer.kinds = frozenset()
-            return pack_step(records, [], buffer.kinds, buffer.indices, buffer.recipe)
+            return pack_step(records, [], buffer.kinds, buffer.indices, buffer.recipe, buffer.kernels)
 
     def check_stepped(self, step: int) -> None:
         """Warn once when, at the end of logged step ``step``, a watched parameter holds a gradient

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .._compat import TORCH_VERSION, in_backward, in_functorch_transform
+from ..kernels import Kernels
 from ..stats import sampling
 from ..stats.binning import Sample
 from ..stats.kinds import Kind
@@ -57,9 +58,11 @@ class StepBuffer:
     """Per-step buffer of device results, fed by the recorders; holds no module or model.
     Hooks may run on several threads (backward on one thread per device): they only append."""
 
-    def __init__(self, histograms: Histograms | None, recipe: Recipe) -> None:
+    def __init__(self, histograms: Histograms | None, recipe: Recipe, kernels: Kernels | None = None) -> None:
         #: What hooks record (the logger's recipe).
         self.recipe = recipe
+        #: Where the statistics are computed (``TBLOG_HOOKS_KERNELS``, read when the logger was made).
+        self.kernels = kernels or Kernels.from_environment()
         self._scalar = recipe[Source.SCALAR]
         #: Whether hooks record now: during a logged step of a logger that is logging.
         self.active = False
@@ -180,12 +183,19 @@ class Mode(abc.ABC):
         return kind in kinds or (kind == Root.GRADIENT and Root.GRADIENT_LOG10 in kinds)
 
     def record(
-        self, kind: Kind, name: str, t: Tensor, units: int = -1, split: Split | None = None
+        self,
+        kind: Kind,
+        name: str,
+        t: Tensor,
+        units: int = -1,
+        split: Split | None = None,
+        numerics: Kind | None = None,
     ) -> dict[str, Tensor]:
         """Statistics (and a histogram sample over their exact range) of an output, input or
         output gradient (``units``: the dim that holds the module's units; ``split``: how ``t``,
-        one rank's piece, is split over ranks); returns the values, by name."""
-        named = self.measure(kind, name, t, units, split)
+        one rank's piece, is split over ranks), and with ``numerics`` (its ``numerics=`` kind)
+        those too, computed together; returns the values, by name."""
+        named = self.measure(kind, name, t, units, split, numerics)
         if self.takes_histogram(kind.name):
             lo: Tensor | None
             hi: Tensor | None
@@ -199,11 +209,19 @@ class Mode(abc.ABC):
         return named
 
     def measure(
-        self, kind: Kind, name: str, t: Tensor, units: int = -1, split: Split | None = None
+        self,
+        kind: Kind,
+        name: str,
+        t: Tensor,
+        units: int = -1,
+        split: Split | None = None,
+        numerics: Kind | None = None,
     ) -> dict[str, Tensor]:
         """Statistics of ``t`` (as for :meth:`record`) without a histogram sample; returns the values, by name."""
-        named = kind.compute(t, units)
-        self.add(Record(kind, name, t.numel(), kind.values(named), split=split))
+        kinds = (kind,) if numerics is None else (kind, numerics)
+        named = self.buffer.kernels.compute(kinds, t, units)
+        for each in kinds:
+            self.add(Record(each, name, t.numel(), each.values(named), split=split))
         return named
 
 

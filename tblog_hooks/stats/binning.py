@@ -16,6 +16,7 @@ from .sampling import IndexCache, device_index
 from .tags import Root
 
 if TYPE_CHECKING:
+    from ..kernels import Kernels
     from ..topology.sharding import Split
 
 #: Histogram buckets over ``[min, max]`` (TensorBoard's chart re-bins to ~30 anyway).
@@ -54,7 +55,11 @@ class RowInfo(NamedTuple):
 
 
 def bin_step(
-    samples: list[Sample], device: torch.device, kinds: frozenset[str], cache: IndexCache
+    samples: list[Sample],
+    device: torch.device,
+    kinds: frozenset[str],
+    cache: IndexCache,
+    kernels: Kernels | None = None,
 ) -> tuple[Tensor, list[RowInfo]]:
     """Every histogram of the step binned at once (:func:`bin_rows`, flattened), and what each
     row is; the log10 histograms of the output gradients are derived here (the gradients' own
@@ -73,7 +78,7 @@ def bin_step(
     keys: dict[tuple[str, str], int] = {}
     index = [keys.setdefault((h.kind, h.name), len(keys)) for h in rows]
     lows, highs = _on(device, [h.lo for h in rows]), _on(device, [h.hi for h in rows])
-    binned = bin_rows(values, lows, highs, index, cache)
+    binned = bin_rows(values, lows, highs, index, cache, kernels)
     weights = [h.weight for h in rows]
     if any(w is not None for w in weights):  # probes' rows: scale their counts here
         one = binned.new_ones(())
@@ -96,6 +101,7 @@ def bin_rows(
     highs: Sequence[Tensor | None],
     keys: Sequence[int],
     cache: IndexCache | None = None,
+    kernels: Kernels | None = None,
 ) -> Tensor:
     """Histograms of all ``samples`` in a fixed number of ops, with no host-device copy.
 
@@ -104,6 +110,7 @@ def bin_rows(
     where given and finite, else the sample's finite extremes. Returns float64 rows
     ``[start, half_span, min, max, counts...]``; non-finite elements are left out. Under
     ``torch.use_deterministic_algorithms(True)`` only deterministic kernels are used (see :func:`_counts`).
+    Where ``kernels`` take the values, one Triton kernel positions and counts them (``kernels/fused.py``).
     """
     device = samples[0].device
     count = len(samples)
@@ -138,10 +145,11 @@ def bin_rows(
     # Row r's bucket b becomes the number r * BINS + b + 0.5, so one count covers every row.
     # The scale stops just short of BINS, so the maximum lands in the last bucket; NaN and
     # +-inf fall outside the buckets.
-    scale = torch.index_select(BINS * (1 - 2**-16) / half_span, 0, rows)
-    position = values.mul_(0.5).sub_(torch.index_select(start / 2, 0, rows)).mul_(scale)
-    position = position.floor_().add_(offsets)
-    counts = _counts(position, count * BINS).view(count, BINS)
+    scale = BINS * (1 - 2**-16) / half_span
+    counts = None if kernels is None else kernels.bucket_counts(values, rows, start / 2, scale, BINS)
+    if counts is None:
+        position = values.mul_(0.5).sub_(torch.index_select(start / 2, 0, rows)).mul_(scale.index_select(0, rows))
+        counts = _counts(position.floor_().add_(offsets), count * BINS).view(count, BINS)
     head = torch.stack([start, half_span, lo, hi], dim=1)
     return torch.cat([head, counts.to(dtype)], dim=1).to(torch.float64)
 

@@ -128,6 +128,10 @@ class Measure:
     counted: bool = False
     #: A whole-model scalar ``{kind}/{total}``: the L2 norm over every record's (one) field.
     total: str | None = None
+    #: The fused kernels give its device values, by the names ``compute`` gives them
+    #: (``kernels/fused.py``, where ``TBLOG_HOOKS_KERNELS`` sends the tensor); a measure without
+    #: is computed by ``compute``, with torch.
+    fused: bool = False
 
 
 class Kind:
@@ -135,7 +139,7 @@ class Kind:
     compared and hashed by identity (a logger's :class:`~tblog_hooks.stats.recipe.Recipe` makes
     its own, looked up for every record of a step)."""
 
-    __slots__ = ("_computed", "counts", "fields", "measures", "name", "norms", "per_call", "stats")
+    __slots__ = ("_computed", "_unfused", "counts", "fields", "measures", "name", "norms", "per_call", "stats")
 
     def __init__(
         self,
@@ -161,6 +165,7 @@ class Kind:
         self.fields: tuple[Field, ...] = tuple(f for m in measures for f in m.fields)
         self.stats: tuple[str, ...] = tuple(s for m in measures for s in m.stats)
         self._computed = tuple(m.compute for m in measures if m.compute is not None)
+        self._unfused = tuple(m.compute for m in measures if m.compute is not None and not m.fused)
 
     def __setattr__(self, key: str, value: object) -> None:
         if hasattr(self, key):
@@ -184,10 +189,11 @@ class Kind:
         """The statistics (whole-model totals included) that scale with the loss."""
         return tuple(s for m in self.measures if m.scaled for s in (*m.stats, *filter(None, [m.total])))
 
-    def compute(self, t: Tensor, units: int) -> dict[str, Tensor]:
-        """Every measure's device values of ``t``, by name (call under ``no_grad``)."""
+    def compute(self, t: Tensor, units: int, *, unfused: bool = False) -> dict[str, Tensor]:
+        """Every measure's device values of ``t``, by name (call under ``no_grad``); with
+        ``unfused``, those of the measures the fused kernels do not give (``Measure.fused``)."""
         out: dict[str, Tensor] = {}
-        for compute in self._computed:
+        for compute in self._unfused if unfused else self._computed:
             out.update(compute(t, units))
         return out
 
@@ -252,6 +258,7 @@ MEAN_STD = Measure(
     compute=reductions.mean_and_centred_norm,
     scaled=True,
     counted=True,
+    fused=True,
 )
 #: The smallest and largest element (exact; also a histogram's range).
 EXTREMES = Measure(
@@ -261,6 +268,7 @@ EXTREMES = Measure(
     scalars=lambda v, n: {Stat.MIN: float(v["min"][0]), Stat.MAX: float(v["max"][0])},
     compute=reductions.extremes,
     scaled=True,
+    fused=True,
 )
 #: The fraction of elements exactly zero.
 ZERO_FRAC = Measure(
@@ -270,6 +278,7 @@ ZERO_FRAC = Measure(
     scalars=lambda v, n: {Stat.ZERO_FRAC: float((n - v["nonzero"][0]) / n)},
     compute=lambda x, units: {"nonzero": torch.count_nonzero(x)},
     counted=True,
+    fused=True,
 )
 #: The NaN/Inf count, from the finite count (the host knows the elements: NaN/Inf are the rest).
 NONFINITE = Measure(
@@ -279,6 +288,7 @@ NONFINITE = Measure(
     scalars=lambda v, n: {Stat.NONFINITE: float(n - v["finite"][0])},
     compute=lambda x, units: {"finite": reductions.finite(x)},
     counted=True,
+    fused=True,
 )
 
 
@@ -295,6 +305,7 @@ DEAD_FRAC = Measure(
     stats=(Stat.DEAD_FRAC,),
     scalars=_dead_fraction,
     compute=reductions.unit_peaks,
+    fused=True,
 )
 
 #: The statistics of a module's output, and with ``inputs=True`` of its input.
@@ -307,6 +318,7 @@ GRADIENT_NORM = Measure(
     scalars=lambda v, n: {Stat.NORM: float(v["norm"][0])},
     compute=lambda g, units: {"norm": reductions.norm(g)},
     scaled=True,
+    fused=True,
 )
 #: The NaN/Inf count of an output gradient, recorded as it is: a probe's summed records do not
 #: know their element count (``gradient/nonfinite``).
@@ -316,6 +328,7 @@ GRADIENT_NONFINITE = Measure(
     stats=(Stat.NONFINITE,),
     scalars=lambda v, n: {Stat.NONFINITE: float(v["nonfinite"][0])},
     compute=lambda g, units: {"nonfinite": reductions.nonfinite(g)},
+    fused=True,
 )
 #: A parameter's final gradient's norm (``param_grad/norm``) and the whole-model
 #: ``param_grad/global_norm``; recorded by ``capture/parameters.py``.
@@ -369,7 +382,16 @@ ATTENTION_HEADS = Measure(
 HISTOGRAM_ROWS = Measure(name="histograms", fields=(Field(name="rows", pool=FIRST),), scalars=lambda v, n: {})
 
 
-def numeric_measures(*, zero_frac: bool, channels: bool, shared: bool = False) -> tuple[Measure, Measure]:
+#: The median |x| of an output with ``numerics=`` (its scalar is ``numeric_measures``'s).
+MEDIAN_ABS = Measure(
+    name="numerics (median)",
+    fields=(Field(name="median", pool=MAX),),
+    scalars=lambda v, n: {},
+    compute=numerics.median_abs,
+)
+
+
+def numeric_measures(*, zero_frac: bool, channels: bool, shared: bool = False) -> tuple[Measure, ...]:
     """With ``numerics=``, a tensor's low-precision health (``stats/numerics.py``): the max |x|
     and RMS, which scale with the loss under a ``GradScaler``, and the kurtosis and per-format
     fractions, which do not (they are judged at the loss scale, as the format sees the gradients).
@@ -379,7 +401,7 @@ def numeric_measures(*, zero_frac: bool, channels: bool, shared: bool = False) -
     every = numerics.stats(zero_frac=zero_frac, channels=channels)
     own = ("nonzero",) * (not shared)
     counts = (*own, *(n for f in numerics.FORMATS.values() for n in numerics.names(f)))
-    per_unit = (Field(name="unit_amax", pool=MAX, per_unit=True), Field(name="median", pool=MAX)) * channels
+    per_unit = (Field(name="unit_amax", pool=MAX, per_unit=True),) * channels
 
     def compute(x: Tensor, units: int) -> Named:
         return numerics.measure(x, units, channels=channels, nonzero=not shared)
@@ -395,6 +417,7 @@ def numeric_measures(*, zero_frac: bool, channels: bool, shared: bool = False) -
         scalars=lambda v, n: scalars(v, n, tuple(s for s in every if s not in magnitude)),
         compute=compute,
         counted=True,
+        fused=True,
     )
     size = Measure(
         name="numerics (magnitudes)",
@@ -403,8 +426,9 @@ def numeric_measures(*, zero_frac: bool, channels: bool, shared: bool = False) -
         scalars=lambda v, n: scalars(v, n, magnitude),
         scaled=True,
         counted=True,
+        fused=True,
     )
-    return shape, size
+    return (shape, size, MEDIAN_ABS) if channels else (shape, size)
 
 
 #: With a float8 format in ``numerics=``, what fp8 training casts to e4m3 of a watched

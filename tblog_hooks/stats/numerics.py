@@ -122,7 +122,6 @@ def measure(x: Tensor, units: int, *, channels: bool, nonzero: bool = True) -> d
             out["amax"] = out["unit_amax"].amax()
         else:
             out["unit_amax"], out["amax"] = a.new_empty(0), a.amax()
-        out["median"] = median(a)
     else:
         out["amax"] = a.amax()
     out["ref"] = out["amax"].clamp(min=AMAX_FLOOR)
@@ -178,6 +177,13 @@ def fp8_statistics(v: Values, count: int) -> dict[str, float]:
 #: The sample indices :func:`median` takes, by size: made on the host once per size, as the
 #: histograms' (a function of the size alone, shared by every logger of the process).
 _SAMPLES = sampling.IndexCache()
+
+
+def median_abs(x: Tensor, units: int) -> dict[str, Tensor]:
+    """The median of ``|x|`` (``median``, :func:`median`): a selection, which no fused kernel
+    computes (``kernels/fused.py``), so a measure of its own."""
+    wide = acc_dtype(x.dtype)
+    return {"median": median(x.abs() if x.dtype == wide else x.to(wide).abs_())}
 
 
 def median(a: Tensor) -> Tensor:

@@ -26,6 +26,7 @@ from .sampling import IndexCache
 from .tags import tag
 
 if TYPE_CHECKING:
+    from ..kernels import Kernels
     from ..topology.sharding import Split
 
 
@@ -188,14 +189,20 @@ def scalars(
 
 
 def pack_step(
-    records: list[Record], samples: list[Sample], kinds: frozenset[str], cache: IndexCache, recipe: Recipe
+    records: list[Record],
+    samples: list[Sample],
+    kinds: frozenset[str],
+    cache: IndexCache,
+    recipe: Recipe,
+    kernels: Kernels | None = None,
 ) -> tuple[Tensor, StepLayout] | None:
-    """Bin the step's histogram samples of ``kinds`` and pack every record (of ``recipe``'s
-    kinds) into one float64 tensor on the device of the first; ``None`` when nothing was recorded."""
+    """Bin the step's histogram samples of ``kinds`` (with the ``kernels`` where they take them)
+    and pack every record (of ``recipe``'s kinds) into one float64 tensor on the device of the
+    first; ``None`` when nothing was recorded."""
     if not records and not samples:
         return None
     device = (records[0].values[0] if records else samples[0].sample).device
-    binned, rows = bin_step(samples, device, kinds, cache)
+    binned, rows = bin_step(samples, device, kinds, cache, kernels)
     if rows:
         binned_kind = recipe[Source.BINNED]
         records = [*records, Record(binned_kind, "", binned.numel(), (binned,), (len(rows), HIST_WIDTH))]

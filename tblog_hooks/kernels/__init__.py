@@ -1,0 +1,128 @@
+"""Where a logger computes its statistics: the fused Triton kernels (``fused.py``) or the torch
+reductions (``stats/``), as the ``TBLOG_HOOKS_KERNELS`` environment variable says.
+
+``auto`` (the default): the kernels take CUDA tensors where Triton is importable, torch the rest.
+``triton``: the kernels take CUDA tensors, and CPU tensors too under ``TRITON_INTERPRET=1``
+(Triton's interpreter; Triton has no CPU backend, so without it CPU tensors stay on torch); an
+error at construction where Triton is not importable. ``torch``: the torch reductions only.
+The variable is read once per logger, when it is made. ``fused.py`` is imported only when a
+tensor is first sent to the kernels (or at construction, with ``triton``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+from collections.abc import Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ..errors import HookLoggerError
+
+if TYPE_CHECKING:
+    from ..stats.kinds import Kind
+
+#: The environment variable, and its values.
+VARIABLE = "TBLOG_HOOKS_KERNELS"
+CHOICES = ("auto", "triton", "torch")
+
+
+class Kernels:
+    """One logger's choice of path, from ``TBLOG_HOOKS_KERNELS`` when it was made."""
+
+    def __init__(self, choice: str) -> None:
+        if choice not in CHOICES:
+            raise HookLoggerError(
+                f"{VARIABLE}={choice!r} is not a kernel path: set it to one of {', '.join(map(repr, CHOICES))} "
+                "(auto, the default: the Triton kernels for CUDA tensors where Triton is importable)"
+            )
+        self.choice = choice
+        self._fused: ModuleType | None = None
+        self._off = choice == "torch" or (choice == "auto" and importlib.util.find_spec("triton") is None)
+        if not self._off and choice == "auto" and torch.cuda.is_available():
+            try:  # now, not in a hook that torch.compile traces
+                self._fused = _import_fused()
+            except ImportError as error:
+                self.fail(error)
+        if choice == "triton":
+            try:
+                self._fused = _import_fused()
+            except ImportError as error:
+                raise HookLoggerError(
+                    f"{VARIABLE}=triton, but Triton is not importable ({error}); install it (it ships with "
+                    "the CUDA builds of torch) or set auto or torch"
+                ) from error
+
+    @classmethod
+    def from_environment(cls) -> Kernels:
+        return cls(os.environ.get(VARIABLE, "auto"))
+
+    def takes(self, t: Tensor) -> bool:
+        """Whether ``t``'s statistics go through the kernels."""
+        if self._off:
+            return False
+        if t.is_cuda:
+            return True
+        return self.choice == "triton" and t.device.type == "cpu" and self.fused.INTERPRETED
+
+    @property
+    def fused(self) -> ModuleType:
+        """``fused.py``, imported on first use."""
+        if self._fused is None:
+            self._fused = _import_fused()
+        return self._fused
+
+    def compute(self, kinds: Sequence[Kind], t: Tensor, units: int) -> dict[str, Tensor]:
+        """Every measure's device values of ``t`` for ``kinds`` (of one tensor: its own and its
+        ``numerics=`` kind), by name: where the kernels take ``t``, those of the measures they
+        fuse from one kernel call (with its extremes, for the histogram's range), the others' by
+        their own ``compute``; else every measure's ``compute`` (call under ``no_grad``)."""
+        fused = {n for kind in kinds for m in kind.measures if m.fused for f in m.fields for n in f.names}
+        out: dict[str, Tensor] = {}
+        if fused and self.takes(t):
+            kernels = self.fused
+            try:
+                out = kernels.statistics(
+                    t, units, per_unit=bool(fused & set(kernels.PER_UNIT)), numerics=bool(fused & kernels.FORMAT_COUNTS)
+                )
+            except Exception as error:  # (Triton unusable here: a driver, a compiler)
+                self.fail(error)
+        unfused = bool(out)
+        for kind in kinds:
+            out.update(kind.compute(t, units, unfused=unfused))
+        return out
+
+    def bucket_counts(
+        self, values: Tensor, rows: Tensor, half_start: Tensor, scale: Tensor, bins: int
+    ) -> Tensor | None:
+        """``fused.bucket_counts`` of the step's histogram values (``binning.bin_rows``), or
+        ``None`` where the kernels do not take them (or failed: torch counts them then)."""
+        if not self.takes(values):
+            return None
+        try:
+            counts: Tensor = self.fused.bucket_counts(values, rows, half_start, scale, bins)
+        except Exception as error:  # (Triton unusable here: a driver, a compiler)
+            self.fail(error)
+            return None
+        return counts
+
+    def fail(self, error: BaseException) -> None:
+        """The kernels failed (Triton unusable on this machine): said once, torch from now on."""
+        if not self._off:
+            self._off = True
+            warnings.warn(
+                f"tblog_hooks: the Triton kernels failed ({type(error).__name__}: {error}); the statistics are "
+                f"computed with torch from now on (set {VARIABLE}=torch to choose that from the start)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
+def _import_fused() -> ModuleType:
+    from . import fused
+
+    return fused

@@ -1,0 +1,397 @@
+"""The statistics of one watched tensor, and the step's histogram counts, as Triton kernels.
+
+A tensor's statistics take two launches: :func:`_partials` reads the tensor once, each program
+reducing one tile to its partial state (count, sum, centred sum of squares, sum of squares,
+extremes, amax, the powers relative to the tile's amax, the zero / finite / NaN counts, the
+unscaled formats' boundary counts, per unit the peak and amax); :func:`_combine` reduces the
+partials in a fixed order (Chan et al.'s pairwise update for the centred sum of squares, the
+powers rescaled to the largest amax as ``numerics.pool_powers`` does), so the result is the same
+on every run: no float atomics. With ``numerics=`` a third launch, :func:`_scaled_counts`, counts
+the float8 formats' boundaries after scaling by the per-tensor scale the second one found (a
+first-pass result); its integer atomics add exactly, in any order.
+
+The kernels are registered as custom ops (``torch.library``) with fake implementations, so
+compiled hooks trace them as one node each. Import this module only where Triton is importable
+(``tblog_hooks.kernels``); under ``TRITON_INTERPRET=1``, set before it is imported, the kernels run
+on CPU tensors in Triton's interpreter (how the test suite proves them).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..stats import numerics
+from ..stats.reductions import acc_dtype
+
+#: The float values a tensor's statistics give, in this order (``Tensor`` float64).
+SCALARS = ("mean", "centred_norm", "min", "max", "norm", "amax", "ref", "sum2", "sum4")
+_UNSCALED = tuple(f for f in numerics.FORMATS.values() if not f.scaled)
+_SCALED = tuple(f for f in numerics.FORMATS.values() if f.scaled)
+#: The counts, in this order (``Tensor`` int64): the per-format ones as ``numerics.names`` spells them.
+COUNTS = (
+    "nonzero",
+    "finite",
+    "nonfinite",
+    *(n for f in _UNSCALED for n in numerics.names(f)),
+    *(n for f in _SCALED for n in numerics.names(f)),
+)
+#: The per-format counts (a third launch: the float8 formats' need the per-tensor scale).
+FORMAT_COUNTS = frozenset(COUNTS[3:])
+#: Per unit (along the units dim), the largest value and the largest magnitude.
+PER_UNIT = ("peak", "unit_amax")
+_FIRST_SCALED = len(COUNTS) - 2 * len(_SCALED)
+#: Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when this was imported).
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+#: Elements a program of the first pass reduces, partials a combining program takes at once, and
+#: units a combining program takes. The interpreter runs each program as Python (milliseconds a
+#: reduction), so there a program takes up to a million elements; the tests set smaller blocks to
+#: prove the combining.
+BLOCK, CHUNK, UNIT_CHUNK = (1 << 20, 1 << 14, 1 << 12) if INTERPRETED else (4096, 1024, 32)
+#: Units a first-pass tile spans at most (the rest of the tile is rows: elements of the same units).
+TILE_UNITS = 1 << 12 if INTERPRETED else 64
+# A partial's float fields, and its int32 counts (then 4 per unscaled format).
+_P_N, _P_SUM, _P_M2, _P_SQ, _P_MIN, _P_MAX, _P_AMAX, _P_REF, _P_S2, _P_S4 = range(10)
+_NF = 10
+_C_NAN, _C_NONZERO, _C_FINITE = range(3)
+_NC = 3 + 4 * len(_UNSCALED)  # (``numerics.names``: zero, finite, small, least; tests/test_kernels.py checks)
+
+
+@functools.cache
+def _constants(device: torch.device, dtype: torch.dtype) -> Tensor:
+    """The boundaries the kernels compare with, in the accumulation dtype, as ``numerics.measure``
+    compares: the amax floor; per unscaled format its flush-to-zero bound, largest magnitude that
+    stays finite, smallest normal and the bound below which a cast gives at most the least
+    subnormal; per scaled format its max, flush bound and largest magnitude that stays finite."""
+    np_dtype = np.float64 if dtype == torch.float64 else np.float32
+
+    def finite(fmt: numerics.Format) -> float:
+        """A tie that rounds up to inf/NaN moved one step down: every test of it is ``<=``."""
+        bound, tie_stays = fmt.finite
+        return float(np_dtype(bound) if tie_stays else np.nextafter(np_dtype(bound), np_dtype(0)))
+
+    values: list[float] = [numerics.AMAX_FLOOR]
+    for fmt in _UNSCALED:
+        values += [fmt.flushed, finite(fmt), fmt.normal, fmt.least]
+    for fmt in _SCALED:
+        values += [fmt.max, fmt.flushed, finite(fmt)]
+    return torch.tensor(np.array(values, dtype=np_dtype), device=device)
+
+
+@triton.jit
+def _chan(n1, m1, q1, n2, m2, q2):  # type: ignore[no-untyped-def]
+    """Two (count, mean, centred sum of squares) states as one (Chan et al.); an empty side is
+    the other state as it is (no inf - inf from a padding lane)."""
+    n = n1 + n2
+    w = n2 / tl.where(n > 0, n, 1.0)
+    d = m2 - m1
+    m = m1 + d * w
+    q = q1 + q2 + d * d * n1 * w
+    m = tl.where(n1 == 0, m2, tl.where(n2 == 0, m1, m))
+    q = tl.where(n1 == 0, q2, tl.where(n2 == 0, q1, q))
+    return n, m, q
+
+
+@triton.jit
+def _reciprocal(x, ACC: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``1 / x`` correctly rounded, as ``torch.reciprocal`` (float32 division is approximate on a GPU)."""
+    if ACC == tl.float64:  # noqa: SIM300 (a constexpr compared at compile time)
+        return 1.0 / x
+    else:
+        return tl.math.div_rn(1.0, x)
+
+
+@triton.jit
+def _nan_max(x, ok, nan, fill, axis: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``amax`` along ``axis`` that is NaN where a NaN was (``ok``: valid, not NaN)."""
+    top = tl.max(tl.where(ok, x, fill), axis)
+    return tl.where(tl.max(nan.to(tl.int32), axis) > 0, float("nan"), top)
+
+
+@triton.jit
+def _partials(  # type: ignore[no-untyped-def]
+    x_ptr, part_ptr, count_ptr, unit_ptr, const_ptr, R, U, INNER, PU, PR,
+    BR: tl.constexpr, BU: tl.constexpr, ACC: tl.constexpr, UNITS: tl.constexpr, NUMERICS: tl.constexpr,
+    NF: tl.constexpr, NC: tl.constexpr, N_UNSCALED: tl.constexpr,
+):  # fmt: skip
+    """One tile's partial state: ``BR`` rest indices (the tensor seen as ``outer x U x INNER``,
+    rest = outer and inner together) by ``BU`` units."""
+    pid = tl.program_id(0)
+    pr = (pid // PU).to(tl.int64)
+    pu = pid % PU
+    r = pr * BR + tl.arange(0, BR)[:, None]
+    u = pu * BU + tl.arange(0, BU)[None, :]
+    valid = (r < R) & (u < U)
+    x = tl.load(x_ptr + (r // INNER) * U * INNER + u * INNER + r % INNER, mask=valid, other=0.0).to(ACC)
+    nan = valid & (x != x)
+    ok = valid & (x == x)
+    n = tl.sum(valid.to(ACC))
+    xs = tl.where(valid, x, 0.0)
+    total = tl.sum(xs)
+    mean = total / n
+    d = tl.where(valid, x - mean, 0.0)
+    a = tl.abs(xs)
+    amax = tl.max(tl.where(ok, a, 0.0))
+    ref = tl.maximum(amax, tl.load(const_ptr))
+    q = a * _reciprocal(ref, ACC)
+    q = q * q
+    base = part_ptr + pid * NF
+    tl.store(base + 0, n)
+    tl.store(base + 1, total)
+    tl.store(base + 2, tl.sum(d * d))
+    tl.store(base + 3, tl.sum(xs * xs))
+    tl.store(base + 4, tl.min(tl.where(ok, x, float("inf"))))
+    tl.store(base + 5, tl.max(tl.where(ok, x, -float("inf"))))
+    tl.store(base + 6, amax)
+    tl.store(base + 7, ref)
+    tl.store(base + 8, tl.sum(q))
+    tl.store(base + 9, tl.sum(q * q))
+    counts = count_ptr + pid * NC
+    tl.store(counts + 0, tl.sum(nan.to(tl.int32)))
+    tl.store(counts + 1, tl.sum((valid & (x != 0)).to(tl.int32)))
+    tl.store(counts + 2, tl.sum((valid & (x - x == 0)).to(tl.int32)))
+    if NUMERICS:
+        for i in tl.static_range(N_UNSCALED):
+            bounds = const_ptr + 1 + 4 * i  # flush to zero, finite, smallest normal, past the least subnormal
+            tl.store(counts + 3 + 4 * i, tl.sum((valid & (a <= tl.load(bounds))).to(tl.int32)))
+            tl.store(counts + 4 + 4 * i, tl.sum((valid & (a <= tl.load(bounds + 1))).to(tl.int32)))
+            tl.store(counts + 5 + 4 * i, tl.sum((valid & (a < tl.load(bounds + 2))).to(tl.int32)))
+            tl.store(counts + 6 + 4 * i, tl.sum((valid & (a < tl.load(bounds + 3))).to(tl.int32)))
+    if UNITS:
+        cols = pu * BU + tl.arange(0, BU)
+        tl.store(unit_ptr + pr * U + cols, _nan_max(x, ok, nan, -float("inf"), 0), mask=cols < U)
+        tl.store(unit_ptr + (PR + pr) * U + cols, _nan_max(a, ok, nan, 0.0, 0), mask=cols < U)
+
+
+@triton.jit
+def _combine(  # type: ignore[no-untyped-def]
+    part_ptr, count_ptr, unit_ptr, out_ptr, cnt_ptr, per_unit_ptr, P, PR, U, NUMEL,
+    C: tl.constexpr, CR: tl.constexpr, CU: tl.constexpr, ACC: tl.constexpr, UNITS: tl.constexpr,
+    NUMERICS: tl.constexpr, NF: tl.constexpr, NC: tl.constexpr, N_UNSCALED: tl.constexpr, N_COUNTS: tl.constexpr,
+):  # fmt: skip
+    """The partials as the tensor's values, in a fixed order: program 0 the scalars and counts
+    (``C`` partials at a time), every program ``CU`` units' peaks and amax (``CR`` rows of
+    partials at a time)."""
+    pid = tl.program_id(0)
+    if UNITS:
+        cols = pid * CU + tl.arange(0, CU)[None, :]
+        for which in tl.static_range(2):
+            best = tl.full([CR, CU], -float("inf"), ACC)
+            seen_nan = tl.zeros([CR, CU], tl.int32)
+            for start in range(0, PR, CR):
+                rows = start + tl.arange(0, CR)[:, None]
+                v = tl.load(unit_ptr + (which * PR + rows) * U + cols, mask=(rows < PR) & (cols < U), other=0.0)
+                seen_nan = tl.maximum(seen_nan, (v != v).to(tl.int32))
+                best = tl.maximum(best, tl.where((rows < PR) & (v == v), v, -float("inf")))
+            peak = tl.where(tl.max(seen_nan, 0) > 0, float("nan"), tl.max(best, 0))
+            flat = pid * CU + tl.arange(0, CU)
+            tl.store(per_unit_ptr + which * U + flat, peak.to(tl.float64), mask=flat < U)
+    if pid == 0:
+        lanes = tl.arange(0, C)
+        n = tl.zeros([C], ACC)
+        mean = tl.zeros([C], ACC)
+        m2 = tl.zeros([C], ACC)
+        total = tl.zeros([C], tl.float64)
+        sq = tl.zeros([C], tl.float64)
+        lo = tl.full([C], float("inf"), ACC)
+        hi = tl.full([C], -float("inf"), ACC)
+        amax = tl.zeros([C], ACC)
+        ref = tl.zeros([C], ACC)
+        for start in range(0, P, C):
+            at = start + lanes
+            m = at < P
+            row = part_ptr + at * NF
+            pn = tl.load(row + 0, mask=m, other=0.0)
+            psum = tl.load(row + 1, mask=m, other=0.0)
+            n, mean, m2 = _chan(n, mean, m2, pn, psum / tl.where(pn > 0, pn, 1.0), tl.load(row + 2, mask=m, other=0.0))
+            total += psum.to(tl.float64)
+            sq += tl.load(row + 3, mask=m, other=0.0).to(tl.float64)
+            lo = tl.minimum(lo, tl.load(row + 4, mask=m, other=float("inf")))
+            hi = tl.maximum(hi, tl.load(row + 5, mask=m, other=-float("inf")))
+            amax = tl.maximum(amax, tl.load(row + 6, mask=m, other=0.0))
+            ref = tl.maximum(ref, tl.load(row + 7, mask=m, other=0.0))
+        # The lanes' states as one (the pairwise update of many groups at once, about the overall mean).
+        centre = tl.sum(n * mean) / tl.sum(n)
+        m2_all = tl.sum(m2) + tl.sum(tl.where(n > 0, n * (mean - centre) * (mean - centre), 0.0))
+        top = tl.max(ref)
+        s2 = tl.zeros([C], ACC)
+        s4 = tl.zeros([C], ACC)
+        for start in range(0, P, C):  # the powers rescaled to the largest tile amax
+            at = start + lanes
+            m = at < P
+            ratio = tl.load(part_ptr + at * NF + 7, mask=m, other=0.0) / top
+            ratio = ratio * ratio
+            s2 += tl.where(m, tl.load(part_ptr + at * NF + 8, mask=m, other=0.0) * ratio, 0.0)
+            s4 += tl.where(m, tl.load(part_ptr + at * NF + 9, mask=m, other=0.0) * (ratio * ratio), 0.0)
+        nans = tl.zeros([C], tl.int64)
+        for start in range(0, P, C):
+            at = start + lanes
+            nans += tl.load(count_ptr + at * NC, mask=at < P, other=0).to(tl.int64)
+        any_nan = tl.sum(nans) > 0
+        nan = float("nan")
+        tl.store(out_ptr + 0, tl.sum(total) / NUMEL)
+        tl.store(out_ptr + 1, tl.sqrt(m2_all.to(tl.float64)))
+        tl.store(out_ptr + 2, tl.where(any_nan, nan, tl.min(lo).to(tl.float64)))
+        tl.store(out_ptr + 3, tl.where(any_nan, nan, tl.max(hi).to(tl.float64)))
+        tl.store(out_ptr + 4, tl.sqrt(tl.sum(sq)))
+        tl.store(out_ptr + 5, tl.where(any_nan, nan, tl.max(amax).to(tl.float64)))
+        tl.store(out_ptr + 6, tl.where(any_nan, nan, top.to(tl.float64)))
+        tl.store(out_ptr + 7, tl.sum(s2).to(tl.float64))
+        tl.store(out_ptr + 8, tl.sum(s4).to(tl.float64))
+        _sum_counts(count_ptr, cnt_ptr, P, NUMEL, C, NUMERICS, NC, N_UNSCALED, N_COUNTS)
+
+
+@triton.jit
+def _sum_counts(  # type: ignore[no-untyped-def]
+    count_ptr, cnt_ptr, P, NUMEL, C: tl.constexpr, NUMERICS: tl.constexpr, NC: tl.constexpr,
+    N_UNSCALED: tl.constexpr, N_COUNTS: tl.constexpr,
+):  # fmt: skip
+    """The counts of every partial added up (in int64); the scaled formats' start at 0."""
+    lanes = tl.arange(0, C)
+    for slot in tl.static_range(1, 3 + 4 * N_UNSCALED):  # (the partials' slot 0 is the NaN count)
+        acc = tl.zeros([C], tl.int64)
+        if slot < 3 or NUMERICS:
+            for start in range(0, P, C):
+                at = start + lanes
+                acc += tl.load(count_ptr + at * NC + slot, mask=at < P, other=0).to(tl.int64)
+        if slot == 1:
+            tl.store(cnt_ptr + 0, tl.sum(acc))
+        elif slot == 2:
+            tl.store(cnt_ptr + 1, tl.sum(acc))
+            tl.store(cnt_ptr + 2, NUMEL - tl.sum(acc))
+        else:  # (the counts' slot 2 is the non-finite count: the formats' are the partials')
+            tl.store(cnt_ptr + slot, tl.sum(acc))
+    for slot in tl.static_range(3 + 4 * N_UNSCALED, N_COUNTS):
+        tl.store(cnt_ptr + slot, tl.full([], 0, tl.int64))
+
+
+@triton.jit
+def _scaled_counts(  # type: ignore[no-untyped-def]
+    x_ptr, out_ptr, cnt_ptr, const_ptr, NUMEL,
+    BLOCK: tl.constexpr, ACC: tl.constexpr, N_UNSCALED: tl.constexpr, N_SCALED: tl.constexpr, FIRST: tl.constexpr,
+):  # fmt: skip
+    """Per scaled format, the elements a cast after per-tensor scaling by ``max / ref`` makes 0
+    and keeps finite (``numerics.measure``'s comparisons, in its order of rounding)."""
+    at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = at < NUMEL
+    a = tl.abs(tl.load(x_ptr + at, mask=m, other=0.0).to(ACC))
+    scale = _reciprocal(tl.load(out_ptr + 6).to(ACC), ACC)
+    for i in tl.static_range(N_SCALED):
+        c = const_ptr + 1 + 4 * N_UNSCALED + 3 * i
+        seen = a * (scale * tl.load(c))
+        tl.atomic_add(cnt_ptr + FIRST + 2 * i, tl.sum((m & (seen <= tl.load(c + 1))).to(tl.int64)))
+        tl.atomic_add(cnt_ptr + FIRST + 2 * i + 1, tl.sum((m & (seen <= tl.load(c + 2))).to(tl.int64)))
+
+
+@triton.jit
+def _buckets(  # type: ignore[no-untyped-def]
+    v_ptr, row_ptr, half_start_ptr, scale_ptr, count_ptr, N, BINS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Each value's bucket in its row, ``floor((v / 2 - start / 2) * scale)`` rounded as
+    ``binning.bin_rows`` rounds it, counted where it is one of the row's ``BINS`` (NaN and
+    +-inf are not); integer atomics add exactly in any order."""
+    at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = at < N
+    v = tl.load(v_ptr + at, mask=m, other=0.0)
+    row = tl.load(row_ptr + at, mask=m, other=0)
+    half_start = tl.load(half_start_ptr + row, mask=m, other=0.0)
+    position = tl.floor((v * 0.5 - half_start) * tl.load(scale_ptr + row, mask=m, other=0.0))
+    inside = m & (position >= 0) & (position < BINS)
+    bucket = row * BINS + tl.where(inside, position, 0.0).to(tl.int64)
+    tl.atomic_add(count_ptr + bucket, tl.full([BLOCK], 1, tl.int32), mask=inside)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _layout(x: Tensor, units: int, per_unit: bool) -> tuple[int, int, int]:
+    """``x`` as ``outer x U x inner`` around its units dim: (rest = outer * inner, U, inner);
+    without units, one unit."""
+    if not (per_unit and x.dim() >= 2):
+        return x.numel(), 1, 1
+    dim = units % x.dim()
+    inner = 1
+    for size in x.shape[dim + 1 :]:
+        inner *= size
+    return x.numel() // x.shape[dim], x.shape[dim], inner
+
+
+@torch.library.custom_op("tblog_hooks::tensor_statistics", mutates_args=())
+def tensor_statistics(x: Tensor, units: int, per_unit: bool, numerics: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``x``'s :data:`SCALARS` (float64), :data:`COUNTS` (int64) and, with ``per_unit`` and 2+
+    dims, its :data:`PER_UNIT` values along dim ``units`` (float64, ``2 x units``; else ``2 x 0``).
+    ``x`` is contiguous; without ``numerics`` the per-format counts are 0."""
+    acc = acc_dtype(x.dtype)
+    rest, width, inner = _layout(x, units, per_unit)
+    has_units = per_unit and x.dim() >= 2
+    tile_units = min(_pow2(width), TILE_UNITS)
+    tile_rows = min(BLOCK // tile_units, _pow2(rest))
+    pu, pr = triton.cdiv(width, tile_units), triton.cdiv(rest, tile_rows)
+    parts = x.new_empty((pr * pu, _NF), dtype=acc)
+    part_counts = x.new_empty((pr * pu, _NC), dtype=torch.int32)
+    unit_parts = x.new_empty((2, pr, width) if has_units else (1,), dtype=acc)
+    scalars = x.new_empty(len(SCALARS), dtype=torch.float64)
+    counts = x.new_empty(len(COUNTS), dtype=torch.int64)
+    peaks = x.new_empty((2, width if has_units else 0), dtype=torch.float64)
+    constants = _constants(x.device, acc)
+    kind = tl.float64 if acc == torch.float64 else tl.float32
+    common = {"ACC": kind, "UNITS": has_units, "NUMERICS": numerics, "NF": _NF, "NC": _NC, "N_UNSCALED": len(_UNSCALED)}
+    _partials[(pr * pu,)](x, parts, part_counts, unit_parts, constants, rest, width, inner, pu, pr,
+                          BR=tile_rows, BU=tile_units, **common)  # fmt: skip
+    unit_chunk = min(_pow2(width), UNIT_CHUNK)
+    grid = (triton.cdiv(width, unit_chunk) if has_units else 1,)
+    chunk, rows = min(_pow2(pr * pu), CHUNK), min(_pow2(pr), CHUNK // unit_chunk)
+    _combine[grid](parts, part_counts, unit_parts, scalars, counts, peaks, pr * pu, pr, width, x.numel(),
+                   C=chunk, CR=rows, CU=unit_chunk, N_COUNTS=len(COUNTS), **common)  # fmt: skip
+    if numerics:
+        block = min(BLOCK, _pow2(x.numel()))
+        _scaled_counts[(triton.cdiv(x.numel(), block),)](
+            x, scalars, counts, constants, x.numel(),
+            BLOCK=block, ACC=kind, N_UNSCALED=len(_UNSCALED), N_SCALED=len(_SCALED), FIRST=_FIRST_SCALED,
+        )  # fmt: skip
+    return scalars, counts, peaks
+
+
+@tensor_statistics.register_fake
+def _(x: Tensor, units: int, per_unit: bool, numerics: bool) -> tuple[Tensor, Tensor, Tensor]:
+    width = x.shape[units % x.dim()] if per_unit and x.dim() >= 2 else 0
+    return (
+        x.new_empty(len(SCALARS), dtype=torch.float64),
+        x.new_empty(len(COUNTS), dtype=torch.int64),
+        x.new_empty((2, width), dtype=torch.float64),
+    )
+
+
+@torch.library.custom_op("tblog_hooks::bucket_counts", mutates_args=())
+def bucket_counts(values: Tensor, rows: Tensor, half_start: Tensor, scale: Tensor, bins: int) -> Tensor:
+    """How many of ``values`` (contiguous, each of row ``rows[i]``) fall into each of the ``bins``
+    buckets of their row (``binning.bin_rows``' positions): int32, ``len(half_start) x bins``."""
+    counts = torch.zeros((half_start.numel(), bins), dtype=torch.int32, device=values.device)
+    if values.numel():
+        block = min(BLOCK, _pow2(values.numel()))
+        _buckets[(triton.cdiv(values.numel(), block),)](
+            values, rows, half_start, scale, counts, values.numel(), BINS=bins, BLOCK=block
+        )
+    return counts
+
+
+@bucket_counts.register_fake
+def _(values: Tensor, rows: Tensor, half_start: Tensor, scale: Tensor, bins: int) -> Tensor:
+    return values.new_empty((half_start.shape[0], bins), dtype=torch.int32)
+
+
+def statistics(x: Tensor, units: int, *, per_unit: bool, numerics: bool) -> dict[str, Tensor]:
+    """The values of ``x`` the kernels give, by the names the torch reductions give them
+    (:data:`SCALARS`, :data:`COUNTS`, and with ``per_unit`` :data:`PER_UNIT`)."""
+    scalars, counts, peaks = tensor_statistics(x.contiguous(), units, per_unit, numerics)
+    out = dict(zip(SCALARS, scalars.unbind()))
+    out.update(zip(COUNTS, counts.unbind()))
+    if per_unit:
+        out.update(zip(PER_UNIT, peaks.unbind()))
+    return out

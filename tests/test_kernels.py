@@ -1,0 +1,452 @@
+"""The fused Triton kernels (``tblog_hooks/kernels/fused.py``) against the torch reductions, in
+Triton's interpreter on CPU tensors (``conftest`` sets ``TRITON_INTERPRET=1`` without a GPU).
+
+Counts, extremes, amax and per-unit peaks equal torch's exactly; the moments (mean, centred norm,
+norm, the powers behind RMS and kurtosis) to float32 rounding: within ``1e-5`` relative (``1e-12``
+for float64 tensors) plus, for the mean, ``1e-6`` of the tensor's RMS (a mean near 0 is the
+difference of large sums, rounded in another order). Every run gives the same bits, deterministic
+algorithms or not (no float atomics). The tensors are small: the interpreter runs each program
+as Python.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import OpCounter, Run, needs_cuda, read_run
+from models import conv_net, mlp, train
+from test_numerics import _tensors
+from torch import Tensor, nn
+
+from tblog_hooks import Histograms, HookLogger, HookLoggerError
+from tblog_hooks.kernels import VARIABLE, Kernels
+from tblog_hooks.stats import numerics, reductions
+from tblog_hooks.stats.kinds import HISTOGRAM_KINDS
+
+fused = pytest.importorskip("tblog_hooks.kernels.fused", reason="Triton is not importable")
+pytestmark = [
+    pytest.mark.skipif(not (torch.cuda.is_available() or fused.INTERPRETED), reason="no GPU, no Triton interpreter"),
+    pytest.mark.filterwarnings("ignore::RuntimeWarning:numpy"),  # (the interpreter's NaN/Inf arithmetic)
+    pytest.mark.filterwarnings("ignore::RuntimeWarning:triton"),
+]
+
+#: Where the kernels run: CPU tensors in the interpreter, else CUDA tensors.
+DEVICE = torch.device("cpu" if fused.INTERPRETED else "cuda")
+#: Whole training runs on the CPU through the kernels: in the interpreter only (a GPU runs
+#: ``test_both_paths_write_the_same_run_on_cuda``).
+interpreted = pytest.mark.skipif(not fused.INTERPRETED, reason="CPU models through the kernels: TRITON_INTERPRET=1")
+
+#: Values a kernel must give exactly (the rest are sums, rounded in another order).
+EXACT = {*fused.COUNTS, "min", "max", "amax", "ref", "peak", "unit_amax"}
+
+
+def reference(x: Tensor, units: int, *, per_unit: bool, with_numerics: bool) -> dict[str, Tensor]:
+    """The torch reductions' values of ``x``, by the names the kernels give them."""
+    out = {
+        **reductions.mean_and_centred_norm(x, units),
+        **reductions.extremes(x, units),
+        "nonzero": torch.count_nonzero(x),
+        "finite": reductions.finite(x),
+        "nonfinite": reductions.nonfinite(x),
+        "norm": torch.linalg.vector_norm(x, dtype=reductions.acc_dtype(x.dtype)),
+    }
+    if per_unit:
+        out.update(reductions.unit_peaks(x, units))
+    if with_numerics:
+        out.update(numerics.measure(x, units, channels=per_unit))
+    return out
+
+
+def assert_same(got: dict[str, Tensor], x: Tensor, want: dict[str, Tensor]) -> None:
+    rtol = 1e-12 if x.dtype == torch.float64 else 1e-5
+    rms = x.double().square().mean().sqrt().item()
+    for name, w in want.items():
+        g, w = got[name].double(), w.double()
+        assert g.shape == w.shape, name
+        if name in EXACT:
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True, msg=name)
+        else:
+            atol = 1e-6 * rms if name == "mean" and math.isfinite(rms) else 0.0
+            torch.testing.assert_close(g, w, rtol=rtol, atol=atol, equal_nan=True, msg=name)
+
+
+def _check(x: Tensor, units: int = -1) -> None:
+    x = x.to(DEVICE)
+    for per_unit, with_numerics in ((False, False), (True, True)):
+        got = fused.statistics(x, units, per_unit=per_unit, numerics=with_numerics)
+        assert_same(got, x, reference(x, units, per_unit=per_unit, with_numerics=with_numerics))
+
+
+SHAPES = {"one": ((1,), -1), "vector": ((1000,), -1), "rows": ((16, 300), -1), "channels first": ((4, 70, 5, 3), 1)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_random_tensors_equal_torch(shape: str, dtype: torch.dtype) -> None:
+    size, units = SHAPES[shape]
+    g = torch.Generator().manual_seed(0)
+    _check((torch.randn(size, generator=g) * 3 + 1).to(dtype), units)
+
+
+def _special() -> dict[str, Tensor]:
+    nan, inf = math.nan, math.inf
+    g = torch.Generator().manual_seed(1)
+    one_unit_nan = torch.randn(5, 4, generator=g)
+    one_unit_nan[2, 1] = nan
+    return {
+        "nan": torch.tensor([[nan, 1.0, -2.0], [0.0, 3.0, 4.0]]),
+        "inf": torch.tensor([[inf, 1.0], [-2.0, 0.0]]),
+        "both infinities": torch.tensor([-inf, inf, 1.0]),
+        "all nan": torch.full((2, 3), nan),
+        "zero": torch.zeros(1),
+        "float32 subnormals": torch.tensor([[1e-40, -1e-41, 0.0], [1e-45, 2e-38, -3e-39]]),
+        "large mean": 1e4 + torch.randn(64, 8, generator=g),
+        "nan in one unit": one_unit_nan,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(_special()))
+def test_special_values_equal_torch(name: str) -> None:
+    _check(_special()[name])
+
+
+@pytest.mark.parametrize("name", list(_tensors()))
+def test_the_numerics_boundary_tensors_equal_torch(name: str) -> None:
+    """``test_numerics``' tensors: magnitudes a few ulps around every format's rounding
+    boundaries, 1e-45 to 1e35, NaN/Inf, 16-bit gradients, a massive channel."""
+    x = _tensors()[name]
+    _check(x.reshape(-1, 32) if x.numel() % 32 == 0 else x)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiles of 64 elements and 4 units, 4 partials combined at a time: every loop and lane of
+    the combining runs."""
+    for name, value in (("BLOCK", 64), ("TILE_UNITS", 4), ("CHUNK", 4), ("UNIT_CHUNK", 4)):
+        monkeypatch.setattr(fused, name, value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_many_tiles_combine_as_one(small_blocks: None, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 10, 13, generator=g) * 2 - 5).to(dtype)
+    x[1, 3, 4] = 0.0
+    _check(x, 1)
+    _check(x, -1)
+
+
+def test_many_tiles_with_nan_and_inf(small_blocks: None) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 30, generator=g)
+    x[7, 5], x[11, 29] = math.nan, math.inf
+    _check(x)
+
+
+def test_the_same_bits_on_every_run_and_under_deterministic_algorithms(small_blocks: None) -> None:
+    x = (torch.randn(24, 40, generator=torch.Generator().manual_seed(4)) * 1e3).to(DEVICE)
+    first = fused.statistics(x, -1, per_unit=True, numerics=True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        again = fused.statistics(x, -1, per_unit=True, numerics=True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, value in first.items():
+        assert torch.equal(value, again[name]) or (value.isnan().all() and again[name].isnan().all()), name
+
+
+def test_bucket_counts_equal_histc_and_the_deterministic_count() -> None:
+    """The step's histogram counts: each value's bucket in its row, as ``binning.bin_rows``
+    positions it, counted as ``histc`` and the sort-and-search of deterministic mode count."""
+    from tblog_hooks.stats.binning import BINS, _counts
+
+    g = torch.Generator().manual_seed(5)
+    values = torch.randn(3000, generator=g) * 4
+    values[2000:] = 0.5  # a constant row
+    values[::97] = math.nan
+    values[5], values[6] = math.inf, -math.inf
+    rows = torch.arange(3).repeat_interleave(1000)
+    finite = values.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).view(3, 1000)
+    lo, hi = finite.amin(1), finite.amax(1)  # (as bin_rows ranges its rows: every value is inside)
+    half_span = torch.where(hi > lo, (hi / 2 - lo / 2), 0.5)
+    start = torch.where(hi > lo, lo, lo - 0.5)
+    scale = BINS * (1 - 2**-16) / half_span
+    position = (values * 0.5 - (start / 2)[rows]) * scale[rows]
+    position = position.floor() + (rows * BINS + 0.5)
+    got = fused.bucket_counts(*(t.to(DEVICE) for t in (values, rows, start / 2, scale)), BINS).cpu()
+    assert got.dtype == torch.int32 and got.shape == (3, BINS)
+    want = _counts(position, 3 * BINS).view(3, BINS)
+    assert torch.equal(got.double(), want.double())
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.equal(got.double(), _counts(position, 3 * BINS).view(3, BINS).double())
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_compiled_code_traces_the_kernels_as_one_op() -> None:
+    """Under ``torch.compile`` (fullgraph: no graph break) the custom op's fake implementation
+    gives the shapes, and the compiled call gives the eager values."""
+    x = torch.randn(6, 10, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+
+    def stats(t: Tensor) -> dict[str, Tensor]:
+        return fused.statistics(t, -1, per_unit=True, numerics=True)
+
+    compiled = torch.compile(stats, fullgraph=True, backend="aot_eager")
+    got, want = compiled(x), stats(x)
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+# -- the switch --------------------------------------------------------------------------------------
+def test_the_switch_refuses_an_unknown_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(VARIABLE, "cuda")
+    with pytest.raises(HookLoggerError, match=r"TBLOG_HOOKS_KERNELS='cuda' .*'auto', 'triton', 'torch'"):
+        Kernels.from_environment()
+
+
+def test_the_switch_says_which_tensors_the_kernels_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.zeros(3)
+    for choice, takes in (("torch", False), ("auto", False), ("triton", fused.INTERPRETED)):
+        monkeypatch.setenv(VARIABLE, choice)
+        assert Kernels.from_environment().takes(cpu) is takes, choice
+    monkeypatch.delenv(VARIABLE)
+    assert Kernels.from_environment().choice == "auto"
+
+
+def test_triton_without_triton_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tblog_hooks.kernels
+
+    monkeypatch.delattr(tblog_hooks.kernels, "fused")
+    monkeypatch.setitem(sys.modules, "tblog_hooks.kernels.fused", None)  # (an import of it fails)
+    with pytest.raises(HookLoggerError, match="TBLOG_HOOKS_KERNELS=triton, but Triton is not importable"):
+        Kernels("triton")
+
+
+# -- on a GPU ----------------------------------------------------------------------------------------
+_COMPILE = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from tblog_hooks.kernels import fused as f
+
+def compile(fn, signature, constants):
+    signature = dict(signature, **{name: "constexpr" for name in constants})
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constants)
+    assert "cubin" in triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm
+
+for x, acc in (("*bf16", tl.float32), ("*fp64", tl.float64)):
+    a = "*fp64" if acc == tl.float64 else "*fp32"
+    common = dict(ACC=acc, UNITS=True, NUMERICS=True, NF=f._NF, NC=f._NC, N_UNSCALED=len(f._UNSCALED))
+    sizes = {"R": "i64", "U": "i32", "INNER": "i32", "PU": "i32", "PR": "i32"}
+    compile(f._partials, {"x_ptr": x, "part_ptr": a, "count_ptr": "*i32", "unit_ptr": a, "const_ptr": a, **sizes},
+            dict(BR=64, BU=64, **common))
+    compile(f._combine, {"part_ptr": a, "count_ptr": "*i32", "unit_ptr": a, "out_ptr": "*fp64", "cnt_ptr": "*i64",
+                         "per_unit_ptr": "*fp64", "P": "i32", "PR": "i32", "U": "i32", "NUMEL": "i64"},
+            dict(C=1024, CR=32, CU=32, N_COUNTS=len(f.COUNTS), **common))
+    compile(f._scaled_counts, {"x_ptr": x, "out_ptr": "*fp64", "cnt_ptr": "*i64", "const_ptr": a, "NUMEL": "i64"},
+            dict(BLOCK=4096, ACC=acc, N_UNSCALED=len(f._UNSCALED), N_SCALED=len(f._SCALED), FIRST=f._FIRST_SCALED))
+    compile(f._buckets, {"v_ptr": a, "row_ptr": "*i64", "half_start_ptr": a, "scale_ptr": a, "count_ptr": "*i32",
+                         "N": "i64"}, dict(BINS=32, BLOCK=4096))
+print("compiled")
+"""
+
+
+def test_the_kernels_compile_for_a_gpu() -> None:
+    """What the interpreter does not check: every kernel lowers to a cubin for an H100 (sm_90),
+    for 16-bit and float64 tensors (float32 is the 16-bit code without the load's cast; Triton
+    compiles without a GPU; the interpreter is off in that process)."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+
+
+# -- the logged step on the kernels' path ----------------------------------------------------------
+#: Scalars from counts, extremes and selections: the same on both paths, bit for bit.
+EXACT_STATS = ("min", "max", "amax", "zero_frac", "nonfinite", "dead_frac", "median_abs", "amax_channel")
+EXACT_STATS += tuple(f"{lost}_{fmt}" for lost in ("underflow", "overflow", "subnormal") for fmt in numerics.FORMATS)
+
+
+def assert_same_runs(got: Run, want: Run) -> None:
+    """Every scalar and histogram of two runs: counts and extremes exactly, moments to float32
+    rounding (``1e-5`` relative; the excess kurtosis ``m4 / m2² - 3`` as ``m4 / m2²``, the
+    rounded quantity)."""
+    assert set(got.scalars) == set(want.scalars)
+    for tag, by_step in want.scalars.items():
+        stat = tag.split("/")[1] if tag.count("/") >= 2 else ""
+        shift = 3.0 if stat == "kurtosis" else 0.0
+        for step, value in by_step.items():
+            have = got.scalars[tag][step]
+            if stat in EXACT_STATS:
+                assert have == value or (math.isnan(have) and math.isnan(value)), (tag, step, have, value)
+            else:
+                assert have + shift == pytest.approx(value + shift, rel=1e-5, abs=1e-7, nan_ok=True), (tag, step)
+    assert set(got.histograms) == set(want.histograms)
+    for tag, by_step in want.histograms.items():
+        for step, h in by_step.items():
+            g = got.histograms[tag][step]
+            assert (g.min, g.max, g.num) == (h.min, h.max, h.num), (tag, step)
+            assert list(g.bucket) == list(h.bucket) and list(g.bucket_limit) == list(h.bucket_limit), (tag, step)
+
+
+def _conv_run(log_dir: Path, path: str, monkeypatch: pytest.MonkeyPatch, device: str = "cpu") -> Run:
+    """Three logged steps of a small conv net (channels-first units, ReLU zeros, an MLP head):
+    every histogram kind, the inputs' statistics, every format's numerics."""
+    monkeypatch.setenv(VARIABLE, path)
+    torch.manual_seed(0)
+    model = conv_net(6, batch_norm=True).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs = torch.randn(3, 4, 3, 8, 8, generator=torch.Generator().manual_seed(1)).to(device)
+    every = Histograms(every_logged=1, weights_every_logged=1, kinds=list(HISTOGRAM_KINDS))
+    formats = tuple(numerics.FORMATS)
+    with HookLogger(model, log_dir=log_dir, every=1, inputs=True, histograms=every, numerics=formats) as hooks:
+        train(hooks, (model(x).logsumexp(1).mean() for x in xs), opt)
+    return read_run(log_dir)
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """The kernels launched, by name, while the test runs."""
+    launched: Counter[str] = Counter()
+    for name in ("_partials", "_combine", "_scaled_counts", "_buckets"):
+        kernel = getattr(fused, name)
+
+        def run(*args: object, _run: object = kernel.run, _name: str = name, **kwargs: object) -> object:
+            launched[_name] += 1
+            return _run(*args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(kernel, "run", run)
+    return launched
+
+
+@interpreted
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_both_paths_write_the_same_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str], deterministic: bool
+) -> None:
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        want = _conv_run(tmp_path / "torch", "torch", monkeypatch)
+        assert not launches
+        got = _conv_run(tmp_path / "triton", "triton", monkeypatch)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert launches["_partials"] > 0 and launches["_buckets"] == 3  # (one binning a logged step)
+    assert any(tag.startswith("activation/underflow_e4m3/") for tag in want.scalars)
+    assert_same_runs(got, want)
+
+
+#: The torch reductions the kernels replace: none is left on the kernels' path.
+FUSED_OPS = {"aten.mean", "aten.linalg_vector_norm", "aten.aminmax", "aten.count_nonzero", "aten.nansum", "aten.rsub"}
+FUSED_OPS |= {"aten.amax", "aten.clamp", "aten.reciprocal", "aten.le", "aten.lt", "aten.sub", "aten.histc"}
+
+
+@needs_cuda
+def test_both_paths_write_the_same_run_on_cuda(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str]
+) -> None:
+    """The same on a GPU (``auto``: CUDA tensors through the kernels), under deterministic
+    algorithms so that the two trainings are the same (cuDNN's convolutions)."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        want = _conv_run(tmp_path / "torch", "torch", monkeypatch, "cuda")
+        got = _conv_run(tmp_path / "auto", "auto", monkeypatch, "cuda")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert launches["_partials"] > 0 and launches["_buckets"] == 3
+    assert_same_runs(got, want)
+
+
+@interpreted
+@pytest.mark.parametrize("with_numerics", [False, True], ids=["plain", "numerics"])
+def test_a_logged_step_launches_two_kernels_a_tensor_three_with_numerics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str], with_numerics: bool
+) -> None:
+    """Per watched tensor (each output, output gradient and input not the output before it;
+    with ``numerics=`` each parameter gradient too) one call of the kernels: two launches, three
+    with ``numerics=``; the aten ops left around them are the packing's and the histogram
+    sample's, and with ``numerics=`` the median |x| of each output; a step that is not logged
+    launches none and adds no op."""
+    monkeypatch.setenv(VARIABLE, "triton")
+    model = mlp(16, 32, 32, 4, act=nn.ReLU, seed=0)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(7))
+
+    def step(hooks: HookLogger | None) -> Counter[str]:
+        with OpCounter() as counter:
+            train(hooks, [model(x).square().mean()])
+        return counter.ops
+
+    step(None)
+    baseline = step(None)  # (with the gradients there: the next steps add to them)
+    formats = ("fp16", "bf16") if with_numerics else False  # (every format measured; no float8 named: no fp8 casts)
+    with HookLogger(model, log_dir=tmp_path, every=2, histograms=False, numerics=formats) as hooks:
+        logged = step(hooks)
+        at_logged = Counter(launches)
+        launches.clear()
+        idle = step(hooks)
+        assert idle == baseline and not launches, (idle - baseline, baseline - idle)  # not logged
+
+    watched = len(hooks.module_names)
+    assert hooks.module_names == ("0", "2", "4")  # the Linear layers
+    params = 2 * watched  # each Linear's weight and bias: their gradients' numerics=
+    # Outputs, output gradients and inputs (x, or a ReLU's output: not a watched module's).
+    tensors = 3 * watched + params * with_numerics
+    calls = at_logged["_partials"]
+    assert calls == tensors and at_logged["_combine"] == calls
+    assert at_logged["_scaled_counts"] == (2 * watched + params) * with_numerics  # (the inputs have no numerics=)
+    assert sum(at_logged.values()) - at_logged["_buckets"] <= (3 if with_numerics else 2) * tensors
+    left = logged - baseline
+    assert not FUSED_OPS & set(left), left
+    if with_numerics:
+        assert left["aten.median"] == watched, left
+
+
+@interpreted
+def test_compiled_hooks_trace_the_kernels_and_log_what_the_torch_path_logs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str]
+) -> None:
+    """``tests/test_compile.py``'s model (a shared module, in-place ops after the watched one,
+    gradient accumulation) compiled with ``aot_eager`` on the kernels' path: two graphs, no
+    graph break (the custom ops trace through their fake implementations), the output
+    gradients' probes summarised by the kernels, and the values of the eager torch path (to
+    ``test_compile``'s ``1e-4``)."""
+    from test_compile import _assert_same_scalars
+    from test_compile import _train as train_compile_model
+    from torch._dynamo.utils import counters
+
+    eager, _ = train_compile_model(tmp_path / "eager", backend=None, numerics=True)
+    monkeypatch.setenv(VARIABLE, "triton")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, _ = train_compile_model(tmp_path / "compiled", backend="aot_eager", numerics=True)
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+    assert launches["_partials"] > 0
+    # (output gradients' numerics= are eager only: the probes carry the gradient kind's)
+    _assert_same_scalars(compiled, eager, ("activation/", "param_grad/", "input/", "gradient/norm", "gradient/nonf"))
+
+
+@interpreted
+@pytest.mark.parametrize("name", ["lstm-gru-packed"])
+def test_zoo_models_log_the_same_on_both_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str], name: str
+) -> None:
+    """``tests/test_zoo.py``'s packed sequences through an LSTM and a GRU (a tuple output, a
+    PackedSequence), every scalar and histogram of its run, on both paths. The rest of the zoo
+    is the same code on larger models, too slow for the interpreter (the transformer encoder's
+    case passes too, in 40 s on a loaded 2-core machine)."""
+    from test_zoo import CASES
+    from test_zoo import _train as train_zoo_model
+
+    runs = {}
+    for path in ("torch", "triton"):
+        monkeypatch.setenv(VARIABLE, path)
+        train_zoo_model(CASES[name], tmp_path / path)
+        runs[path] = read_run(tmp_path / path)
+    assert launches["_partials"] > 0
+    assert_same_runs(runs["triton"], runs["torch"])
