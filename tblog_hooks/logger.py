@@ -103,8 +103,7 @@ class HookLogger:
             self._watched, config, feature_maps=frozenset(mapped), model=model, parallel=parallel
         )
         _check_optimizer(config, averaged=averaged, split=split, graded=bool(self._recording.params()))
-        scaler = config.scaler
-        self._amp = ScaleWatch(scaler) if scaler is not None and scaler.is_enabled() else None
+        self._amp = ScaleWatch(config.scaler) if config.scaler is not None and config.scaler.is_enabled() else None
         self._ranks = Ranks(reduce=config.reduce_ranks, split=split, lead=parallel.first_of_groups())
         self._diagnostics = Diagnostics(self._module_names, self._recording.forward_order, config.thresholds)
         # Rank 0 writes, into writer= or a writer of its own; another rank only into a writer it was given.
@@ -113,8 +112,7 @@ class HookLogger:
         restore = None if self._writer is None else fast_checksum(self._writer, frame)
         # Hooks, tensor hooks and an owned writer go when the logger is closed or collected.
         self._detach = weakref.finalize(self, _detach, self._recording, self._destination, owns_writer, restore)
-        divisor = gradient_divisor(wrapper if wrapper is not model else None, model)
-        self._outbox = _outbox(self._destination, self._diagnostics, self._recording, divisor)
+        self._outbox = _outbox(self._destination, self._diagnostics, self._recording, gradient_divisor(wrapper, model))
         _warn_if_shared(model, self._destination)
         health, order = self._diagnostics.health, self._diagnostics.order
         spiking = (self._recording.handles, health, self._destination, self._ranks, order, model)

@@ -500,10 +500,8 @@ def test_a_non_logged_step_adds_a_handful_of_ops_whatever_the_model_size(tmp_pat
         added[depth] = watched - plain
         assert plain - watched == Counter()
     assert added[2] == added[12]
-    # One value read on the host: on the CPU, whether the float32 norms are finite (no device to
-    # wait for; on CUDA they are accumulated in float64 and nothing is read: the test below).
-    assert added[2]["aten._local_scalar_dense"] == 1, added[2]
-    assert sum(added[2].values()) <= 15, added[2]
+    assert "aten._local_scalar_dense" not in added[2], added[2]  # nothing read on the host
+    assert sum(added[2].values()) <= 12, added[2]
 
 
 # -- options and bad input ---------------------------------------------------------------------------

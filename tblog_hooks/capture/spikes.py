@@ -71,13 +71,7 @@ class StepNorms:
         self._stepped: dict[int, Tensor] = {}  # id(optimizer) -> its per-module squares this step
         self._device = torch.device("cpu")  # of the squares
         self._after: set[int] = set()  # optimizers stepping with a closure: read after their step
-        self._host: Tensor | None = None  # [steps, modules + 2] float64, pinned on CUDA
-        self._rows: np.ndarray | None = None  # the same memory, written on the host without an op
-        self._pinned = False
-        # (step, row, the copies' events (none on the CPU), whether a loss was given)
-        self._pending: deque[tuple[int, int, tuple[torch.cuda.Event, ...], bool]] = deque()
-        self._done: list[tuple[int, np.ndarray, bool]] = []
-        self._next_row = 0
+        self._ring = Ring(steps, len(self.modules))
         self.failed = False
         self._partial_warned = False
 
@@ -139,7 +133,7 @@ class StepNorms:
         if self.failed or (sums is None and loss is None):
             return False
         try:
-            self._copy(step, sums, loss, counted)
+            self._ring.put(step, sums, loss, counted)
         except Exception as error:
             self._fail(error)
             return False
@@ -194,10 +188,7 @@ class StepNorms:
         given)``: ``[squared norm per module..., loss, samples]``, :data:`NOT_READ` squares where the
         step's gradients were not read, a NaN loss where none was given, 0 or NaN samples where
         none were counted."""
-        while self._pending and (wait or all(event.query() for event in self._pending[0][2])):
-            self._read_oldest()
-        done, self._done = self._done, []
-        return done
+        return self._ring.take(wait=wait)
 
     # -- internals ---------------------------------------------------------------------------
     def _look_up(self) -> dict[int, tuple[int, Tensor, bool]]:
@@ -248,45 +239,6 @@ class StepNorms:
                 sums = sums / scale.to(device).reshape(()).double().square()
             return sums
 
-    def _copy(self, step: int, sums: Tensor | None, loss: Tensor | float | None, samples: Tensor | int | None) -> None:
-        parts = ((sums, len(self.modules), NOT_READ), (loss, 1, math.nan), (samples, 1, math.nan))
-        tensors = [t for t, _, _ in parts if isinstance(t, Tensor)]
-        cuda = any(t.device.type == "cuda" for t in tensors)
-        if self._host is None or (cuda and not self._pinned):
-            # Pinned once a CUDA tensor comes (a first step without an optimizer step has none):
-            # a copy into pageable memory blocks.
-            ring = torch.empty((self.steps, len(self.modules) + 2), dtype=torch.float64, pin_memory=cuda)
-            if self._host is not None:
-                ring.copy_(self._host)  # (rows of CPU values: their copies are done)
-            self._host, self._rows, self._pinned = ring, ring.numpy(), cuda
-        if len(self._pending) == self.steps:
-            self._read_oldest()  # a row still in flight after `steps` steps: wait for it
-        row, self._next_row = self._next_row, (self._next_row + 1) % self.steps
-        host, values = self._host[row], self._rows[row]  # type: ignore[index]
-        # Device values copied in runs of neighbours on one device (one copy for squares and loss).
-        runs: list[tuple[int, list[Tensor]]] = []
-        at = 0
-        for value, width, missing in parts:
-            if not isinstance(value, Tensor):
-                values[at : at + width] = missing if value is None else float(value)
-            elif runs and runs[-1][1][-1].device == value.device and runs[-1][0] + _length(runs[-1][1]) == at:
-                runs[-1][1].append(value)
-            else:
-                runs.append((at, [value]))
-            at += width
-        with torch.no_grad():
-            for start, run in runs:
-                flat = [t if t.dim() == 1 else t.reshape(1) for t in run]  # (the squares, or one value)
-                source = flat[0] if len(flat) == 1 else torch.cat(flat)
-                host[start : start + source.numel()].copy_(source, non_blocking=True)
-        self._pending.append((step, row, _events(*tensors), loss is not None))
-
-    def _read_oldest(self) -> None:
-        step, row, events, given = self._pending.popleft()
-        for event in events:
-            event.synchronize()
-        self._done.append((step, self._host[row].numpy().copy(), given))  # type: ignore[index]
-
     def _say_partial(self, partial: list[Tensor]) -> None:
         if self._partial_warned:
             return
@@ -310,6 +262,68 @@ class StepNorms:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+class Ring:
+    """The host ring of the last ``steps`` rows ``[squared norm per module..., loss, samples]``, each
+    filled by one non-blocking copy per device and read once its copy is complete."""
+
+    def __init__(self, steps: int, modules: int) -> None:
+        self.steps, self.modules = steps, modules
+        self._host: Tensor | None = None  # [steps, modules + 2] float64, pinned on CUDA
+        self._rows: np.ndarray | None = None  # the same memory, written on the host without an op
+        self._pinned = False
+        # (step, row, the copies' events (none on the CPU), whether a loss was given)
+        self._pending: deque[tuple[int, int, tuple[torch.cuda.Event, ...], bool]] = deque()
+        self._done: list[tuple[int, np.ndarray, bool]] = []
+        self._next_row = 0
+
+    def put(self, step: int, sums: Tensor | None, loss: Tensor | float | None, samples: Tensor | int | None) -> None:
+        """A step's row into the ring: ``sums`` (:data:`NOT_READ` where ``None``), ``loss`` and ``samples``
+        (NaN where ``None``), device values copied without blocking, in runs of neighbours on one device."""
+        parts = ((sums, self.modules, NOT_READ), (loss, 1, math.nan), (samples, 1, math.nan))
+        tensors = [t for t, _, _ in parts if isinstance(t, Tensor)]
+        cuda = any(t.device.type == "cuda" for t in tensors)
+        if self._host is None or (cuda and not self._pinned):
+            # Pinned once a CUDA tensor comes (a first step without an optimizer step has none):
+            # a copy into pageable memory blocks.
+            ring = torch.empty((self.steps, self.modules + 2), dtype=torch.float64, pin_memory=cuda)
+            if self._host is not None:
+                ring.copy_(self._host)  # (rows of CPU values: their copies are done)
+            self._host, self._rows, self._pinned = ring, ring.numpy(), cuda
+        if len(self._pending) == self.steps:
+            self._read_oldest()  # a row still in flight after `steps` steps: wait for it
+        row, self._next_row = self._next_row, (self._next_row + 1) % self.steps
+        host, values = self._host[row], self._rows[row]  # type: ignore[index]
+        runs: list[tuple[int, list[Tensor]]] = []
+        at = 0
+        for value, width, missing in parts:
+            if not isinstance(value, Tensor):
+                values[at : at + width] = missing if value is None else float(value)
+            elif runs and runs[-1][1][-1].device == value.device and runs[-1][0] + _length(runs[-1][1]) == at:
+                runs[-1][1].append(value)
+            else:
+                runs.append((at, [value]))
+            at += width
+        with torch.no_grad():
+            for start, run in runs:
+                flat = [t if t.dim() == 1 else t.reshape(1) for t in run]  # (the squares, or one value)
+                source = flat[0] if len(flat) == 1 else torch.cat(flat)
+                host[start : start + source.numel()].copy_(source, non_blocking=True)
+        self._pending.append((step, row, _events(*tensors), loss is not None))
+
+    def _read_oldest(self) -> None:
+        step, row, events, given = self._pending.popleft()
+        for event in events:
+            event.synchronize()
+        self._done.append((step, self._host[row].numpy().copy(), given))  # type: ignore[index]
+
+    def take(self, *, wait: bool) -> list[tuple[int, np.ndarray, bool]]:
+        """The rows whose copy is complete (with ``wait``: all), in step order."""
+        while self._pending and (wait or all(event.query() for event in self._pending[0][2])):
+            self._read_oldest()
+        done, self._done = self._done, []
+        return done
 
 
 class Samples(_Hook):

@@ -57,67 +57,23 @@ def nonfinite(x: Tensor) -> Tensor:
 
 
 def norms(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """L2 norms of many tensors in one op per group, each finite for a finite tensor (see
-    :func:`norm`): float64 where the device casts inside the reduction (a GPU; code
-    ``torch.compile`` generates); else float32, with those not finite taken again in float64."""
-    out: list[Tensor | None] = [None] * len(tensors)
-    groups: dict[bool, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(_narrow(t), []).append(i)
-    for narrow, index in groups.items():
-        found = foreach_norm([tensors[i] for i in index], torch.float32 if narrow else torch.float64)
-        if narrow:
-            found = _widened([tensors[i] for i in index], found, torch.stack(found))
-        for i, n in zip(index, found):
-            out[i] = n
-    return out  # type: ignore[return-value]
+    """L2 norms of many tensors in one op, accumulated in float64 (see :func:`norm`)."""
+    return foreach_norm(tensors, torch.float64)
 
 
 def stacked_norms(tensors: Sequence[Tensor]) -> Tensor:
-    """:func:`norms` as one float64 vector on the first tensor's device (one multi-tensor norm
-    and the stack, and on the CPU a check that they are finite; norms on other devices, of a
-    model over several GPUs, are copied there without a sync)."""
-    device, narrow = tensors[0].device, _narrow(tensors[0])
-    if any(t.device != device or _narrow(t) != narrow for t in tensors):
-        return torch.stack([n.to(device, non_blocking=True) for n in norms(tensors)]).double()
-    found = foreach_norm(tensors, torch.float32 if narrow else torch.float64)
-    stacked = torch.stack(found)
-    if narrow:
-        widened = _widened(tensors, found, stacked)
-        stacked = stacked if widened is found else torch.stack(widened)
-    return stacked.double()
-
-
-def _widened(tensors: Sequence[Tensor], found: list[Tensor], stacked: Tensor) -> list[Tensor]:
-    """``found`` (float32 norms of CPU tensors, ``stacked``), those not finite taken again in
-    float64; ``found`` itself when all are finite (a CPU value is read: no device to wait for)."""
-    if math.isfinite(stacked.sum().item()):
-        return found
-    return [n if math.isfinite(n.item()) else _wide_norm(t) for t, n in zip(tensors, found)]
+    """:func:`norms` as one float64 vector on the first tensor's device (norms on other devices, of
+    a model over several GPUs, are copied there without a sync)."""
+    device = tensors[0].device
+    return torch.stack([n if n.device == device else n.to(device, non_blocking=True) for n in norms(tensors)])
 
 
 def norm(x: Tensor) -> Tensor:
-    """The L2 norm of ``x``, finite for any finite tensor. Its sum of squares in float32 overflows
-    once the norm passes 1.8e19 (an exploding gradient's 1.8e21 read as Inf), so it is accumulated
-    in float64: on a GPU, or traced by ``torch.compile``, inside the one reduction (memory-bound:
-    no slower); eagerly on the CPU, whose float64 reduction of a float32 tensor casts element by
-    element (about 30 times slower), in float32, taken again in float64 where not finite (reading
-    a CPU value waits for no device)."""
-    if not _narrow(x):
-        wide: Tensor = torch.linalg.vector_norm(x, dtype=torch.float64)
-        return wide
-    found: Tensor = torch.linalg.vector_norm(x, dtype=torch.float32)
-    return found if math.isfinite(found.item()) else _wide_norm(x)
-
-
-def _narrow(x: Tensor) -> bool:
-    """Whether ``x``'s norm is taken in float32 first: a CPU tensor narrower than float64, eagerly."""
-    return x.device.type == "cpu" and x.dtype != torch.float64 and not torch.compiler.is_compiling()
-
-
-def _wide_norm(x: Tensor) -> Tensor:
-    """``x``'s L2 norm in float64 from a float64 copy (the CPU's own float64 loop is slower)."""
-    wide: Tensor = torch.linalg.vector_norm(x.double())
+    """The L2 norm of ``x``, finite for any finite tensor: accumulated in float64, in the one
+    reduction (its sum of squares in float32 overflows once the norm passes 1.8e19, an exploding
+    gradient's 1.8e21 read as Inf). On a GPU that costs nothing (memory-bound); on the CPU the
+    reduction is slower, as exact CPU statistics cost what they cost; nothing is read on the host."""
+    wide: Tensor = torch.linalg.vector_norm(x, dtype=torch.float64)
     return wide
 
 

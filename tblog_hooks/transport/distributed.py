@@ -65,15 +65,16 @@ def collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
 
 
-def gradient_divisor(wrapper: nn.Module | None, model: nn.Module) -> Callable[[], float]:
+def gradient_divisor(given: nn.Module, model: nn.Module) -> Callable[[], float]:
     """What the data-parallel reduction divides the ranks' summed parameter gradients by, read
-    from the wrapper at each logged step: ``DistributedDataParallel``'s average (its group's
+    at each logged step from the module the logger was ``given`` or the ``model`` it watches in
+    it: ``DistributedDataParallel``'s average (its group's
     size), FSDP2's divide factor (``_compat.fsdp_gradient_divisor``: the data-parallel size, or
     what ``set_gradient_divide_factor`` set, 1 under torchtitan), else 1. Each rank's output
     gradients are of its own loss; divided by this, they are those of the loss whose gradients
     the optimizer applies (those of one process with the whole batch, for a mean loss)."""
-    if isinstance(wrapper, nn.parallel.DistributedDataParallel):
-        size = float(dist.get_world_size(wrapper.process_group))
+    if isinstance(given, nn.parallel.DistributedDataParallel):
+        size = float(dist.get_world_size(given.process_group))
         return lambda: size
     sharded = next((m for m in model.modules() if fsdp_gradient_divisor(m) is not None), None)
     if sharded is None:
