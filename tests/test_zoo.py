@@ -147,7 +147,8 @@ def _train(case: Case, log_dir: Any = None) -> tuple[nn.Module, list[float], Hoo
         case.loss(model, case.batch(g)).backward()
         if hooks is not None:
             grads = [p.grad for p in watched if p.grad is not None]
-            norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+            each = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])  # (float64: exact)
+            norms.append(torch.linalg.vector_norm(each).item())
         optimizer.step()
         optimizer.zero_grad()
         if hooks is not None:
