@@ -59,9 +59,7 @@ def _numerics(root: Path) -> Path:
         for _ in range(8):
             x = torch.randn(32, 8)
             scaler.scale(model(x).square().mean()).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
+            models.optimizer_step(opt, scaler)
             hooks.step()
     return root
 
@@ -75,8 +73,7 @@ def _conv(root: Path) -> Path:
         for _ in range(4):
             loss = nn.functional.cross_entropy(model(torch.randn(8, 3, 8, 8)), torch.randint(0, 3, (8,)))
             loss.backward()
-            opt.step()
-            opt.zero_grad()
+            models.optimizer_step(opt)
             hooks.step()
     return root
 
@@ -90,8 +87,7 @@ def _attention(root: Path) -> Path:
             tokens = torch.randint(0, 32, (2, 8))
             loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
             loss.backward()
-            opt.step()
-            opt.zero_grad()
+            models.optimizer_step(opt)
             hooks.step()
     return root
 
@@ -108,8 +104,7 @@ def _spikes(root: Path) -> Path:
                 x = x * 100.0
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
-            opt.step()
-            opt.zero_grad()
+            models.optimizer_step(opt)
             hooks.step(loss=loss)
     return root
 
