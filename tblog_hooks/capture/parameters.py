@@ -122,6 +122,10 @@ class ParameterRecorder:
         if kind is None or scale is not None or key not in dense:
             return None
         compute = self.buffer.kernels.compute
+        if not grad.numel():  # an empty shard (FSDP2 gives a rank none of a small parameter)
+            values = kind.values(compute((kind,), grad.new_zeros(1), -1))
+            # (one zero's extremes and sums change nothing pooled; its counts are zeroed)
+            return Record(kind, key, 0, tuple(v if v.is_floating_point() else v.zero_() for v in values), split=split)
         if unscaled is None:
             return Record(kind, key, grad.numel(), kind.values(compute((kind,), grad, -1)), split=split)
         factor = unscaled.to(grad.device).reshape(())
