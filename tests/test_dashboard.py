@@ -46,7 +46,7 @@ from tblog_hooks.dashboard.documents import SEVERITY
 from tblog_hooks.dashboard.plugin import HealthPlugin
 from tblog_hooks.dashboard.source import Source
 from tblog_hooks.diagnostics import gradient_rules, replay
-from tblog_hooks.diagnostics.findings import FINDING_KINDS, Thresholds, log
+from tblog_hooks.diagnostics.findings import FINDING_KINDS, MEASURES, Thresholds, log
 from tblog_hooks.diagnostics.health import default_health
 from tblog_hooks.stats.tags import (
     HEADS_TABLE_TAG,
@@ -293,6 +293,46 @@ def test_the_module_table_is_worst_first_with_the_latest_values(server, logdir) 
 
 def test_every_finding_kind_has_a_severity() -> None:
     assert sorted(SEVERITY) == sorted(FINDING_KINDS)
+
+
+def test_every_finding_kind_says_what_its_value_is(server) -> None:
+    measures = get(server, f"{ROUTE}/kinds")
+    assert list(measures) == list(FINDING_KINDS)  # type: ignore[arg-type]
+    assert measures == {str(k): {"label": m.label, "meaning": m.meaning} for k, m in MEASURES.items()}
+    assert all(m["label"] and m["meaning"] for m in measures.values())  # type: ignore[union-attr, index]
+    assert "ratio" in measures["vanishing_gradient"]["label"]  # type: ignore[index]
+
+
+def test_the_overview_counts_each_runs_findings_worst_first(server, logdir) -> None:
+    reported = _report(logdir)
+    rows = get(server, f"{ROUTE}/overview")
+    assert sorted(r["name"] for r in rows) == sorted(f"{r} [{p}]" if p else r for r, p in health_runs.MODELS)  # type: ignore[union-attr, index]
+    for row in rows:  # type: ignore[union-attr]
+        found = reported[row["name"]]["findings"]  # type: ignore[index]
+        counts = {k: n for k in SEVERITY if (n := sum(f["kind"] == k for f in found))}
+        assert (row["findings"], row["kinds"], list(row["kinds"])) == (len(found), counts, list(counts))  # type: ignore[index]
+        assert row["worst"] == next(iter(counts), None)  # type: ignore[index]
+
+    def rank(row: dict[str, Any]) -> tuple[int, int, str]:
+        worst = min((SEVERITY.index(k) for k in row["kinds"]), default=len(SEVERITY))
+        return worst, -row["findings"], row["name"]
+
+    assert rows == sorted(rows, key=rank) and rows[0]["name"] == "net"  # type: ignore[arg-type, index]
+
+
+def test_a_download_is_the_routes_document_as_a_file(server) -> None:
+    query = urllib.parse.urlencode({"run": "gan", "prefix": "G", "tag": "gradient/norm", "format": "csv"})
+    with urllib.request.urlopen(f"{server}{ROUTE}/heatmap?{query}", timeout=30) as response:
+        assert response.headers["Content-Type"].startswith("text/csv")
+        assert response.headers["Content-Disposition"] == 'attachment; filename="gan_G_heatmap_gradient_norm.csv"'
+        rows = response.read().decode().splitlines()
+    doc = get(server, f"{ROUTE}/heatmap", run="gan", prefix="G", tag="gradient/norm")
+    assert rows[0] == ",".join(["module", *map(str, doc["steps"])])  # type: ignore[index]
+    assert [r.split(",")[0] for r in rows[1:]] == doc["modules"]  # type: ignore[index]
+    code, message = error(server, f"{ROUTE}/heatmap", run="net", tag="gradient/norm", format="xlsx")
+    assert code == 400 and "format='xlsx'" in message and "csv, json" in message
+    code, message = error(server, f"{ROUTE}/modules", run="net", format="csv")
+    assert code == 400 and "heatmap, findings, series" in message
 
 
 def _written_table(logdir: Path, table: str) -> dict[int, tuple[list[str], np.ndarray]]:
