@@ -1132,16 +1132,15 @@ class Page {
       const row = chooseable(el('tr', { 'data-module': f.module, 'data-step': f.step, onclick: () => this.select(f.module, f.step, f) },
         el('td', {}, el('span', { class: `kind ${f.kind}` }, f.kind)),
         el('td', { class: 'num' }, String(f.step)),
-        el('td', {}, f.module || '(model)'),
+        el('td', { class: 'module' }, f.module || '(model)', this.chartLinks(f.module)),
         el('td', { class: 'num value', title: measureOf(f.kind).meaning }, format(f.value), el('span', { class: 'unit' }, measureOf(f.kind).label)),
-        el('td', { class: 'message' }, f.message),
-        el('td', { class: 'charts' }, this.chartLinks(f.module))));
+        el('td', { class: 'message' }, f.message)));
       row.finding = f;
       body.append(row);
       return row;
     });
     this.findingsBox.replaceChildren(el('table', {},
-      el('thead', {}, el('tr', {}, ...['kind', 'step', 'module', 'value', 'message', 'charts'].map((h) => el('th', {
+      el('thead', {}, el('tr', {}, ...['kind', 'step', 'module', 'value', 'message'].map((h) => el('th', {
         class: h === 'step' || h === 'value' ? 'num' : '',
         title: h === 'value' ? 'what the rule compared, which differs by kind (under each value; hover it for the sentence)' : '',
       }, h)))), body));
@@ -1149,7 +1148,7 @@ class Page {
 
   async select(module, step, finding = undefined) {
     this.selection = { module, step };
-    this.selectionLine.textContent = module ? `${module} · step ${step}` : `step ${step} (whole model)`;
+    this.selectionLine.textContent = !module ? `step ${step} (whole model)` : step === undefined ? module : `${module} · step ${step}`;
     this.selectionLine.dataset.module = module;
     this.selectionLine.dataset.step = step;
     for (const row of this.findingRows || []) row.classList.toggle('selected', row.finding === finding);
