@@ -5,7 +5,7 @@ are the option list. They are also the constructors' signatures (:func:`logger_s
 fields of :class:`WatchOptions`.
 
 "Off" is spelled ``False`` or ``None`` alike for every option that switches a watch off
-(``histograms``, ``feature_maps``, ``attention``, ``health``, ``spikes``, ``numerics``).
+(``histograms``, ``feature_maps``, ``attention``, ``health``, ``spikes``, ``numerics``, ``logits``).
 """
 
 from __future__ import annotations
@@ -90,6 +90,11 @@ class WatchOptions:
     #: measure: ``"output"``, ``"input"`` (with ``inputs=True``) or ``"output_gradient"``
     #: (``docs/architecture.md``, "Adding a statistic"). This logger's only.
     measures: Mapping[str, Sequence[Measure]] | None = None
+    #: Log ``activation/log_z/{module}`` (and ``log_z_max``, ``z_loss``), the log-partition
+    #: ``log Σ exp(z)`` over the last dim of the output logits of the modules that produce them
+    #: (``docs/numerics.md``): ``True`` (the last watched module, in ``module_names`` order),
+    #: selectors (as for ``modules``) of watched modules, or ``False`` or ``None`` (off).
+    logits: bool | Selector | Sequence[Selector] | None = False
 
     def __post_init__(self) -> None:
         for name in _SWITCHES:
@@ -118,6 +123,11 @@ class WatchOptions:
             raise HookLoggerError(
                 f"attention must be True, False or None (off), or one or more selectors (as for modules=), "
                 f"got {self.attention!r}"
+            )
+        if isinstance(self.logits, (list, tuple)) and not self.logits:
+            raise HookLoggerError(
+                f"logits must be True (the last watched module), False or None (off), or one or more selectors "
+                f"(as for modules=) of watched modules, got {self.logits!r}"
             )
         _ = self.thresholds, self.spike_config, self.numerics_formats, self.recipe  # (checked)
         self._check_histogram_kinds()

@@ -236,6 +236,7 @@ def test_every_written_tag_is_documented(tmp_path) -> None:
         attention=True,
         spikes=Spikes(warmup=3, window=3),
         numerics=tuple(FORMATS),
+        logits=True,
     ) as hooks:
         for step in range(6):  # logged steps 0, 2, 4; a spike at 5 (spike/*)
             x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 2, (4,))

@@ -24,6 +24,7 @@ from .kinds import (
     GRADIENT_NONFINITE,
     GRADIENT_NORM,
     HISTOGRAM_ROWS,
+    LOG_PARTITION,
     NONFINITE,
     PARAM_GRAD_NORM,
     PIXELS,
@@ -68,6 +69,9 @@ class Source(enum.StrEnum):
     #: training casts them (``input/underflow_e4m3/*``, ``param/underflow_e4m3/*``): numerics only.
     FP8_INPUT = "fp8_input"
     FP8_WEIGHT = "fp8_weight"
+    #: With ``logits=``, the output logits of the modules it names: their log-partition
+    #: (``activation/log_z/*``, ``kinds.LOG_PARTITION``).
+    LOGITS = "logits"
 
 
 #: The sources a measure of one's own may be added to: those whose records a measure's device
@@ -110,6 +114,7 @@ _TRAVEL: dict[Source, dict[str, object]] = {
     Source.BINNED: {"name": "histogram"},
     Source.FP8_INPUT: {"name": Root.INPUT, "per_call": True},
     Source.FP8_WEIGHT: {"name": Root.PARAM, "per_call": True},
+    Source.LOGITS: {"name": Root.ACTIVATION, "per_call": True},
 }
 #: The sources of numerics alone, and their measure.
 FP8_SOURCES = {Source.FP8_INPUT: FP8_CAST, Source.FP8_WEIGHT: FP8_CAST}
@@ -124,6 +129,7 @@ _MEASURES: dict[Source, tuple[Measure, ...]] = {
     Source.IMAGE: (PIXELS,),
     Source.ATTENTION: (ATTENTION_HEADS,),
     Source.BINNED: (HISTOGRAM_ROWS,),
+    Source.LOGITS: (LOG_PARTITION,),
 }
 #: Measures of one's own, by source (a :class:`Source` or its value).
 Extra = Mapping["Source | str", Sequence[Measure]]
