@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import read_run
+from conftest import read_run, spawn_ranks
 from models import gpt2
 from torch import Tensor, nn
 
@@ -63,6 +63,37 @@ def test_named_modules_and_bf16_logits(tmp_path) -> None:
     for name, calls in kept.items():
         for stat, value in _reference(calls).items():
             assert run.scalar(f"activation/{stat}/{name}", 0) == pytest.approx(value, rel=1e-5), (name, stat)
+
+
+def _rank_logits(rank: int, call: int) -> Tensor:
+    """Rank ``rank``'s input of its ``call``-th forward: the ranks' logits differ in size and scale."""
+    g = torch.Generator().manual_seed(10 * rank + call)
+    return torch.randn(3 + rank, 8, generator=g) * (1 + 4 * rank)
+
+
+def _ranks_worker(rank: int, root: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32))
+    options = dict(every=1, logits=True, reduce_ranks=True, parameters=False)
+    with HookLogger(model, log_dir=f"{root}/run{rank}", **options) as hooks:  # type: ignore[arg-type]
+        for call in range(2):
+            model(_rank_logits(rank, call)).sum().backward()
+        hooks.step()
+
+
+def test_pooled_over_two_ranks_with_reduce_ranks(tmp_path) -> None:
+    """``reduce_ranks=True`` on two gloo processes: rank 0 writes the mean and max over both ranks'
+    tokens of both calls, as one process's float64 ``logsumexp`` over all of them."""
+    spawn_ranks(_ranks_worker, tmp_path, 2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32))
+    with torch.no_grad():
+        calls = [model(_rank_logits(rank, call)) for rank in range(2) for call in range(2)]
+    run = read_run(tmp_path / "run0")
+    for stat, value in _reference(calls).items():
+        assert run.scalar(f"activation/{stat}/0", 0) == pytest.approx(value, rel=1e-6), stat
+    alone = _reference(calls[:2])["log_z"]
+    assert run.scalar("activation/log_z/0", 0) != pytest.approx(alone, rel=1e-3)  # (the ranks' values differ)
 
 
 def test_off_spellings_write_nothing(tmp_path) -> None:
