@@ -126,7 +126,7 @@ class Thresholds:
     fp16_gradient_underflow: float = 0.01
     #: ``fp8_underflow``: with e4m3 or e5m2 written, this fraction of what fp8 training casts of a
     #: watched Linear, its input or weight (e4m3) or its output gradient (e5m2), is lost to zero
-    #: after per-tensor scaling to its max |x| ...
+    #: after scaling to its max |x| (per tensor; per row with ``fp8_scaling="rowwise"``) ...
     fp8_underflow: float = 0.01
     #: ... ``fp8_overflow``: more than this fraction becomes NaN/Inf in that cast.
     fp8_overflow: float = 0.0

@@ -460,19 +460,21 @@ def numeric_measures(*, zero_frac: bool, channels: bool, shared: bool = False) -
     return (shape, size, MEDIAN_ABS) if channels else (shape, size)
 
 
-#: With a float8 format in ``numerics=``, what fp8 training casts to e4m3 of a watched
-#: ``nn.Linear``, its input or its weight, scaled per tensor by ``max_F / amax``
-#: (``input/underflow_e4m3/{module}``, ``param/underflow_e4m3/{module}.weight``).
-FP8_CAST = Measure(
-    name="numerics (fp8 casts)",
-    fields=tuple(
-        Field(name=c, pool=SUM) for c in ("nonzero", f"zero_{numerics.FORWARD}", f"finite_{numerics.FORWARD}")
-    ),
-    stats=tuple(per_format(lost, numerics.FORWARD) for lost in (Lost.UNDERFLOW, Lost.OVERFLOW)),
-    scalars=numerics.fp8_statistics,
-    compute=lambda x, units: numerics.fp8_cast(x),
-    counted=True,
-)
+def fp8_cast_measure(*, rowwise: bool) -> Measure:
+    """With a float8 format in ``numerics=``, what fp8 training casts to e4m3 of a watched
+    ``nn.Linear``, its input or its weight, scaled per tensor by ``max_F / amax`` or, with
+    ``rowwise``, per row as torchao's ``"rowwise"`` recipe (``input/underflow_e4m3/{module}``,
+    ``param/underflow_e4m3/{module}.weight``)."""
+    return Measure(
+        name="numerics (fp8 casts)",
+        fields=tuple(
+            Field(name=c, pool=SUM) for c in ("nonzero", f"zero_{numerics.FORWARD}", f"finite_{numerics.FORWARD}")
+        ),
+        stats=tuple(per_format(lost, numerics.FORWARD) for lost in (Lost.UNDERFLOW, Lost.OVERFLOW)),
+        scalars=numerics.fp8_statistics,
+        compute=lambda x, units: numerics.fp8_cast(x, rowwise=rowwise),
+        counted=True,
+    )
 
 
 #: Every histogram kind, by tag root: ``activation/{module}``, ``input/{module}`` (with

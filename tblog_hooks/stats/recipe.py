@@ -20,7 +20,6 @@ from types import MappingProxyType
 from ..errors import HookLoggerError
 from .kinds import (
     ATTENTION_HEADS,
-    FP8_CAST,
     GRADIENT_NONFINITE,
     GRADIENT_NORM,
     HISTOGRAM_ROWS,
@@ -34,6 +33,7 @@ from .kinds import (
     Kind,
     Measure,
     describe,
+    fp8_cast_measure,
     numeric_measures,
 )
 from .tags import Root
@@ -116,8 +116,8 @@ _TRAVEL: dict[Source, dict[str, object]] = {
     Source.FP8_WEIGHT: {"name": Root.PARAM, "per_call": True},
     Source.LOGITS: {"name": Root.ACTIVATION, "per_call": True},
 }
-#: The sources of numerics alone, and their measure.
-FP8_SOURCES = {Source.FP8_INPUT: FP8_CAST, Source.FP8_WEIGHT: FP8_CAST}
+#: The sources of numerics alone (measured by ``kinds.fp8_cast_measure``).
+FP8_SOURCES = (Source.FP8_INPUT, Source.FP8_WEIGHT)
 _MEASURES: dict[Source, tuple[Measure, ...]] = {
     Source.OUTPUT: TENSOR_MEASURES,
     Source.INPUT: TENSOR_MEASURES,
@@ -147,9 +147,12 @@ class Recipe:
     numerics: Mapping[Source, Kind]
 
     @classmethod
-    def build(cls, *, inputs: bool = False, numerics: bool = False, measures: Extra | None = None) -> Recipe:
+    def build(
+        cls, *, inputs: bool = False, numerics: bool = False, measures: Extra | None = None, rowwise: bool = False
+    ) -> Recipe:
         """The recipe of a logger with these options; ``measures``: its own, added after the
-        built-in ones of their source (:data:`EXTENSIBLE`). Raises :class:`HookLoggerError` for a
+        built-in ones of their source (:data:`EXTENSIBLE`); ``rowwise``: the fp8 casts scaled per
+        row (``fp8_scaling="rowwise"``). Raises :class:`HookLoggerError` for a
         measure the source cannot compute and for a field or statistic two measures give."""
         extra = _extra(measures or {}, inputs=inputs)
         skipped = (Source.NONFINITE_INPUT if inputs else Source.INPUT, *FP8_SOURCES)
@@ -167,8 +170,9 @@ class Recipe:
                     per_call=per_call,
                     measures=numeric_measures(zero_frac=zero_frac, channels=channels),
                 )
-            for source, measure in FP8_SOURCES.items():
-                numeric[source] = Kind(**_TRAVEL[source], measures=(measure,))  # type: ignore[arg-type]
+            cast = fp8_cast_measure(rowwise=rowwise)
+            for source in FP8_SOURCES:
+                numeric[source] = Kind(**_TRAVEL[source], measures=(cast,))  # type: ignore[arg-type]
         recipe = cls(MappingProxyType(kinds), MappingProxyType(numeric))
         recipe._check_tags()
         return recipe
