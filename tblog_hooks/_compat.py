@@ -1,8 +1,9 @@
-"""Every private torch and tensorboard API the library uses, in one place, each with why it is
-needed. All are present in the torch releases the project supports (>= 2.4) and are tested with
-torch 2.14.1 and tensorboard 2.21.0; where a use is known to need a later release, it says so.
-Nothing else in the package touches a private attribute of either, so a torch upgrade means
-reading this file.
+"""Every private torch API the library uses, and TensorBoard's writer as torch's ``SummaryWriter``
+holds it, in one place, each with why it is needed: the torch side. All are present in the torch
+releases the project supports (>= 2.4) and are tested with torch 2.14.1 and tensorboard 2.21.0;
+where a use is known to need a later release, it says so. Nothing else in the package touches a
+private attribute of either but ``_tensorboard_compat.py``, the read side's TensorBoard APIs
+(imported by what TensorBoard loads, so without torch): a torch upgrade means reading this file.
 """
 
 from __future__ import annotations
