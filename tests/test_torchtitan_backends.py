@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from conftest import assert_same_run, read_run, spawn_ranks
 
-from tblog_hooks import Histograms, HookLogger
+from tblog_hooks import Histograms, HookLogger, HookLoggerError
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is installed by scripts/bootstrap (--no-deps)")
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -91,3 +91,23 @@ def test_each_torchtitan_backend_at_tp2_logs_what_one_process_logs(tmp_path: Pat
             for tag in [t for t in tags if t.rsplit("/", 1)[-1] in unknown]:
                 del tags[tag]
         assert_same_run(run, one, range(STEPS), ACTIVATIONS + PARAMETERS)
+
+
+OUTSIDE = ["tok_embeddings", "lm_head"]  # (outside the compiled blocks)
+
+
+def _compiled(rank: int, root: str) -> None:
+    model, dims = titan.parallel("partial_dtensor", 2, tp=2, compiled=True)
+    with pytest.raises(HookLoggerError, match=r"'layers\.0' is compiled .* in a tensor-parallel model"):
+        HookLogger(model, log_dir=f"{root}/refused", modules=["layers.0.feed_forward"])
+    _train(model, root, dims, modules=OUTSIDE)
+
+
+def test_torchtitan_per_block_compile_at_tp2_refuses_modules_inside_and_logs_those_outside(tmp_path: Path) -> None:
+    """torchtitan's per-block compile (``fullgraph=True``) under tensor parallelism: a module
+    inside a compiled block is refused at construction (hooks traced there cannot tell a piece
+    from the whole); the modules outside, and every parameter, are logged as one process logs them."""
+    (tmp_path / "compiled").mkdir()
+    spawn_ranks(_compiled, tmp_path / "compiled", 2)
+    _train(titan.one_process(), str(tmp_path / "one"), modules=OUTSIDE)
+    assert_same_run(read_run(tmp_path / "compiled"), read_run(tmp_path / "one"), range(STEPS), ACTIVATIONS + PARAMETERS)

@@ -68,10 +68,13 @@ def float64() -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def parallel(backend: str, world: int, *, tp: int, sp: bool = True, **parallelism: Any) -> tuple[nn.Module, Any]:
+def parallel(
+    backend: str, world: int, *, tp: int, sp: bool = True, compiled: bool = False, **parallelism: Any
+) -> tuple[nn.Module, Any]:
     """The model as torchtitan shards it on ``world`` ranks with tensor-parallel degree ``tp``
-    (the rest data parallel, FSDP2), under ``backend``, with :func:`one_process`'s weights;
-    and its ``ParallelDims``."""
+    (the rest data parallel, FSDP2), under ``backend``, with :func:`one_process`'s weights
+    (``compiled``: each block compiled as torchtitan compiles it, ``fullgraph=True``, eager
+    backend); and its ``ParallelDims``."""
     import torchtitan.distributed.parallel_dims as parallel_dims
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
@@ -95,7 +98,7 @@ def parallel(backend: str, world: int, *, tp: int, sp: bool = True, **parallelis
         parallel_dims=dims,
         training=training,
         parallelism=options,
-        compile_config=CompileConfig(),
+        compile_config=CompileConfig(enable=compiled, components=["model"], backend="eager"),
         ac_config=None,
         dump_folder="/tmp",
     )

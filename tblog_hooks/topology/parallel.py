@@ -122,6 +122,14 @@ class TensorParallel:
         """Whether a module has a tensor-parallel style (as of the latest :meth:`look_up`)."""
         return bool(self._styles or self._prepared)
 
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether the model is tensor-parallel: modules with a tensor-parallel style (as of the
+        latest :meth:`look_up`), or torchtitan's tensor parallelism under any of its backends
+        (``partial_dtensor`` and ``full_dtensor`` leave no style: their outputs are ``DTensor`` s)."""
+        model = self._model()
+        return self.styled or (model is not None and titan.parallelized_mesh(model) is not None)
+
     def holds_split(self) -> bool:
         """Whether the model holds tensors split over ranks: ``DTensor`` parameters (FSDP2, tensor
         parallelism) or modules with a tensor-parallel style (as of the latest :meth:`look_up`)."""
