@@ -111,3 +111,35 @@ def test_torchtitan_per_block_compile_at_tp2_refuses_modules_inside_and_logs_tho
     spawn_ranks(_compiled, tmp_path / "compiled", 2)
     _train(titan.one_process(), str(tmp_path / "one"), modules=OUTSIDE)
     assert_same_run(read_run(tmp_path / "compiled"), read_run(tmp_path / "one"), range(STEPS), ACTIVATIONS + PARAMETERS)
+
+
+def _batch(replica: int) -> torch.Tensor:
+    return torch.randint(titan.VOCAB, (2, titan.SEQ), generator=torch.Generator().manual_seed(replica))
+
+
+def _forward(model: torch.nn.Module, log_dir: str, tokens: torch.Tensor, dims: object = None) -> None:
+    """One logged forward and backward with ``numerics=True`` (``activation/amax_channel``)."""
+    with HookLogger(model, log_dir=log_dir, every=1, modules=["*"], numerics=True, parameters=False) as hooks:
+        with titan.spmd_context(dims):
+            titan.local(model(titan.inputs(tokens, dims))).square().sum().backward()
+        hooks.step()
+
+
+def _full_dtensor_2d(rank: int, root: str) -> None:
+    model, dims = titan.parallel("full_dtensor", 4, tp=2)
+    _forward(model, root, _batch(rank // 2), dims)  # (the mesh is dp_shard x tp: ranks 0, 1 hold replica 0)
+
+
+def test_torchtitan_full_dtensor_on_dp2_x_tp2_gives_the_global_channel_index(tmp_path: Path) -> None:
+    """Under ``full_dtensor`` on a dp 2 x tp 2 mesh an output is a ``DTensor`` split along the
+    batch over the data-parallel ranks and along its features over the tensor-parallel ones:
+    ``activation/amax_channel`` is the channel's index in the whole output (one process on
+    both replicas' batches), not within the rank's piece."""
+    (tmp_path / "four").mkdir()
+    spawn_ranks(_full_dtensor_2d, tmp_path / "four", 4)
+    _forward(titan.one_process(), str(tmp_path / "one"), torch.cat([_batch(0), _batch(1)]))
+    one, run = read_run(tmp_path / "one"), read_run(tmp_path / "four")
+    # (not median_abs: pooled as the largest of the pieces' medians, see docs/sharded.md, Limits)
+    roots = {t.rsplit("/", 1)[0] + "/" for t in one.scalars if t.startswith("activation/") and "median_abs" not in t}
+    assert "activation/amax_channel/" in roots
+    assert_same_run(run, one, range(1), tuple(sorted(roots)), histograms=False)

@@ -204,7 +204,9 @@ class TensorParallel:
             if t.numel() == shape.numel():
                 if split is None:
                     return None
-                return split if _same_axis(t.shape, shape, split.axis) else dataclasses.replace(split, axis=None)
+                if _same_axis(t.shape, shape, split.axis):
+                    return split
+                return dataclasses.replace(split, axis=None, axes=())
         if self._strict:
             raise ValueError(UNKNOWN_PIECE)
         return None
@@ -274,8 +276,12 @@ def _known(placements: tuple[Placement, ...] | None) -> tuple[Placement, ...]:
 
 
 def along_units(split: Split | None, units: int, ndim: int) -> Split | None:
-    """``split`` as recorded for a module whose units are dim ``units``: its axis kept only where
-    the pieces lie along the units (their per-unit values then go side by side)."""
-    if split is None or split.axis is None or split.axis == units % max(ndim, 1):
-        return split
-    return dataclasses.replace(split, axis=None)
+    """``split`` as recorded for a module whose units are dim ``units``: its axis that of the
+    units where pieces lie along them (their per-unit values then go side by side; where pieces
+    also split another dim, those are other rows of the same units), else none."""
+    if split is None:
+        return None
+    units %= max(ndim, 1)
+    if split.axis == units or (split.axis is None and units in split.axes):
+        return dataclasses.replace(split, axis=units)
+    return split if split.axis is None else dataclasses.replace(split, axis=None)
