@@ -51,9 +51,9 @@ def _train(model: torch.nn.Module, log_dir: str, dims: object = None, **options:
             hooks.step()
 
 
-def _backends(rank: int, root: str, backends: tuple[str, ...]) -> None:
+def _backends(rank: int, root: str, backends: tuple[str, ...], moe: bool = False) -> None:
     for backend in backends:
-        model, dims = titan.parallel(backend, 2, tp=2)
+        model, dims = titan.parallel(backend, 2, tp=2, moe=moe)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             _train(model, f"{root}/../{backend}", dims)
@@ -143,3 +143,39 @@ def test_torchtitan_full_dtensor_on_dp2_x_tp2_gives_the_global_channel_index(tmp
     roots = {t.rsplit("/", 1)[0] + "/" for t in one.scalars if t.startswith("activation/") and "median_abs" not in t}
     assert "activation/amax_channel/" in roots
     assert_same_run(run, one, range(1), tuple(sorted(roots)), histograms=False)
+
+
+def _moe(rank: int, root: str) -> None:
+    _backends(rank, root, ("partial_dtensor",), moe=True)
+
+
+#: From the first block's routed experts on, the numbers are bf16's (torchtitan's grouped experts
+#: multiply in bf16, whose roundings differ once their hidden units are split over ranks).
+DOWNSTREAM = ("layers.0.moe", "layers.1", "norm", "lm_head", "root")
+
+
+def test_torchtitan_moe_routed_experts_at_tp2_are_said_and_left_out_never_written_as_pieces(tmp_path: Path) -> None:
+    """torchtitan's Qwen3 MoE at tp 2: its routed experts compute each rank's share of their
+    hidden units inside a local-tensor region whose result is ``Partial``, so what the inner
+    experts return on a rank is a term of a sum over the ranks. They are said once, on every
+    rank, and left out; the region's own output (reduced) and the modules before it are what
+    one process logs."""
+    (tmp_path / "partial_dtensor").mkdir()
+    spawn_ranks(_moe, tmp_path / "partial_dtensor", 2)
+    _train(titan.one_process(moe=True), str(tmp_path / "one"))
+    one, run = read_run(tmp_path / "one"), read_run(tmp_path / "partial_dtensor")
+    experts = [f"layers.{i}.moe.routed_experts.inner_experts" for i in range(2)]
+    for rank in range(2):
+        said = eval((tmp_path / f"partial_dtensor_{rank}.said").read_text())
+        for module in experts:
+            what = [w for w in said if f"{module!r} failed" in w]
+            assert len(what) == 1 and "whose result is Partial over the tensor-parallel ranks" in what[0], said
+    for module in experts:
+        assert not [t for t in [*run.scalars, *run.histograms] if t.endswith(f"/{module}")]
+    for stat in ("max", "std"):  # the region's output, reduced over the ranks: whole, to bf16's precision
+        tag = f"activation/{stat}/layers.0.moe.routed_experts"
+        assert run.scalars[tag][0] == pytest.approx(one.scalars[tag][0], rel=1e-2)
+    for tags in (one.scalars, one.histograms, run.scalars, run.histograms):
+        for tag in [t for t in tags if t.rsplit("/", 1)[-1].startswith(DOWNSTREAM) or t.endswith(tuple(experts))]:
+            del tags[tag]
+    assert_same_run(run, one, range(1), ("activation/", "input/"))

@@ -115,11 +115,12 @@ class ActivationRecorder:
             if type(t) in (Tensor, nn.Parameter) and loggable(t):
                 mode.measure(kind, key, t.detach())  # type: ignore[union-attr]
 
-    def on_input(self, name: str, inputs: object, training: bool) -> None:
+    def on_input(self, name: str, module: nn.Module, inputs: object) -> None:
         """Forward pre-hook body: the inputs' non-finite count (to tell where NaN/Inf start),
         or with ``inputs=True`` the same statistics as for outputs."""
         if name in self.buffer.disabled or not (self.activations or self.inputs):
             return  # without output counts the input count tells nothing
+        training = module.training
         mode = self.buffer.now()
         if (
             mode is None
@@ -131,7 +132,7 @@ class ActivationRecorder:
             units = self.units.get(name, -1)
             leaves = loggable_leaves(inputs)
             whole: list[tuple[Tensor, Split | None]] = [(t, None) for t in leaves]
-            pieces = whole if mode.compiled else self.parallel.inputs(leaves)
+            pieces = whole if mode.compiled else self.parallel.inputs(module, leaves)
             with torch.no_grad():
                 for t, split in pieces:
                     if self.inputs:

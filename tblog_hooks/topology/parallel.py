@@ -67,6 +67,7 @@ class TensorParallel:
         self._styles: dict[int, tuple[DeviceMesh, tuple[Placement, ...] | None]] = {}  # id(module) -> its style
         self._prepared: dict[int, tuple[DeviceMesh, Placement]] = {}  # id(module) -> its prepared input
         self._titan: dict[int, titan.Layouts] = {}  # id(module) -> its torchtitan sharding layouts
+        self._partial: dict[int, str] = {}  # id(module) -> the local-tensor region of partial sums it runs in
         #: How the data the latest boundaries left is placed, and its local shape (the latest
         #: first); an error where that cannot be told; ``None``: whole (no boundary yet in this forward).
         self._flow: list[tuple[Split | None, torch.Size]] | ValueError | None = None
@@ -79,6 +80,7 @@ class TensorParallel:
         modules = [] if model is None else list(model.modules())
         self._styles = {id(m): style for m in modules if (style := parallel_output(m)) is not None}
         self._prepared = {id(m): prepared for m in modules if (prepared := prepared_input(m)) is not None}
+        self._partial = {} if model is None else titan.partial_regions(model)
         mesh = None if model is None else titan.tensor_parallel_mesh(model)
         self._titan = {}
         for m in modules if mesh is not None else []:
@@ -151,6 +153,7 @@ class TensorParallel:
     def outputs(self, module: nn.Module, tensors: Sequence[Tensor]) -> list[tuple[Tensor, Split | None]]:
         """Each output tensor of ``module`` as this rank's piece and its split. Raises
         ``ValueError`` for an output no piece can tell about (``Partial``, an unknown style)."""
+        self._check_region(module)
         style = self._styles.get(id(module))
         out = []
         for t in tensors:
@@ -172,9 +175,19 @@ class TensorParallel:
         if layouts is not None and layouts.partial_gradient:
             raise ValueError(titan.PARTIAL_GRADIENT)
 
-    def inputs(self, tensors: Sequence[Tensor]) -> list[tuple[Tensor, Split | None]]:
-        """Each input tensor (of the module whose forward is about to run) as this rank's piece and its split."""
+    def inputs(self, module: nn.Module, tensors: Sequence[Tensor]) -> list[tuple[Tensor, Split | None]]:
+        """Each input tensor of ``module`` (whose forward is about to run) as this rank's piece
+        and its split. Raises ``ValueError`` as :meth:`outputs` for a module that returns terms
+        of a sum over ranks (its statistics are left out whole: its inputs too)."""
+        self._check_region(module)
         return [local(t) if is_dtensor(t) else (t, self._placed_as_flow(t)) for t in tensors]
+
+    def _check_region(self, module: nn.Module) -> None:
+        """Raises ``ValueError`` for a module inside a torchtitan local-tensor region whose
+        result is ``Partial`` (``titan.PARTIAL_REGION``)."""
+        region = self._partial.get(id(module))
+        if region is not None:
+            raise ValueError(titan.PARTIAL_REGION.format(region=region))
 
     def heads(self, module: nn.Module) -> Split | None:
         """How the attention heads of ``module`` are split over ranks: by its children whose

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
-from .._compat import titan_backend, titan_sharding
+from .._compat import titan_backend, titan_local_map_output, titan_sharding
 from .sharding import is_dtensor
 
 if TYPE_CHECKING:
@@ -29,6 +29,29 @@ UNKNOWN_LAYOUT = (
     "(a Varying layout without a PartitionSpec), so its statistics would be this rank's piece only; leave the "
     "module out of modules="
 )
+
+PARTIAL_REGION = (
+    "it runs inside the local-tensor region of {region!r}, whose result is Partial over the tensor-parallel ranks "
+    "(torchtitan's routed experts: each rank computes its share of the expert hidden units), so its output on each "
+    "rank is a term of a sum over the ranks, which no piece's statistics tell; its statistics are not recorded "
+    "(those of {region!r}, whose output is reduced, are)"
+)
+
+
+def partial_regions(model: nn.Module) -> dict[int, str]:
+    """The modules of a tensor-parallel model torchtitan parallelized (:func:`parallelized_mesh`)
+    that run inside a local-tensor region whose result is ``Partial`` over the tensor-parallel
+    axis, by ``id``, each with the region's name: what they return is a partial sum."""
+    if parallelized_mesh(model) is None:
+        return {}
+    import spmd_types  # (installed with torchtitan)
+
+    inside: dict[int, str] = {}
+    for name, module in model.named_modules():
+        layout = titan_local_map_output(module)
+        if layout is not None and not isinstance(layout, tuple) and _types(layout).get(TP) is spmd_types.P:
+            inside.update({id(m): name for m in module.modules() if m is not module})
+    return inside
 
 
 def tensor_parallel_mesh(model: nn.Module) -> DeviceMesh | None:
