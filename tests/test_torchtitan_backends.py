@@ -9,12 +9,14 @@ import functools
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_same_run, read_run, spawn_ranks
+from conftest import assert_same_run, read_run, read_tensors, spawn_ranks
 
 from tblog_hooks import Histograms, HookLogger, HookLoggerError
+from tblog_hooks.stats.tags import HEADS_TABLE_TAG
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is installed by scripts/bootstrap (--no-deps)")
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -179,3 +181,31 @@ def test_torchtitan_moe_routed_experts_at_tp2_are_said_and_left_out_never_writte
         for tag in [t for t in tags if t.rsplit("/", 1)[-1].startswith(DOWNSTREAM) or t.endswith(tuple(experts))]:
             del tags[tag]
     assert_same_run(run, one, range(1), ("activation/", "input/"))
+
+
+BLOCKS = ["layers.0", "layers.1"]
+
+
+def _attention(rank: int, root: str, backends: tuple[str, ...]) -> None:
+    for backend in backends:
+        model, dims = titan.parallel(backend, 2, tp=2)
+        _train(model, f"{root}/../{backend}", dims, modules=BLOCKS, attention=True)
+
+
+def test_torchtitan_attention_at_tp2_covers_every_head(tmp_path: Path) -> None:
+    """``attention=True`` under each backend at tp 2: torchtitan's inner attention runs on each
+    rank's heads (a local-tensor region whose query is handed split along its heads), so the
+    per-head statistics of both ranks go side by side and the maxima are of every head: what
+    one process writes."""
+    for backends in BACKENDS:
+        (tmp_path / backends[0]).mkdir()
+        spawn_ranks(functools.partial(_attention, backends=backends), tmp_path / backends[0], 2)
+    _train(titan.one_process(), str(tmp_path / "one"), modules=BLOCKS, attention=True)
+    one, heads = read_run(tmp_path / "one"), read_tensors(tmp_path / "one", HEADS_TABLE_TAG)
+    assert sorted(heads) == list(range(STEPS)) and heads[0].shape[1] == titan.HEADS  # (modules x heads x statistics)
+    for backend in [b for backends in BACKENDS for b in backends]:
+        assert_same_run(read_run(tmp_path / backend), one, range(STEPS), ("attention/",), histograms=False)
+        theirs = read_tensors(tmp_path / backend, HEADS_TABLE_TAG)
+        assert sorted(theirs) == sorted(heads)
+        for step, table in heads.items():
+            np.testing.assert_allclose(theirs[step], table, rtol=1e-6, err_msg=f"{backend} at step {step}")

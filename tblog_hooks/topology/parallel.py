@@ -68,6 +68,7 @@ class TensorParallel:
         self._prepared: dict[int, tuple[DeviceMesh, Placement]] = {}  # id(module) -> its prepared input
         self._titan: dict[int, titan.Layouts] = {}  # id(module) -> its torchtitan sharding layouts
         self._partial: dict[int, str] = {}  # id(module) -> the local-tensor region of partial sums it runs in
+        self._heads: dict[int, Split] = {}  # id(module) -> how the heads of the attention it calls are split
         #: How the data the latest boundaries left is placed, and its local shape (the latest
         #: first); an error where that cannot be told; ``None``: whole (no boundary yet in this forward).
         self._flow: list[tuple[Split | None, torch.Size]] | ValueError | None = None
@@ -81,6 +82,11 @@ class TensorParallel:
         self._styles = {id(m): style for m in modules if (style := parallel_output(m)) is not None}
         self._prepared = {id(m): prepared for m in modules if (prepared := prepared_input(m)) is not None}
         self._partial = {} if model is None else titan.partial_regions(model)
+        parallelized = None if model is None else titan.parallelized_mesh(model)
+        self._heads = {}
+        for m in modules if parallelized is not None else []:
+            if (heads := titan.local_heads(m, parallelized)) is not None:  # type: ignore[arg-type]
+                self._heads[id(m)] = heads
         mesh = None if model is None else titan.tensor_parallel_mesh(model)
         self._titan = {}
         for m in modules if mesh is not None else []:
@@ -192,7 +198,10 @@ class TensorParallel:
     def heads(self, module: nn.Module) -> Split | None:
         """How the attention heads of ``module`` are split over ranks: by its children whose
         style splits their outputs' last dim (``ColwiseParallel`` query, key and value
-        projections), so that each rank computes attention over its own heads."""
+        projections), or where it is a torchtitan local-tensor region (its inner attention),
+        by the layout its query is handed; so that each rank computes attention over its own heads."""
+        if id(module) in self._heads:
+            return self._heads[id(module)]
         for child in module.children():
             style = self._styles.get(id(child))
             if style is not None and style[1] is not None:

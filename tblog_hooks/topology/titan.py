@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .._compat import titan_backend, titan_local_map_output, titan_sharding
-from .sharding import is_dtensor
+from .sharding import Split, is_dtensor, placed
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -52,6 +52,19 @@ def partial_regions(model: nn.Module) -> dict[int, str]:
         if layout is not None and not isinstance(layout, tuple) and _types(layout).get(TP) is spmd_types.P:
             inside.update({id(m): name for m in module.modules() if m is not module})
     return inside
+
+
+def local_heads(module: nn.Module, mesh: DeviceMesh) -> Split | None:
+    """How the heads are split over the tensor-parallel ranks of ``mesh`` for the attention
+    kernel that ``module`` calls, where its forward is a local-tensor region (torchtitan's inner
+    attention): as the layout its query (``(batch, sequence, heads, head dim)``) is handed
+    says; ``None`` for any other module."""
+    if titan_local_map_output(module) is None:
+        return None
+    found = layouts(module)
+    if found is None or found.handed is None:
+        return None
+    return placed(mesh, (found.handed,), 4)
 
 
 def tensor_parallel_mesh(model: nn.Module) -> DeviceMesh | None:
