@@ -341,6 +341,17 @@ def titan_sharding(module: nn.Module) -> tuple[object | None, object | None, obj
     return (None if isinstance(output, tuple) else output), handed.get(first), given.get(first)
 
 
+def titan_local_map_output(module: nn.Module) -> object | None:
+    """The layout of what the forward of ``module`` returns from inside its local-tensor region,
+    where torchtitan's ``Module.parallelize`` runs that forward as one (0.3.0: a
+    ``ShardingConfig`` with ``local_map``, whose ``out_src_shardings`` is that layout); ``None``
+    otherwise. Inside the region its submodules compute on plain local tensors."""
+    config = getattr(module, "_sharding_config", None)
+    if config is None or not getattr(module, "_parallelized", False) or config.local_map is None:
+        return None
+    return config.out_src_shardings  # type: ignore[no-any-return]
+
+
 # -- torch function modes (attention statistics) -------------------------------------------------
 def function_mode_on_top(mode: object) -> bool:
     """Whether ``mode`` is the innermost active ``TorchFunctionMode``

@@ -97,7 +97,7 @@ class HookLogger:
         self._watched = Watched(model, selected)
         parallel = TensorParallel(model)
         parallel.look_up()
-        _check_compiled_parts(model, selected, tensor_parallel=parallel.styled)
+        _check_compiled_parts(model, selected, tensor_parallel=parallel.tensor_parallel)
         split = parallel.holds_split()
         self._recording = Recording(
             self._watched, config, feature_maps=frozenset(mapped), logits=logits, model=model, parallel=parallel

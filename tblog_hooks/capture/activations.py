@@ -128,11 +128,12 @@ class ActivationRecorder:
         if t is not None and split is None:
             mode.measure(self._log_partition, name, t)
 
-    def on_input(self, name: str, inputs: object, training: bool) -> None:
+    def on_input(self, name: str, module: nn.Module, inputs: object) -> None:
         """Forward pre-hook body: the inputs' non-finite count (to tell where NaN/Inf start),
         or with ``inputs=True`` the same statistics as for outputs."""
         if name in self.buffer.disabled or not (self.activations or self.inputs):
             return  # without output counts the input count tells nothing
+        training = module.training
         mode = self.buffer.now()
         if (
             mode is None
@@ -144,7 +145,7 @@ class ActivationRecorder:
             units = self.units.get(name, -1)
             leaves = loggable_leaves(inputs)
             whole: list[tuple[Tensor, Split | None]] = [(t, None) for t in leaves]
-            pieces = whole if mode.compiled else self.parallel.inputs(leaves)
+            pieces = whole if mode.compiled else self.parallel.inputs(module, leaves)
             with torch.no_grad():
                 for t, split in pieces:
                     if self.inputs:
