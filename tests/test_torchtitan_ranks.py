@@ -1,0 +1,94 @@
+"""torchtitan 0.3.0's own Llama 3 (``tests/titan.py``) on two CPU processes with gloo, in float64,
+where what the ranks do together matters: a logger made before ``parallelize_llama`` (as a
+torchtitan model is built, then sharded) switches off on both ranks alike and training goes on;
+under FSDP2 with torchtitan's ``OptimizersContainer`` and ``reduce_ranks=True``, ``step/grad_norm``
+counts each gradient once and ``step/loss`` is the global loss, as one process has them."""
+
+from __future__ import annotations
+
+import datetime
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import read_run, spawn_ranks
+
+from tblog_hooks import HookLogger
+
+pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is installed by scripts/bootstrap (--no-deps)")
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+import titan  # noqa: E402  (after the skip: it needs torchtitan)
+
+STEPS = 3
+#: Each rank's batch (two sequences); one process takes both.
+BATCH = 2
+NUMEL = 2 * BATCH * titan.SEQ * titan.VOCAB  # the logits of both ranks' batches
+
+
+def _tokens(step: int) -> torch.Tensor:
+    """Both ranks' batches of step ``step``, rank 0's first."""
+    return torch.randint(titan.VOCAB, (2 * BATCH, titan.SEQ), generator=torch.Generator().manual_seed(step))
+
+
+def _container(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """torchtitan's ``OptimizersContainer`` of one AdamW (itself an optimizer, stepping the one it holds)."""
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+
+    group = ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 0.01})
+    config = OptimizersContainer.Config(param_groups=[group], implementation="for-loop")
+    return OptimizersContainer(config, model_parts=[model])
+
+
+def _train(model: torch.nn.Module, hooks: HookLogger, opt: torch.optim.Optimizer, rows: slice) -> None:
+    """``STEPS`` steps on the sum of the squared logits of the batch's ``rows`` over those of the
+    whole batch (torchtitan's loss: each rank's share of the global one, gradients summed over ranks)."""
+    with hooks:
+        for step in range(STEPS):
+            loss = model(_tokens(step)[rows]).square().sum() / NUMEL
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step(loss=loss)
+
+
+def _ranks(rank: int, root: str) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        made: list[HookLogger] = []
+        options = {"every": 1, "spikes": True, "parameters": False}
+
+        def attach(model: torch.nn.Module) -> None:
+            made.append(HookLogger(model, log_dir=f"{root}/../late", **options))  # type: ignore[arg-type]
+
+        model, _ = titan.parallel("partial_dtensor", 2, tp=1, before=attach)
+        _train(model, made[0], torch.optim.SGD(model.parameters(), lr=0.5), slice(None))
+    said = [str(w.message) for w in caught if str(w.message).startswith("tblog_hooks")]
+    Path(root, f"../late_{rank}.said").write_text(repr(said))
+    model, _ = titan.parallel("partial_dtensor", 2, tp=1)
+    opt = _container(model)
+    hooks = HookLogger(model, log_dir=f"{root}/../fsdp", optimizer=opt, every=STEPS, spikes=True, reduce_ranks=True)
+    _train(model, hooks, opt, slice(rank * BATCH, (rank + 1) * BATCH))
+
+
+def test_torchtitan_logger_made_before_sharding_and_its_optimizers_container(tmp_path: Path) -> None:
+    (tmp_path / "ranks").mkdir()
+    spawn_ranks(_ranks, tmp_path / "ranks", 2, timeout=datetime.timedelta(seconds=60))
+    # Made before parallelize_llama: the per-step norms stop on the rank that reads them (rank 0,
+    # which writes) before any collective, its logging at the first logged step (rank 1 neither
+    # writes nor joins a collective: off from the start, silent); training goes on.
+    said = [eval((tmp_path / f"late_{rank}.said").read_text()) for rank in range(2)]
+    assert [sum("create the HookLogger after sharding" in w for w in s) for s in said] == [2, 0], said
+    assert not [t for t in read_run(tmp_path / "late").scalars if not t.startswith("step/")]
+    # FSDP2 with the container: one process's norm and loss at every step (one process with a
+    # plain AdamW: the container is an optimizer that steps the one it holds).
+    model = titan.one_process()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=False)
+    _train(model, HookLogger(model, log_dir=str(tmp_path / "one"), every=STEPS, spikes=True), opt, slice(None))
+    run, one = read_run(tmp_path / "fsdp").scalars, read_run(tmp_path / "one").scalars
+    for tag in ("step/grad_norm", "step/loss"):
+        assert sorted(run[tag]) == sorted(one[tag]) == list(range(STEPS)), tag
+        for step in range(STEPS):
+            assert run[tag][step] == pytest.approx(one[tag][step], rel=1e-9), (tag, step)
