@@ -130,9 +130,14 @@ class TensorParallel:
 
     def first_of_groups(self) -> bool:
         """Whether this rank is the first of each tensor-parallel group of the styles found at the
-        latest :meth:`look_up`: of the ranks of one group, which hold the same unsplit values, its
-        values count once."""
-        return all(mesh.get_local_rank(d) == 0 for mesh, _ in self._styles.values() for d in range(mesh.ndim))
+        latest :meth:`look_up` and of torchtitan's tensor-parallel mesh (under any backend: under
+        ``partial_dtensor`` no module has a style): of the ranks of one group, which hold the same
+        unsplit values, its values count once."""
+        model = self._model()
+        meshes = [mesh for mesh, _ in self._styles.values()]
+        titans = None if model is None else titan.titan_mesh(model)
+        meshes += [] if titans is None else [titans]
+        return all(mesh.get_local_rank(d) == 0 for mesh in meshes for d in range(mesh.ndim))
 
     @staticmethod
     def sequence_split() -> bool:

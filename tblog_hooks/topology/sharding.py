@@ -64,6 +64,11 @@ class Split:
 
         return gathered(dist.get_rank(), len(self.dims))
 
+    def first_of_replicas(self) -> bool:
+        """Whether this rank is the first of those holding the same piece: the first along each
+        mesh dim the tensor is not split on (``Replicate`` there)."""
+        return all(self.mesh.get_local_rank(d) == 0 for d in range(self.mesh.ndim) if d not in self.dims)
+
     def part(self) -> int:
         """This rank's position among its :meth:`peers`."""
         return self.peers().index(dist.get_rank())

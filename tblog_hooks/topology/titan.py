@@ -33,10 +33,14 @@ UNKNOWN_LAYOUT = (
 
 def tensor_parallel_mesh(model: nn.Module) -> DeviceMesh | None:
     """The tensor-parallel mesh of a model torchtitan parallelized under ``spmd_types`` with a
-    tensor-parallel degree above 1 (its parameters, which FSDP2 always wraps, are ``DTensor`` s
-    on a mesh with a ``tp`` axis); ``None`` otherwise."""
-    if titan_backend() != "spmd_types":
-        return None
+    tensor-parallel degree above 1 (:func:`titan_mesh`); ``None`` otherwise."""
+    return titan_mesh(model) if titan_backend() == "spmd_types" else None
+
+
+def titan_mesh(model: nn.Module) -> DeviceMesh | None:
+    """The tensor-parallel mesh of a model torchtitan parallelized with a tensor-parallel degree
+    above 1, under any backend (its parameters, which FSDP2 always wraps, are ``DTensor`` s on a
+    mesh with a ``tp`` axis); ``None`` otherwise."""
     for p in model.parameters():
         if is_dtensor(p) and TP in (p.device_mesh.mesh_dim_names or ()):
             mesh = p.device_mesh[TP]
