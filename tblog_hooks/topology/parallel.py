@@ -162,12 +162,12 @@ class TensorParallel:
                 out.append((t, self._placed_as_flow(t)))
         return out
 
-    def check_gradient(self, module: nn.Module) -> None:
-        """Raises ``ValueError`` where ``module``'s output gradient will be a partial sum over
-        ranks that no hook sees as such (a plain tensor Replicate under ``spmd_types``)."""
+    def gradient_terms(self, module: nn.Module) -> DeviceMesh | None:
+        """The mesh over which ``module``'s output gradient will be a partial sum that no hook
+        sees as such (a plain tensor ``Replicate`` under ``spmd_types``: each rank holds a term);
+        ``None`` where it will not."""
         layouts = self._titan.get(id(module))
-        if layouts is not None and layouts.partial_gradient:
-            raise ValueError(titan.PARTIAL_GRADIENT)
+        return self._styles[id(module)][0] if layouts is not None and layouts.partial_gradient else None
 
     def inputs(self, tensors: Sequence[Tensor]) -> list[tuple[Tensor, Split | None]]:
         """Each input tensor (of the module whose forward is about to run) as this rank's piece and its split."""
