@@ -115,8 +115,7 @@ class HookLogger:
         divisor = gradient_divisor(wrapper, model)
         self._outbox = _outbox(self._destination, self._diagnostics, self._recording, divisor)
         _warn_if_shared(model, self._destination)
-        health, order = self._diagnostics.health, self._diagnostics.order
-        spiking = (self._recording.handles, health, self._destination, self._ranks, order, model, divisor)
+        spiking = (self._recording.handles, self._diagnostics, self._destination, self._ranks, model, divisor)
         self._spikes = SpikeLog.of(config, self._watched, self._module_names, *spiking)
         # A rank that neither writes nor takes part in collectives is off from the start.
         self._state = _State.OFF if self._writer is None and not self._ranks.needed else _State.IDLE

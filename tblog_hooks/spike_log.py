@@ -17,6 +17,7 @@ from .diagnostics.spikes import SpikeWatch
 if TYPE_CHECKING:
     from .capture.watched import Handles, Watched
     from .diagnostics.health import Health
+    from .diagnostics.per_step import Diagnostics
     from .options import Options
     from .output.destination import Destination
     from .transport.distributed import Ranks
@@ -41,13 +42,14 @@ class SpikeLog:
     @classmethod
     def of(
         cls, config: Options, watched: Watched, modules: Sequence[str],
-        handles: Handles, health: Health | None, destination: Destination | None, ranks: Ranks,
-        order: Callable[[], Sequence[str]] | None = None, model: nn.Module | None = None,
-        divisor: Callable[[], float] = lambda: 1.0,
+        handles: Handles, diagnostics: Diagnostics, destination: Destination | None, ranks: Ranks,
+        model: nn.Module | None = None, divisor: Callable[[], float] = lambda: 1.0,
     ) -> SpikeLog | NoSpikes:  # fmt: skip
-        """The spike watch ``config`` asks for, its hooks kept in ``handles`` (``order``: the
-        watched modules in forward order, as far as known; ``model``'s forward pre-hook counts
-        each step's samples; ``divisor``: of the ranks' summed losses, ``distributed.gradient_divisor``)."""
+        """The spike watch ``config`` asks for, its hooks kept in ``handles`` (``diagnostics``: the
+        health findings it tells of spikes, and the watched modules in forward order as far as
+        known; ``model``'s forward pre-hook counts each step's samples; ``divisor``: of the ranks'
+        summed losses, ``distributed.gradient_divisor``)."""
+        health, order = diagnostics.health, diagnostics.order
         spikes = config.spike_config
         if spikes is None or (destination is None and not (ranks.reduce or any_split(watched))):
             return NoSpikes(off=spikes is None)

@@ -1,8 +1,10 @@
-"""torchtitan 0.3.0's own Llama 3 (``tests/titan.py``) on two CPU processes with gloo, in float64,
+"""torchtitan 0.3.0's own Llama 3 (``tests/titan.py``) on CPU processes with gloo, in float64,
 where what the ranks do together matters: a logger made before ``parallelize_llama`` (as a
-torchtitan model is built, then sharded) switches off on both ranks alike and training goes on;
-under FSDP2 with torchtitan's ``OptimizersContainer`` and ``reduce_ranks=True``, ``step/grad_norm``
-counts each gradient once and ``step/loss`` is the global loss, as one process has them."""
+torchtitan model is built, then sharded) makes no collective another rank skips, and training goes
+on; under FSDP2 with torchtitan's ``OptimizersContainer`` and ``reduce_ranks=True``,
+``step/grad_norm`` counts each gradient once and ``step/loss`` is the global loss, as one process
+has them; at dp 2 x tp 2 with ``reduce_ranks=True`` every value replicated over the tensor-parallel
+ranks counts once."""
 
 from __future__ import annotations
 
