@@ -1,8 +1,9 @@
-"""Every private torch and tensorboard API the library uses, in one place, each with why it is
-needed. All are present in the torch releases the project supports (>= 2.4) and are tested with
-torch 2.14.1 and tensorboard 2.21.0; where a use is known to need a later release, it says so.
-Nothing else in the package touches a private attribute of either, so a torch upgrade means
-reading this file.
+"""Every private torch API the library uses, and TensorBoard's writer as torch's ``SummaryWriter``
+holds it, in one place, each with why it is needed: the torch side. All are present in the torch
+releases the project supports (>= 2.4) and are tested with torch 2.14.1 and tensorboard 2.21.0;
+where a use is known to need a later release, it says so. Nothing else in the package touches a
+private attribute of either but ``_tensorboard_compat.py``, the read side's TensorBoard APIs
+(imported by what TensorBoard loads, so without torch): a torch upgrade means reading this file.
 """
 
 from __future__ import annotations
@@ -377,3 +378,23 @@ def full_float32_matmul(device: torch.device) -> Iterator[None]:
         yield
     finally:
         setattr(backend, name, before)
+
+
+def varlen_attention_ops() -> frozenset[object]:
+    """The op that ``torch.nn.attention.varlen.varlen_attn`` calls, as a ``TorchFunctionMode``
+    sees it (``torch.ops.torch_attn._varlen_attn``, the packet and its overload), once that module
+    is imported (which registers it); none before, nor on a torch without it."""
+    if "torch.nn.attention.varlen" not in sys.modules or not hasattr(torch.ops.torch_attn, "_varlen_attn"):
+        return frozenset()
+    packet = torch.ops.torch_attn._varlen_attn
+    return frozenset({packet, packet.default})
+
+
+def flex_attention_file() -> str | None:
+    """The source file of ``torch.nn.attention.flex_attention.flex_attention`` once that module
+    is imported, else ``None``: its calls are frames named ``flex_attention`` of that file, also
+    where dynamo runs its compiled code (a code object of its own, named and placed as the
+    function's)."""
+    module = sys.modules.get("torch.nn.attention.flex_attention")
+    function = getattr(module, "flex_attention", None)
+    return None if function is None else function.__code__.co_filename

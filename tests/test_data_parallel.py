@@ -23,9 +23,9 @@ from tblog_hooks import HookLogger, Spikes
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 TIMEOUT = datetime.timedelta(seconds=30)
 STEPS, SAMPLES = 3, 4  # a global batch of four samples a step
-#: Every scalar of a step: parameter gradients without numerics= (not taken of FSDP2's pieces), the
+#: Every scalar of a step (numerics= of FSDP2's parameter gradients pooled over its shards), the
 #: per-step series (the loss: the ranks' summed and divided as their gradients are).
-SCALARS = ("activation/", "input/", "gradient/", "param_grad/norm/", "param_grad/global_norm", "param/")
+SCALARS = ("activation/", "input/", "gradient/", "param_grad/", "param/")
 SERIES = ("step/grad_norm", "step/samples", "step/loss")
 UNPOOLED = "activation/median_abs/"
 OPTIONS = {"every": 1, "numerics": ("bf16",), "spikes": Spikes(warmup=3, window=8)}

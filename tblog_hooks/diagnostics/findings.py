@@ -15,6 +15,7 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 from ..errors import HookLoggerError
 from ..keywords import keywords
@@ -39,6 +40,62 @@ class FindingKind(enum.StrEnum):
     GRADIENT_SPIKE = "gradient_spike"
     LOSS_SPIKE = "loss_spike"
 
+
+class Measure(NamedTuple):
+    """What a kind's :attr:`Finding.value` is: ``label``, a few words beside the number (the
+    dashboard's findings table), and ``meaning``, the sentence that says it exactly."""
+
+    label: str
+    meaning: str
+
+
+#: What each kind's ``value`` is (the quantity its rule compared): one entry per kind, here only.
+MEASURES: dict[FindingKind, Measure] = {
+    FindingKind.VANISHING_GRADIENT: Measure(
+        "ratio to the largest norm",
+        "the largest output-gradient norm from the input up to the module, divided by the largest in the model "
+        "at that step (a ratio, not the module's own norm, which its cell shows)",
+    ),
+    FindingKind.EXPLODING_GRADIENT: Measure(
+        "update ratio, else norm",
+        "the median update-to-weight ratio of the watched parameters where the optimizer step moved them too far, "
+        "else the largest output-gradient norm (the message says which)",
+    ),
+    FindingKind.DEAD_UNITS: Measure(
+        "fraction of units", "the fraction of the module's units never positive across the batch"
+    ),
+    FindingKind.NONFINITE: Measure(
+        "NaN/Inf count, or norm",
+        "how many NaN/Inf the module's output or output gradient held; for a parameter's gradient, or the "
+        "step's gradient norm with spikes=, that non-finite norm",
+    ),
+    FindingKind.AMP_SKIPPED_STEPS: Measure(
+        "logged steps skipped", "how many logged steps in a row the GradScaler skipped"
+    ),
+    FindingKind.ATTENTION_LOGIT_GROWTH: Measure("max logit", "the module's largest attention logit (signed)"),
+    FindingKind.ATTENTION_ENTROPY_COLLAPSE: Measure(
+        "entropy (nats)",
+        "the module's mean attention entropy in nats (its lowest head's where per-head values were written)",
+    ),
+    FindingKind.FP16_GRADIENT_UNDERFLOW: Measure(
+        "fraction lost", "the fraction of the module's output gradient lost to zero in fp16 at the step's loss scale"
+    ),
+    FindingKind.FP8_UNDERFLOW: Measure(
+        "fraction lost",
+        "the largest fraction of what fp8 training casts in the Linear (input, weight, output gradient) lost to "
+        "zero after per-tensor scaling",
+    ),
+    FindingKind.FP8_OVERFLOW: Measure(
+        "fraction NaN/Inf",
+        "the largest fraction of what fp8 training casts in the Linear that becomes NaN/Inf after per-tensor scaling",
+    ),
+    FindingKind.MASSIVE_ACTIVATION: Measure("max |output|", "the module's largest |output|"),
+    FindingKind.GRADIENT_SPIKE: Measure(
+        "ratio to recent median",
+        "the gradient norm (global, or the module's own) divided by its median of recent steps",
+    ),
+    FindingKind.LOSS_SPIKE: Measure("ratio to recent median", "the loss divided by its median of recent steps"),
+}
 
 #: Every finding kind, in the order tables list them.
 FINDING_KINDS: tuple[str, ...] = tuple(kind.value for kind in FindingKind)
@@ -187,7 +244,8 @@ class Finding:
             ``{module}.{param}``); ``""`` when it is about the whole model.
         step: the step at which it started (TensorBoard's ``global_step``): a logged step, or for
             ``gradient_spike`` and ``loss_spike`` any step.
-        value: the measured quantity its rule compared, e.g. the dead fraction or the NaN/Inf count.
+        value: the measured quantity its rule compared, e.g. the dead fraction or the NaN/Inf count
+            (each kind's is in :data:`MEASURES`).
         message: one line saying what was found, as logged.
     """
 

@@ -252,16 +252,21 @@ class Ranks:
             for group in entries[0].split.groups:  # type: ignore[union-attr]
                 dist.all_reduce(squares, group=group)
             packed = packed.index_copy(0, index, squares.sqrt())
-        if self.reduce:
-            return self._everyone(packed, layout, told)
-        return self._pieces(packed, layout, told)
+        if self.reduce:  # (told of: every per-call record, then the pieces)
+            first = sum(e.kind.per_call for e in layout.entries)
+            packed, layout = self._everyone(packed, layout, told)
+            return self._pieces(packed, layout, told, [e for e in layout.entries if _pieced(e)], first)
+        pieces = [e for e in layout.entries if e.split is not None and e.kind.per_call]
+        return self._pieces(packed, layout, told, pieces + [e for e in layout.entries if _pieced(e)])
 
-    def _pieces(self, packed: Tensor, layout: StepLayout, told: list[Told]) -> tuple[Tensor, StepLayout]:
-        """The other pieces' per-call records of split tensors, gathered over their groups."""
-        pieces = [e for e in layout.entries if e.kind.per_call and e.split is not None]
+    def _pieces(
+        self, packed: Tensor, layout: StepLayout, told: list[Told], pieces: list[Entry], first: int = 0
+    ) -> tuple[Tensor, StepLayout]:
+        """The other pieces' records of split tensors like ``pieces``, gathered over their groups
+        (``first``: the place of the first of them among the records each rank told of)."""
         if not pieces:
             return packed, layout
-        numbered = {id(e): i for i, e in enumerate(pieces)}
+        numbered = {id(e): first + i for i, e in enumerate(pieces)}
         entries = [_own_part(e) for e in layout.entries]
         stacked, offset = [packed], layout.size
         for alike in _alike(pieces, lambda e: e.split):
@@ -303,6 +308,7 @@ class Ranks:
         """This rank's description: what must match across ranks (the gathered and combined
         records' kinds, modules, lengths and splits, hashed), and its element counts."""
         gathered = [r for r in records if r.kind.per_call and (self.reduce or r.split is not None)]
+        gathered += [r for r in records if _pieced(r)]
         combined = [r for r in records if r.kind.norms and r.split is not None]
         split_samples = [h for h in samples if h.split is not None]
         described = repr(
@@ -325,6 +331,14 @@ def _counts(split: Split | None, lead: bool) -> bool:
     pooled: of ranks holding the same values, one's (``lead``: the first of each tensor-parallel
     group, for an unsplit tensor; for a piece, the first of the ranks its mesh replicates it over)."""
     return lead if split is None else split.first_of_replicas()
+
+
+def _pieced(item: Record | Entry) -> bool:
+    """Whether ``item`` is a piece of a split tensor whose records are gathered over its pieces
+    only, whether or not the ranks' records are pooled (``reduce_ranks``): a kind of one record a
+    tensor, neither per call nor of norms (a sharded parameter's gradient under ``numerics=``:
+    the pieces' counts, extremes and sums pooled as one tensor's)."""
+    return item.split is not None and not item.kind.per_call and not item.kind.norms
 
 
 def _key(split: Split | None) -> tuple[object, ...] | None:
