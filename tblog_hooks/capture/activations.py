@@ -36,8 +36,10 @@ class ActivationRecorder:
         feature_maps: frozenset[str],
         parallel: TensorParallel,
         numerics: Written | None = None,
+        logits: frozenset[str] = frozenset(),
     ) -> None:
-        """``numerics``: with ``numerics=``, the formats written, told each logged forward's autocast state."""
+        """``numerics``: with ``numerics=``, the formats written, told each logged forward's autocast
+        state; ``logits``: the modules whose output logits' log-partition is recorded."""
         self.buffer, self.gradients, self.parallel = buffer, gradients, parallel
         self.numerics = numerics
         recipe = buffer.recipe
@@ -47,6 +49,7 @@ class ActivationRecorder:
         fp8 = numerics is not None and numerics.fp8
         self._casts = (recipe.numerics[Source.FP8_INPUT], recipe.numerics[Source.FP8_WEIGHT]) if fp8 else None
         self.activations, self.inputs, self.feature_maps = activations, inputs, feature_maps
+        self.logits, self._log_partition = logits, recipe[Source.LOGITS]
         self.passes = PassFilter(eval_passes=eval_passes)
         #: Per watched module, the dim of its outputs that holds its units (``reductions.units_dim``).
         self.units: dict[str, int] = {}
@@ -97,6 +100,8 @@ class ActivationRecorder:
                         self._remember(mode, t, mode.record(self._output, name, t, units, split))
                     if self._casts is not None and isinstance(module, nn.Linear):
                         self._fp8_casts(mode, name, module, args)
+                if name in self.logits and counted.activations:
+                    self._logits(mode, name, pieces)
             if counted.gradients and self.gradients is not None:
                 splits = [split for _, split in pieces]
                 return self.gradients.watch(mode, name, output, tensors, splits, self.parallel.gradient_terms(module))
@@ -113,6 +118,14 @@ class ActivationRecorder:
         for kind, key, t in ((inputs, name, x), (weights, f"{name}.weight", module.weight)):
             if type(t) in (Tensor, nn.Parameter) and loggable(t):
                 mode.measure(kind, key, t.detach())  # type: ignore[union-attr]
+
+    def _logits(self, mode: Mode, name: str, pieces: list[tuple[Tensor, Split | None]]) -> None:
+        """The log-partition of the output logits: the first output of at least one dim (a
+        model's output holding the loss first gives its logits); not of a piece split over
+        tensor-parallel ranks (its vocabulary is one rank's)."""
+        t, split = next(((t, split) for t, split in pieces if t.dim() >= 1), (None, None))
+        if t is not None and split is None:
+            mode.measure(self._log_partition, name, t)
 
     def on_input(self, name: str, inputs: object, training: bool) -> None:
         """Forward pre-hook body: the inputs' non-finite count (to tell where NaN/Inf start),

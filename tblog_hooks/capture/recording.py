@@ -42,11 +42,12 @@ class Recording:
         config: Options,
         *,
         feature_maps: frozenset[str],
+        logits: frozenset[str],
         model: nn.Module,
         parallel: TensorParallel,
     ) -> None:
-        """The recording the ``HookLogger`` options ``config`` ask for (``feature_maps``: the names
-        of the watched modules they select; ``parallel``: the model's tensor-parallel styles)."""
+        """The recording the ``HookLogger`` options ``config`` ask for (``feature_maps``, ``logits``:
+        the names of the watched modules they select; ``parallel``: the model's tensor-parallel styles)."""
         histograms = config.histogram_schedule
         self.watched = watched
         self._parameters = config.parameters
@@ -68,6 +69,7 @@ class Recording:
             inputs=config.inputs,
             eval_passes=config.eval_passes,
             feature_maps=feature_maps,
+            logits=logits,
             parallel=self.parallel,
             numerics=self.numerics,
         )

@@ -57,6 +57,7 @@ SEVERITY = (
     FindingKind.FP8_OVERFLOW,
     FindingKind.DEAD_UNITS,
     FindingKind.MASSIVE_ACTIVATION,
+    FindingKind.LOGIT_DRIFT,
     FindingKind.ATTENTION_LOGIT_GROWTH,
     FindingKind.ATTENTION_ENTROPY_COLLAPSE,
     FindingKind.FP8_UNDERFLOW,

@@ -36,6 +36,8 @@ class FindingKind(enum.StrEnum):
     FP8_UNDERFLOW = "fp8_underflow"
     FP8_OVERFLOW = "fp8_overflow"
     MASSIVE_ACTIVATION = "massive_activation"
+    #: With ``logits=``: ``diagnostics/logit_rules.py``.
+    LOGIT_DRIFT = "logit_drift"
     #: With ``spikes=``: judged every step by ``diagnostics/spikes.py``; each starts and ends at its own step.
     GRADIENT_SPIKE = "gradient_spike"
     LOSS_SPIKE = "loss_spike"
@@ -83,13 +85,16 @@ MEASURES: dict[FindingKind, Measure] = {
     FindingKind.FP8_UNDERFLOW: Measure(
         "fraction lost",
         "the largest fraction of what fp8 training casts in the Linear (input, weight, output gradient) lost to "
-        "zero after per-tensor scaling",
+        "zero after scaling (per tensor; the input and weight per row with fp8_scaling='rowwise')",
     ),
     FindingKind.FP8_OVERFLOW: Measure(
         "fraction NaN/Inf",
         "the largest fraction of what fp8 training casts in the Linear that becomes NaN/Inf after per-tensor scaling",
     ),
     FindingKind.MASSIVE_ACTIVATION: Measure("max |output|", "the module's largest |output|"),
+    FindingKind.LOGIT_DRIFT: Measure(
+        "mean log Z (nats)", "the mean over tokens of the log-partition log Σexp(z) of the module's output logits"
+    ),
     FindingKind.GRADIENT_SPIKE: Measure(
         "ratio to recent median",
         "the gradient norm (global, or the module's own) divided by its median of recent steps",
@@ -103,6 +108,7 @@ VANISHING, EXPLODING, DEAD, NONFINITE, SKIPPING = FINDING_KINDS[:5]
 LOGIT_GROWTH, ENTROPY_COLLAPSE = FindingKind.ATTENTION_LOGIT_GROWTH.value, FindingKind.ATTENTION_ENTROPY_COLLAPSE.value
 FP16_UNDERFLOW, FP8_UNDERFLOW = FindingKind.FP16_GRADIENT_UNDERFLOW.value, FindingKind.FP8_UNDERFLOW.value
 FP8_OVERFLOW, MASSIVE = FindingKind.FP8_OVERFLOW.value, FindingKind.MASSIVE_ACTIVATION.value
+LOGIT_DRIFT = FindingKind.LOGIT_DRIFT.value
 _SMALLER_IS_WORSE = (VANISHING, ENTROPY_COLLAPSE)  # finding kinds whose smaller values are worse
 #: Modules named per kind in the log line (the worst ones) and rows per kind in the text summary.
 LOG_WORST, TABLE_ROWS = 3, 20
@@ -180,7 +186,7 @@ class Thresholds:
     fp16_gradient_underflow: float = 0.01
     #: ``fp8_underflow``: with e4m3 or e5m2 written, this fraction of what fp8 training casts of a
     #: watched Linear, its input or weight (e4m3) or its output gradient (e5m2), is lost to zero
-    #: after per-tensor scaling to its max |x| ...
+    #: after scaling to its max |x| (per tensor; per row with ``fp8_scaling="rowwise"``) ...
     fp8_underflow: float = 0.01
     #: ... ``fp8_overflow``: more than this fraction becomes NaN/Inf in that cast.
     fp8_overflow: float = 0.0
@@ -189,6 +195,11 @@ class Thresholds:
     massive_activation: float = 100.0
     #: ... and above this multiple of the median |output| of the same tensor (their ~1,000).
     massive_ratio: float = 1000.0
+    #: ``logit_drift``: with ``logits=``, a module's mean log-partition of its output logits is at
+    #: least this many nats above the lowest it had over its latest ``growth_window`` logged steps
+    #: without the finding (the partition function grew ``e**16``, 9 million-fold: more than a
+    #: model learning its task needs, see ``docs/numerics.md``).
+    logit_drift: float = 16.0
 
     def __post_init__(self) -> None:
         limits = {  # name: (low, high, low allowed, high allowed, integral, what is valid)
@@ -209,6 +220,7 @@ class Thresholds:
             "fp8_overflow": (0.0, math.inf, True, True, False, "a fraction >= 0 (1 or more: off)"),
             "massive_activation": (0.0, math.inf, True, True, False, "a number >= 0 (inf: off)"),
             "massive_ratio": (1.0, math.inf, True, True, False, "a number >= 1 (inf: off)"),
+            "logit_drift": (0.0, math.inf, False, True, False, "a positive number of nats (inf: off)"),
         }  # fmt: skip
         check_fields(self, limits)
 

@@ -3,7 +3,7 @@
 Host-side only, from one logged step's scalars at a time: the logger feeds it each step it
 writes, and ``tblog-hooks report`` replays a run's event files through the same code. Which
 findings there are is up to the rules :class:`Health` is given (``gradient_rules.py``,
-``attention_rules.py``, ``numerics_rules.py``); :func:`default_health` gives it all of them.
+``attention_rules.py``, ``numerics_rules.py``, ``logit_rules.py``); :func:`default_health` gives it all of them.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from ..stats.tags import Root, escape, tag
 from .attention_rules import AttentionRules
 from .findings import FINDING_KINDS, TABLE_ROWS, Candidates, Finding, Key, Thresholds, by_kind, count, log, started_line
 from .gradient_rules import GradientRules
+from .logit_rules import LogitRules
 from .numerics_rules import NumericsRules
 
 
@@ -31,7 +32,12 @@ class Rule(Protocol):
 
 def default_health(thresholds: Thresholds, *, logs: bool = True) -> Health:
     """A :class:`Health` with every rule of the package (``logs``: see :class:`Health`)."""
-    rules: list[Rule] = [GradientRules(thresholds), AttentionRules(thresholds), NumericsRules(thresholds)]
+    rules: list[Rule] = [
+        GradientRules(thresholds),
+        AttentionRules(thresholds),
+        NumericsRules(thresholds),
+        LogitRules(thresholds),
+    ]
     return Health(thresholds, rules, logs=logs)
 
 
