@@ -112,10 +112,10 @@ class HookLogger:
         restore = None if self._writer is None else fast_checksum(self._writer, frame)
         # Hooks, tensor hooks and an owned writer go when the logger is closed or collected.
         self._detach = weakref.finalize(self, _detach, self._recording, self._destination, owns_writer, restore)
-        self._outbox = _outbox(self._destination, self._diagnostics, self._recording, gradient_divisor(wrapper, model))
+        divisor = gradient_divisor(wrapper, model)
+        self._outbox = _outbox(self._destination, self._diagnostics, self._recording, divisor)
         _warn_if_shared(model, self._destination)
-        health, order = self._diagnostics.health, self._diagnostics.order
-        spiking = (self._recording.handles, health, self._destination, self._ranks, order, model)
+        spiking = (self._recording.handles, self._diagnostics, self._destination, self._ranks, model, divisor)
         self._spikes = SpikeLog.of(config, self._watched, self._module_names, *spiking)
         # A rank that neither writes nor takes part in collectives is off from the start.
         self._state = _State.OFF if self._writer is None and not self._ranks.needed else _State.IDLE
@@ -245,7 +245,7 @@ class HookLogger:
             # (a warning each) instead of aborting or hanging in mismatched collectives.
             mine = None if self._state.off else drained or ([], [], [])
             try:
-                packed = self._ranks.finish(mine, packed, self._recording.pack, self._recording.parameters.resolve)
+                packed = self._ranks.finish(mine, packed, self._recording.pack, self._recording.resolve)
             except Exception as error:  # different calls on different ranks, a broken process group
                 packed = None
                 self._ranks.stop()

@@ -6,7 +6,7 @@ in one process, in float64. torchtitan is installed by ``scripts/bootstrap`` (``
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -114,12 +114,21 @@ def float64() -> Iterator[None]:
 
 
 def parallel(
-    backend: str, world: int, *, tp: int, sp: bool = True, compiled: bool = False, moe: bool = False, **parallelism: Any
+    backend: str,
+    world: int,
+    *,
+    tp: int,
+    sp: bool = True,
+    compiled: bool = False,
+    moe: bool = False,
+    before: Callable[[nn.Module], object] | None = None,
+    **parallelism: Any,
 ) -> tuple[nn.Module, Any]:
     """The model as torchtitan shards it on ``world`` ranks with tensor-parallel degree ``tp``
     (the rest data parallel, FSDP2), under ``backend``, with :func:`one_process`'s weights
     (``compiled``: each block compiled as torchtitan compiles it, ``fullgraph=True``, eager
-    backend; ``moe``: :func:`moe_config`'s model, by ``parallelize_qwen3``); and its ``ParallelDims``."""
+    backend; ``moe``: :func:`moe_config`'s model, by ``parallelize_qwen3``); and its ``ParallelDims``.
+    ``before`` is given the model as built, before it is sharded."""
     import torchtitan.distributed.parallel_dims as parallel_dims
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
@@ -137,6 +146,8 @@ def parallel(
     dims.build_mesh()
     with torch.device("meta"), float64():
         model = (moe_config if moe else config)(sp=sp).build()
+    if before is not None:
+        before(model)
     TORCH_DTYPE_MAP.setdefault("float64", torch.float64)  # (its mixed precision offers float32 and bf16 only)
     training = TrainingConfig(mixed_precision_param="float64", mixed_precision_reduce="float64")
     model = (parallelize_qwen3 if moe else parallelize_llama)(

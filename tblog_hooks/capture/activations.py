@@ -85,8 +85,6 @@ class ActivationRecorder:
             counted = self.passes.classify(name, training, mode.in_backward())
             if not any(counted):
                 return None
-            if counted.gradients and self.gradients is not None and not mode.compiled:
-                self.parallel.check_gradient(module)
             units = self.units.get(name, -1)
             tensors = loggable_leaves(output)
             if not tensors:
@@ -105,7 +103,8 @@ class ActivationRecorder:
                 if name in self.logits and counted.activations:
                     self._logits(mode, name, pieces)
             if counted.gradients and self.gradients is not None:
-                return self.gradients.watch(mode, name, output, tensors, [split for _, split in pieces])
+                splits = [split for _, split in pieces]
+                return self.gradients.watch(mode, name, output, tensors, splits, self.parallel.gradient_terms(module))
         except Exception as error:  # the logger must never stop training
             self.buffer.fail(name, error)
         return None

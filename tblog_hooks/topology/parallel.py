@@ -146,9 +146,14 @@ class TensorParallel:
 
     def first_of_groups(self) -> bool:
         """Whether this rank is the first of each tensor-parallel group of the styles found at the
-        latest :meth:`look_up`: of the ranks of one group, which hold the same unsplit values, its
-        values count once."""
-        return all(mesh.get_local_rank(d) == 0 for mesh, _ in self._styles.values() for d in range(mesh.ndim))
+        latest :meth:`look_up` and of torchtitan's tensor-parallel mesh (under any backend: under
+        ``partial_dtensor`` no module has a style): of the ranks of one group, which hold the same
+        unsplit values, its values count once."""
+        model = self._model()
+        meshes = [mesh for mesh, _ in self._styles.values()]
+        titans = None if model is None else titan.parallelized_mesh(model)
+        meshes += [] if titans is None else [titans]
+        return all(mesh.get_local_rank(d) == 0 for mesh in meshes for d in range(mesh.ndim))
 
     @staticmethod
     def sequence_split() -> bool:
@@ -174,12 +179,12 @@ class TensorParallel:
                 out.append((t, self._placed_as_flow(t)))
         return out
 
-    def check_gradient(self, module: nn.Module) -> None:
-        """Raises ``ValueError`` where ``module``'s output gradient will be a partial sum over
-        ranks that no hook sees as such (a plain tensor Replicate under ``spmd_types``)."""
+    def gradient_terms(self, module: nn.Module) -> DeviceMesh | None:
+        """The mesh over which ``module``'s output gradient will be a partial sum that no hook
+        sees as such (a plain tensor ``Replicate`` under ``spmd_types``: each rank holds a term);
+        ``None`` where it will not."""
         layouts = self._titan.get(id(module))
-        if layouts is not None and layouts.partial_gradient:
-            raise ValueError(titan.PARTIAL_GRADIENT)
+        return self._styles[id(module)][0] if layouts is not None and layouts.partial_gradient else None
 
     def inputs(self, module: nn.Module, tensors: Sequence[Tensor]) -> list[tuple[Tensor, Split | None]]:
         """Each input tensor of ``module`` (whose forward is about to run) as this rank's piece

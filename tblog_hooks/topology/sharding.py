@@ -68,6 +68,11 @@ class Split:
 
         return gathered(dist.get_rank(), len(self.dims))
 
+    def first_of_replicas(self) -> bool:
+        """Whether this rank is the first of those holding the same piece: the first along each
+        mesh dim the tensor is not split on (``Replicate`` there)."""
+        return all(self.mesh.get_local_rank(d) == 0 for d in range(self.mesh.ndim) if d not in self.dims)
+
     def part(self) -> int:
         """This rank's position among its :meth:`peers` along :attr:`axis`: among those of the
         same coordinates on the mesh dims that split another dim of the tensor, whose pieces
@@ -110,12 +115,14 @@ def placed(mesh: DeviceMesh, placements: tuple[Placement, ...], ndim: int) -> Sp
 class Pending(NamedTuple):
     """A gradient placed ``Partial`` on some mesh dims: its local terms, copied, summed (or
     reduced as the placement says) over those dims' ranks at the end of the step, when every
-    rank takes part (``Ranks.finish``); no hook enters a collective."""
+    rank takes part (``Ranks.finish``); no hook enters a collective. ``output``: of a module's
+    output (``gradient/*``), else of a parameter (``param_grad/*``)."""
 
     key: str
     terms: Tensor
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
+    output: bool = False
 
     @property
     def alike(self) -> tuple[object, ...]:
@@ -135,11 +142,17 @@ def is_partial(t: object) -> TypeGuard[DTensor]:
     return is_dtensor(t) and any(p.is_partial() for p in t.placements)
 
 
-def pending(key: str, t: Tensor) -> Pending | None:
+def pending(key: str, t: Tensor, *, output: bool = False) -> Pending | None:
     """A ``Pending`` copy of ``t`` if it is placed ``Partial`` (:func:`is_partial`), else ``None``."""
     if not is_partial(t):
         return None
-    return Pending(key, t.to_local().detach().clone(), t.device_mesh, tuple(t.placements))
+    return Pending(key, t.to_local().detach().clone(), t.device_mesh, tuple(t.placements), output)
+
+
+def terms(key: str, t: Tensor, mesh: DeviceMesh) -> Pending:
+    """A ``Pending`` copy of a plain tensor that holds this rank's term of a sum over ``mesh``
+    (torchtitan's ``spmd_types`` backend: the gradient of an output ``Replicate`` there)."""
+    return Pending(key, t.detach().clone(), mesh, (dtensor_api().Partial(),), True)
 
 
 def local(t: Tensor) -> tuple[Tensor, Split | None]:

@@ -20,10 +20,6 @@ if TYPE_CHECKING:
 #: The name torchtitan gives its tensor-parallel mesh axis.
 TP = "tp"
 #: Where a sharding configuration's layout over the tensor-parallel axis is not known here.
-PARTIAL_GRADIENT = (
-    "its output is Replicate over the tensor-parallel ranks under torchtitan's spmd_types backend, so each rank "
-    "holds a term of its gradient (a partial sum), which no piece's statistics tell; its statistics are not recorded"
-)
 UNKNOWN_LAYOUT = (
     "its torchtitan sharding configuration leaves how its output is placed over the tensor-parallel ranks unsaid "
     "(a Varying layout without a PartitionSpec), so its statistics would be this rank's piece only; leave the "

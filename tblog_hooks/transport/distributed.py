@@ -18,9 +18,12 @@ logged step as usual; then, on all ranks together, at the end of each logged ste
   writer pools them as the pieces of one tensor;
 - with ``reduce_ranks=True`` one ``all_gather`` of the per-call values (activations, inputs,
   output gradients; ``Kind.per_call``) lets the writer pool them over every rank's calls,
-  exactly as it pools several calls of a module in one process; a tensor-parallel group's
-  ranks hold the same unsplit values, which count once. Parameter gradients (averaged over
-  the data-parallel ranks) and histograms are the writing rank's own.
+  exactly as it pools several calls of a module in one process; of the ranks holding the same
+  values, one rank's count: of a tensor-parallel group, the first's unsplit values; of a piece
+  split over some mesh dims (a ``full_dtensor`` batch's, over the data-parallel ranks), the
+  first's over the mesh's other dims, where it is ``Replicate`` (``Split.first_of_replicas``).
+  Parameter gradients (averaged over the data-parallel ranks) and histograms are the writing
+  rank's own.
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ class Told(NamedTuple):
     numels: list[int]  # per record that is gathered: the elements it describes
     parts: list[int | None]  # per record that is gathered: its place among pieces split along the units
     sampled: list[tuple[int, int]]  # per split histogram sample: its length, the elements it stands for
-    lead: bool  # first of its tensor-parallel group(s): its unsplit per-call values count with reduce_ranks
+    counted: list[bool]  # per record that is gathered: whether its values count with reduce_ranks (see _counts)
 
 
 class Ranks:
@@ -286,8 +289,8 @@ class Ranks:
         per_call = [e for e in layout.entries if e.kind.per_call]
         if not per_call:
             return packed, layout
-        counted = [e for e in layout.entries if not e.kind.per_call or e.split is not None or self.lead]
-        entries = [_own_part(e) for e in counted]
+        mine_counted = {id(e) for e, counts in zip(per_call, told[self.rank].counted) if counts}
+        entries = [_own_part(e) for e in layout.entries if not e.kind.per_call or id(e) in mine_counted]
         mine = packed.index_select(0, _index(_positions(per_call), packed.device))
         gathered = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(gathered, mine)
@@ -296,7 +299,7 @@ class Ranks:
             if rank == self.rank:
                 continue
             copies = _laid_out(per_call, offset, theirs.numels, theirs.parts)
-            entries += [e for e in copies if e.split is not None or theirs.lead]
+            entries += [e for e, counts in zip(copies, theirs.counted) if counts]
             offset += mine.numel()
         others = [t for rank, t in enumerate(gathered) if rank != self.rank]
         return torch.cat([packed, *others]), dataclasses.replace(layout, entries=entries, size=offset)
@@ -319,7 +322,15 @@ class Ranks:
         fingerprint = hashlib.blake2b(described, digest_size=16).hexdigest()
         sampled = [(h.sample.numel(), h.numel) for h in split_samples]
         parts = [_part(r.split) for r in gathered]
-        return Told(fingerprint, [r.numel for r in gathered], parts, sampled, self.lead)
+        counted = [_counts(r.split, self.lead) for r in gathered]
+        return Told(fingerprint, [r.numel for r in gathered], parts, sampled, counted)
+
+
+def _counts(split: Split | None, lead: bool) -> bool:
+    """Whether this rank's values of a tensor split as ``split`` count when every rank's are
+    pooled: of ranks holding the same values, one's (``lead``: the first of each tensor-parallel
+    group, for an unsplit tensor; for a piece, the first of the ranks its mesh replicates it over)."""
+    return lead if split is None else split.first_of_replicas()
 
 
 def _pieced(item: Record | Entry) -> bool:
