@@ -201,6 +201,31 @@ def test_context_parallel_is_said_and_module_statistics_left_out(tmp_path: Path)
     assert "param_grad/global_norm" in tags
 
 
+def _vocabulary_parallel(rank: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    plan = {**_plan(), "4": ColwiseParallel()}  # (the last layer's output: each rank's share of the "vocabulary")
+    model = parallelize_module(_model(), init_device_mesh("cpu", (2,)), plan)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(model, f"{root}/tp", lambda step: [_batch(0, step)], logits=True, spikes=False)
+    said = [str(w.message) for w in caught if "tblog_hooks" in str(w.message)]
+    (Path(root) / f"said_{rank}").write_text(repr(said))
+
+
+def test_logits_of_a_vocabulary_split_over_ranks_are_said_once_and_not_measured(tmp_path: Path) -> None:
+    """``logits=`` on an output split over tensor-parallel ranks: no piece tells a token's
+    log-partition, so every rank says so once and nothing of it is written; the rest is logged."""
+    spawn_ranks(_vocabulary_parallel, tmp_path, 2)
+    for rank in range(2):
+        said = eval((tmp_path / f"said_{rank}").read_text())
+        assert len(said) == 1 and "logits= (the log-partition)" in said[0] and "'4'" in said[0], said
+    tags = read_run(tmp_path / "tp").scalars
+    assert not [t for t in tags if "log_z" in t or "z_loss" in t]
+    assert "activation/std/4" in tags
+
+
 def _sharded_after_attaching(rank: int, root: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

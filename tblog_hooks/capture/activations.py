@@ -21,6 +21,12 @@ from .output_gradients import OutputGradientRecorder
 from .passes import PassFilter
 from .step import Mode, Part, StepBuffer
 
+#: Why ``logits=`` measures nothing of an output split over ranks.
+VOCABULARY_SPLIT = (
+    "split over tensor-parallel ranks (a vocabulary-parallel output layer): each rank holds part of every "
+    "token's logits, whose log-partition no piece tells"
+)
+
 
 class ActivationRecorder:
     """Records what watched modules return (``activation/*``) and take (``input/*``)."""
@@ -122,9 +128,13 @@ class ActivationRecorder:
     def _logits(self, mode: Mode, name: str, pieces: list[tuple[Tensor, Split | None]]) -> None:
         """The log-partition of the output logits: the first output of at least one dim (a
         model's output holding the loss first gives its logits); not of a piece split over
-        tensor-parallel ranks (its vocabulary is one rank's)."""
+        tensor-parallel ranks (its vocabulary is one rank's: said once, and not measured)."""
         t, split = next(((t, split) for t, split in pieces if t.dim() >= 1), (None, None))
-        if t is not None and split is None:
+        if t is None or Part.LOGITS in self.buffer.disabled:
+            return
+        if split is not None:
+            self.buffer.fail(Part.LOGITS, RuntimeError(f"{name!r}'s output is {VOCABULARY_SPLIT}"))
+        else:
             mode.measure(self._log_partition, name, t)
 
     def on_input(self, name: str, module: nn.Module, inputs: object) -> None:

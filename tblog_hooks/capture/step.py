@@ -43,6 +43,7 @@ class Part(enum.Enum):
     ATTENTION = "attention"
     HISTOGRAMS = "histograms"
     MODULE_STATISTICS = "module statistics"
+    LOGITS = "logits= (the log-partition)"
     #: Copying compiled hooks' records out of their CUDA graph's memory.
     COMPILED_RECORDS = "compiled hooks' records"
 
