@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 import numpy as np
@@ -373,31 +373,56 @@ def test_bad_numerics_is_refused_at_construction(tmp_path, value: object, said: 
 
 
 #: Aten ops a logged step may add per watched tensor (output, output gradient, parameter
-#: gradient) with every format: a base for the magnitudes, and per format; and per fp8 cast of a
-#: Linear's input or weight.
-BASE_OPS, OPS_PER_FORMAT, OPS_PER_CAST = 12, 7, 12
+#: gradient) with every format: a base for |x|, the amax, the powers, the non-zero count and the
+#: buffer the counts share; two a count (a comparison into the buffer and its sum; 4 per unscaled
+#: format, 2 per scaled one) and two a scaled format's scaling; and per fp8 cast of a Linear's
+#: input or weight.
+BASE_OPS, OPS_PER_COUNT, OPS_PER_SCALING, OPS_PER_CAST = 13, 2, 2, 13
+COUNTS = sum(2 if f.scaled else 4 for f in FORMATS.values())
+
+
+class _Overloads(OpCounter):
+    """:class:`OpCounter` by overload (``aten.le.Scalar_out``), in ``overloads``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.overloads: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.overloads[str(func)] += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def test_ops_are_bounded_per_tensor_and_format_and_none_when_not_logged(tmp_path) -> None:
+    """A bounded number of ops per watched tensor, and of the cheap kind: each count a comparison
+    written into a float buffer and a sum, never a bool tensor counted with ``count_nonzero``
+    (five times slower on a CPU, where a logged step with ``numerics=`` is to cost at most 1.5x
+    one without: ``docs/benchmark.md``)."""
     model = nn.Sequential(OrderedDict((f"l{i}", nn.Linear(32, 32)) for i in range(6)))
     x = torch.randn(8, 32)
 
-    def ops(hooks: HookLogger | None) -> int:
-        with OpCounter() as counter:
+    def ops(hooks: HookLogger | None) -> _Overloads:
+        with _Overloads() as counter:
             train(hooks, [model(x).square().mean()])
-        return sum(counter.ops.values())
+        return counter
 
-    baseline = ops(None)
+    baseline = sum(ops(None).ops.values())
     counts = {}
     for numerics in (False, ALL):
         with HookLogger(model, log_dir=tmp_path / str(bool(numerics)), every=2, numerics=numerics) as hooks:
             counts[numerics] = (ops(hooks), ops(hooks), ops(hooks))  # logged, not logged, logged
-        assert counts[numerics][1] == baseline
+        assert sum(counts[numerics][1].ops.values()) == baseline
     tensors = 6 * (1 + 1 + 2)  # per Linear: its output, its output gradient, its weight's and bias's gradients
     casts = 6 * 2  # per Linear: its input and weight, as fp8 training casts them
+    scaled = sum(f.scaled for f in FORMATS.values())
+    per_tensor = BASE_OPS + OPS_PER_COUNT * COUNTS + OPS_PER_SCALING * scaled
     for logged in (0, 2):
-        added = counts[ALL][logged] - counts[False][logged]
-        assert 0 < added <= tensors * (BASE_OPS + OPS_PER_FORMAT * len(ALL)) + casts * OPS_PER_CAST, added
+        added = counts[ALL][logged].overloads - counts[False][logged].overloads
+        assert 0 < sum(added.values()) <= tensors * per_tensor + casts * OPS_PER_CAST, added
+        compared = {op: n for op, n in added.items() if op.split(".")[1] in ("le", "lt", "ne", "eq", "gt", "ge")}
+        assert set(compared) <= {"aten.le.Scalar_out", "aten.lt.Scalar_out", "aten.ne.Scalar_out"}, compared
+        assert sum(compared.values()) == tensors * COUNTS + casts * 2 + (tensors - 6) + casts  # (+ non-zero counts)
+        assert "aten.count_nonzero.default" not in added
 
 
 # -- findings -----------------------------------------------------------------------------------------

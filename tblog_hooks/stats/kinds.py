@@ -406,15 +406,11 @@ def numeric_measures(*, zero_frac: bool, channels: bool, shared: bool = False) -
     def compute(x: Tensor, units: int) -> Named:
         return numerics.measure(x, units, channels=channels, nonzero=not shared)
 
-    def scalars(v: Values, n: int, keep: tuple[str, ...]) -> dict[str, float]:
-        found = numerics.statistics(v, n, zero_frac=zero_frac)
-        return {stat: found[stat] for stat in keep if stat in found}
-
     shape = Measure(
         name="numerics (counts)",
         fields=(*(Field(name=c, pool=SUM) for c in counts), *per_unit),
         stats=tuple(s for s in every if s not in magnitude),
-        scalars=lambda v, n: scalars(v, n, tuple(s for s in every if s not in magnitude)),
+        scalars=lambda v, n: numerics.statistics(v, n, zero_frac=zero_frac),
         compute=compute,
         counted=True,
         fused=True,
@@ -423,7 +419,7 @@ def numeric_measures(*, zero_frac: bool, channels: bool, shared: bool = False) -
         name="numerics (magnitudes)",
         fields=(Field(name="amax", pool=MAX), Field(name="powers", pool=POWERS, parts=("ref", "sum2", "sum4"))),
         stats=magnitude,
-        scalars=lambda v, n: scalars(v, n, magnitude),
+        scalars=numerics.sizes,
         scaled=True,
         counted=True,
         fused=True,

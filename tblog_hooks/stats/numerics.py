@@ -7,12 +7,15 @@ Transformer Engine's recipe, margin 0). What a cast does to an element is decide
 ``|x|`` (or ``|x| * scale``) with the format's rounding boundaries, which round-to-nearest-even
 fixes exactly: an element becomes 0 where ``|x| <= min_subnormal / 2`` (the tie goes to the even
 0), subnormal where ``|x| < tiny - min_subnormal / 2``, and non-finite past the midpoint between
-``max_F`` and the next step up. Comparisons are two ops a boundary and need no float8 kernel (the CPU has none to count
-with); ``tests/test_numerics.py`` checks them against ``x.to(dtype)`` and counting.
+``max_F`` and the next step up. A boundary's count is two ops, a comparison written as 0.0 / 1.0
+into one float buffer the tensor's boundaries share and its sum (:class:`Below`), and needs no
+float8 kernel (the CPU has none to count with); ``tests/test_numerics.py`` checks the counts
+against ``x.to(dtype)`` and counting.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -62,25 +65,25 @@ class Format:
     def _mantissa_bits(self) -> int:
         return self.spec.mantissa_bits
 
-    @property
+    @functools.cached_property
     def flushed(self) -> float:
         """Magnitudes up to this become 0 in the cast: half the smallest subnormal (the tie
         goes to the even 0)."""
         return self.tiny * 2.0**-self._mantissa_bits / 2
 
-    @property
+    @functools.cached_property
     def least(self) -> float:
         """Magnitudes above :attr:`flushed` and below this become the smallest subnormal: the tie
         at 1.5 of it goes to the even 2."""
         return 3 * self.flushed
 
-    @property
+    @functools.cached_property
     def normal(self) -> float:
         """Magnitudes from this on are normal after the cast (below it, subnormal or 0): the
         tie between the largest subnormal (odd) and ``tiny`` (even) goes to ``tiny``."""
         return self.tiny - self.flushed
 
-    @property
+    @functools.cached_property
     def finite(self) -> tuple[float, bool]:
         """Magnitudes that stay finite in the cast: up to halfway from ``max`` to the next
         representable step, and whether that tie itself stays (``max``'s last mantissa bit is
@@ -97,6 +100,7 @@ FORMATS: dict[str, Format] = {name: Format(spec) for name, spec in SPECS.items()
 OF_DTYPE = {f.dtype: f.name for f in FORMATS.values()}
 
 
+@functools.cache
 def names(fmt: Format) -> tuple[str, ...]:
     """A format's device counts (see :func:`measure`)."""
     counts = ("zero", "finite") if fmt.scaled else ("zero", "finite", "small", "least")
@@ -110,10 +114,8 @@ def measure(x: Tensor, units: int, *, channels: bool, nonzero: bool = True) -> d
     ``nonzero`` (unless ``nonzero=False``: the kind counts it already) and per format the count
     of elements the cast makes 0 (``zero_F``), keeps finite (``finite_F``) and, unscaled, makes
     subnormal or 0 (``small_F``) or its smallest subnormal or 0 (``least_F``). With ``channels``,
-    also per unit (along dim ``units``) the amax, and the median of ``|x|`` (:func:`median`);
-    ``unit_amax`` is empty for a 0-d or 1-d ``x``."""
-    wide = acc_dtype(x.dtype)
-    a = x.abs() if x.dtype == wide else x.to(wide).abs_()
+    also per unit (along dim ``units``) the amax; ``unit_amax`` is empty for a 0-d or 1-d ``x``."""
+    a = absolute(x)
     out: dict[str, Tensor] = {}
     if channels:
         units %= max(x.dim(), 1)
@@ -129,24 +131,53 @@ def measure(x: Tensor, units: int, *, channels: bool, nonzero: bool = True) -> d
     square = a * scale
     square.square_()
     out["sum2"], out["sum4"] = square.sum(), square.square_().sum()
+    below = Below(a)
     if nonzero:
-        out["nonzero"] = torch.count_nonzero(x)
+        out["nonzero"] = below.nonzero(a)
     for fmt in FORMATS.values():
-        out.update(_counts(a * (scale * fmt.max) if fmt.scaled else a, fmt))
+        if fmt.scaled:
+            torch.mul(a, scale * fmt.max, out=square)  # (the powers' buffer, free again)
+        out.update(below.counts(square if fmt.scaled else a, fmt))
     return out
 
 
-def _counts(seen: Tensor, fmt: Format) -> dict[str, Tensor]:
-    """:func:`measure`'s counts of one format, of the magnitudes ``seen`` as they are cast."""
-    bound, tie_stays = fmt.finite  # finite after the cast (NaN fails every comparison)
-    out = {
-        f"zero_{fmt.name}": torch.count_nonzero(seen <= fmt.flushed),
-        f"finite_{fmt.name}": torch.count_nonzero(seen <= bound if tie_stays else seen < bound),
-    }
-    if not fmt.scaled:
-        out[f"small_{fmt.name}"] = torch.count_nonzero(seen < fmt.normal)
-        out[f"least_{fmt.name}"] = torch.count_nonzero(seen < fmt.least)
-    return out
+def absolute(x: Tensor) -> Tensor:
+    """``|x|`` in the accumulation dtype (float32, or float64 for float64 tensors): one op, or
+    two for a 16-bit ``x``."""
+    wide = acc_dtype(x.dtype)
+    return x.abs() if x.dtype == wide else x.to(wide).abs_()
+
+
+#: Up to this many elements, a float32 sum of ones is exact (every partial sum an integer it holds).
+_EXACT_FLOAT32_COUNT = 1 << 24
+
+
+class Below:
+    """Exact counts of the magnitudes of one tensor at or below bounds, each two ops: the
+    comparison written as 0.0 / 1.0 into a float32 buffer all its bounds share, then summed (in
+    float32 up to 2**24 elements, else float64). On a CPU a comparison into float32 takes a fifth of
+    the time of ``count_nonzero(a <= bound)``, whose bool tensor and branching count are slow."""
+
+    def __init__(self, like: Tensor) -> None:
+        self._ones = torch.empty(like.shape, dtype=torch.float32, device=like.device)
+        self._sum = torch.float32 if like.numel() <= _EXACT_FLOAT32_COUNT else torch.float64
+
+    def at_most(self, seen: Tensor, bound: float, *, tie: bool = True) -> Tensor:
+        """How many of ``seen`` are ``<= bound`` (``tie=False``: ``< bound``); NaN is none."""
+        compare = torch.le if tie else torch.lt
+        return compare(seen, bound, out=self._ones).sum(dtype=self._sum)
+
+    def nonzero(self, seen: Tensor) -> Tensor:
+        """How many of ``seen`` are not 0 (NaN is), as ``torch.count_nonzero``."""
+        return torch.ne(seen, 0, out=self._ones).sum(dtype=self._sum)
+
+    def counts(self, seen: Tensor, fmt: Format) -> dict[str, Tensor]:
+        """:func:`measure`'s counts of one format, of the magnitudes ``seen`` as they are cast."""
+        bound, tie_stays = fmt.finite  # finite after the cast (NaN fails every comparison)
+        counted = [self.at_most(seen, fmt.flushed), self.at_most(seen, bound, tie=tie_stays)]
+        if not fmt.scaled:
+            counted += [self.at_most(seen, fmt.normal, tie=False), self.at_most(seen, fmt.least, tie=False)]
+        return dict(zip(names(fmt), counted))
 
 
 #: The format fp8 training casts a Linear's input and weight to (torchao, Transformer Engine).
@@ -158,10 +189,11 @@ def fp8_cast(x: Tensor) -> dict[str, Tensor]:
     per-tensor scaling by ``max_F / amax``: ``nonzero`` and the ``zero_e4m3`` and ``finite_e4m3``
     counts of :func:`measure`."""
     fmt = FORMATS[FORWARD]
-    wide = acc_dtype(x.dtype)
-    a = x.abs() if x.dtype == wide else x.to(wide).abs_()
+    a = absolute(x)
     scale = a.amax().clamp(min=AMAX_FLOOR).reciprocal()
-    return {"nonzero": torch.count_nonzero(x), **_counts(a * (scale * fmt.max), fmt)}
+    below = Below(a)
+    nonzero = below.nonzero(a)
+    return {"nonzero": nonzero, **below.counts(a.mul_(scale * fmt.max), fmt)}
 
 
 def fp8_statistics(v: Values, count: int) -> dict[str, float]:
@@ -182,8 +214,7 @@ _SAMPLES = sampling.IndexCache()
 def median_abs(x: Tensor, units: int) -> dict[str, Tensor]:
     """The median of ``|x|`` (``median``, :func:`median`): a selection, which no fused kernel
     computes (``kernels/fused.py``), so a measure of its own."""
-    wide = acc_dtype(x.dtype)
-    return {"median": median(x.abs() if x.dtype == wide else x.to(wide).abs_())}
+    return {"median": median(absolute(x))}
 
 
 def median(a: Tensor) -> Tensor:
@@ -207,13 +238,30 @@ def pool_powers(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.array([top, (values[:, 1] * ratio**2).sum(), (values[:, 2] * ratio**4).sum()])
 
 
+def sizes(v: Values, count: int) -> dict[str, float]:
+    """The max |x| and RMS of a module's pooled values over ``count`` elements (they scale with
+    the loss under a ``GradScaler``)."""
+    ref, sum2, _ = (float(p) for p in v["powers"])
+    return {Stat.AMAX: float(v["amax"][0]), Stat.RMS: ref * math.sqrt(sum2 / count)}
+
+
+#: Per format, its count names (:func:`names`) and the statistics made of them.
+_PER_FORMAT = {
+    fmt.name: (
+        names(fmt),
+        tuple(per_format(lost, fmt.name) for lost in (Lost.UNDERFLOW, Lost.OVERFLOW, Lost.SUBNORMAL, Lost.FLOOR)),
+    )
+    for fmt in FORMATS.values()
+}
+
+
 def statistics(v: Values, count: int, *, zero_frac: bool) -> dict[str, float]:
-    """The scalars of a module's pooled values over ``count`` elements, every format's: the
-    caller keeps those it writes (:func:`written`)."""
+    """The other scalars of a module's pooled values over ``count`` elements (those that do not
+    scale with the loss), every format's: the caller keeps those it writes (:func:`written`)."""
     n = float(count)
-    ref, sum2, sum4 = (float(p) for p in v["powers"])
+    _, sum2, sum4 = (float(p) for p in v["powers"])
     zeros = n - float(v["nonzero"][0])
-    out: dict[str, float] = {Stat.AMAX: float(v["amax"][0]), Stat.RMS: ref * math.sqrt(sum2 / n)}
+    out: dict[str, float] = {}
     if sum2 > 0:  # non-centred, as torchtitan's: (E[x⁴] / E[x²]²) - 3 (ref cancels)
         out[Stat.KURTOSIS] = (sum4 / n) / (sum2 / n) ** 2 - 3
     if zero_frac:
@@ -224,12 +272,13 @@ def statistics(v: Values, count: int, *, zero_frac: bool) -> dict[str, float]:
         if peaks.size and np.isfinite(peaks).any():
             out[Stat.AMAX_CHANNEL] = float(np.nanargmax(peaks))
     for fmt in FORMATS.values():
-        made_zero = float(v[f"zero_{fmt.name}"][0])
-        out[per_format(Lost.UNDERFLOW, fmt.name)] = (made_zero - zeros) / n
-        out[per_format(Lost.OVERFLOW, fmt.name)] = (n - float(v[f"finite_{fmt.name}"][0])) / n
+        counts, (underflow, overflow, subnormal, floor) = _PER_FORMAT[fmt.name]
+        made_zero = float(v[counts[0]][0])
+        out[underflow] = (made_zero - zeros) / n
+        out[overflow] = (n - float(v[counts[1]][0])) / n
         if not fmt.scaled:
-            out[per_format(Lost.SUBNORMAL, fmt.name)] = (float(v[f"small_{fmt.name}"][0]) - made_zero) / n
-            out[per_format(Lost.FLOOR, fmt.name)] = (float(v[f"least_{fmt.name}"][0]) - made_zero) / n
+            out[subnormal] = (float(v[counts[2]][0]) - made_zero) / n
+            out[floor] = (float(v[counts[3]][0]) - made_zero) / n
     return out
 
 
