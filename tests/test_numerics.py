@@ -373,11 +373,12 @@ def test_bad_numerics_is_refused_at_construction(tmp_path, value: object, said: 
 
 
 #: Aten ops a logged step may add per watched tensor (output, output gradient, parameter
-#: gradient) with every format: a base for |x|, the amax, the powers, the non-zero count and the
-#: buffer the counts share; two a count (a comparison into the buffer and its sum; 4 per unscaled
-#: format, 2 per scaled one) and two a scaled format's scaling; and per fp8 cast of a Linear's
-#: input or weight.
-BASE_OPS, OPS_PER_COUNT, OPS_PER_SCALING, OPS_PER_CAST = 13, 2, 2, 13
+#: gradient) with every format: a base for |x|, the amax, the powers, the non-zero count (of an
+#: output: its per-unit amax from the per-unit peaks its statistics take, and its median) and
+#: the buffer the counts share; two a count (a comparison into the buffer and its sum; 4 per
+#: unscaled format, 2 per scaled one) and two a scaled format's scaling; and per fp8 cast of a
+#: Linear's input or weight.
+BASE_OPS, OPS_PER_COUNT, OPS_PER_SCALING, OPS_PER_CAST = 15, 2, 2, 13
 COUNTS = sum(2 if f.scaled else 4 for f in FORMATS.values())
 
 

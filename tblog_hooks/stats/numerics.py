@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import sampling
+from . import reductions, sampling
 from .formats import DEFAULT, SPECS, Spec
 from .reductions import acc_dtype
 from .tags import Lost, Stat, per_format
@@ -107,23 +107,33 @@ def names(fmt: Format) -> tuple[str, ...]:
     return tuple(f"{count}_{fmt.name}" for count in counts)
 
 
-def measure(x: Tensor, units: int, *, channels: bool, nonzero: bool = True) -> dict[str, Tensor]:
+def measure(x: Tensor, units: int, *, channels: bool, given: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
     """The device values of ``x``: ``amax``; ``ref`` (``max(amax, 1e-12)``) with ``sum2`` and
     ``sum4``, the sums of ``(x / ref)²`` and ``(x / ref)⁴`` (in float32, or float64 for float64
     tensors: relative to the amax they neither overflow nor lose the largest terms);
-    ``nonzero`` (unless ``nonzero=False``: the kind counts it already) and per format the count
-    of elements the cast makes 0 (``zero_F``), keeps finite (``finite_F``) and, unscaled, makes
-    subnormal or 0 (``small_F``) or its smallest subnormal or 0 (``least_F``). With ``channels``,
-    also per unit (along dim ``units``) the amax; ``unit_amax`` is empty for a 0-d or 1-d ``x``."""
+    ``nonzero`` and per format the count of elements the cast makes 0 (``zero_F``), keeps finite
+    (``finite_F``) and, unscaled, makes subnormal or 0 (``small_F``) or its smallest subnormal or 0
+    (``least_F``). With ``channels``, also per unit (along dim ``units``) the amax; ``unit_amax``
+    is empty for a 0-d or 1-d ``x``.
+
+    ``given``: what the base statistics of ``x`` computed already (:data:`SHARED`), taken rather
+    than computed again: ``nonzero`` (not returned then), the extremes ``min`` and ``max`` (the
+    amax is the larger magnitude of the two) and per unit the largest value ``peak`` (a unit's
+    amax is the larger magnitude of it and the unit's smallest value)."""
+    given = given or {}
+    wide = acc_dtype(x.dtype)
     a = absolute(x)
     out: dict[str, Tensor] = {}
     if channels:
-        units %= max(x.dim(), 1)
-        if x.dim() >= 2:
-            out["unit_amax"] = a.amax(dim=tuple(d for d in range(x.dim()) if d != units))
-            out["amax"] = out["unit_amax"].amax()
+        peak = given.get("peak")
+        if peak is None:
+            out["unit_amax"] = reductions.per_unit(a, units, torch.amax)
         else:
-            out["unit_amax"], out["amax"] = a.new_empty(0), a.amax()
+            out["unit_amax"] = torch.maximum(peak, reductions.per_unit(x, units, torch.amin).neg_()).to(wide)
+    if channels and x.dim() >= 2:
+        out["amax"] = out["unit_amax"].amax()
+    elif "max" in given:
+        out["amax"] = torch.maximum(given["max"], given["min"].neg()).to(wide)
     else:
         out["amax"] = a.amax()
     out["ref"] = out["amax"].clamp(min=AMAX_FLOOR)
@@ -132,13 +142,17 @@ def measure(x: Tensor, units: int, *, channels: bool, nonzero: bool = True) -> d
     square.square_()
     out["sum2"], out["sum4"] = square.sum(), square.square_().sum()
     below = Below(a)
-    if nonzero:
+    if "nonzero" not in given:
         out["nonzero"] = below.nonzero(a)
     for fmt in FORMATS.values():
         if fmt.scaled:
             torch.mul(a, scale * fmt.max, out=square)  # (the powers' buffer, free again)
         out.update(below.counts(square if fmt.scaled else a, fmt))
     return out
+
+
+#: The base statistics' device values :func:`measure` takes where its kind computes them.
+SHARED = ("nonzero", "min", "max", "peak")
 
 
 def absolute(x: Tensor) -> Tensor:
@@ -214,16 +228,17 @@ _SAMPLES = sampling.IndexCache()
 def median_abs(x: Tensor, units: int) -> dict[str, Tensor]:
     """The median of ``|x|`` (``median``, :func:`median`): a selection, which no fused kernel
     computes (``kernels/fused.py``), so a measure of its own."""
-    return {"median": median(absolute(x))}
+    return {"median": median(x)}
 
 
-def median(a: Tensor) -> Tensor:
-    """The median of the magnitudes ``a`` (the lower of the two middle values, as ``torch.median``):
-    of every element up to ``sampling.SAMPLE_CAP`` of them, else of the histograms' jittered
-    sample of that many (``sampling.sample``), so its cost is bounded whatever the tensor's size."""
-    if a.numel() > sampling.SAMPLE_CAP:
-        a = sampling.traced_sample(a) if torch.compiler.is_compiling() else sampling.sample(a, _SAMPLES)
-    return a.median()
+def median(x: Tensor) -> Tensor:
+    """The median of ``|x|`` (the lower of the two middle values, as ``torch.median``): of every
+    element up to ``sampling.SAMPLE_CAP`` of them, else of the histograms' jittered sample of that
+    many (``sampling.sample``, taken before the magnitudes), so its cost is bounded whatever the
+    tensor's size."""
+    if x.numel() > sampling.SAMPLE_CAP:
+        x = sampling.traced_sample(x) if torch.compiler.is_compiling() else sampling.sample(x, _SAMPLES)
+    return absolute(x).median()
 
 
 Values = Mapping[str, np.ndarray]
