@@ -123,6 +123,22 @@ def test_every_fraction_equals_cast_and_count(name: str) -> None:
             assert got[stat] == pytest.approx(want[stat], rel=1e-5, abs=1e-6), stat
 
 
+def test_a_large_tensor_counts_as_a_small_one() -> None:
+    """A tensor too large for its counts' comparisons side by side (each summed as it is written)
+    counts as the reference does too."""
+    x = _tensors()["wide"].repeat(20)  # (400k elements)
+    got = measured(NUMERIC[Source.OUTPUT_GRADIENT], x)
+    for fmt in ALL:
+        if not FORMATS[fmt].scaled:
+            for stat, want in reference(x, fmt).items():
+                assert got[stat] == want, (stat, got[stat], want)
+    finite = x[torch.isfinite(x)]
+    got = measured(NUMERIC[Source.OUTPUT_GRADIENT], finite)
+    for fmt in ALL:
+        for stat, want in reference(finite, fmt).items():
+            assert got[stat] == pytest.approx(want, abs=1e-6), (stat, got[stat], want)
+
+
 @needs_cuda
 @pytest.mark.parametrize("name", list(_tensors()))
 def test_every_fraction_equals_cast_and_count_on_cuda(name: str) -> None:
@@ -373,12 +389,12 @@ def test_bad_numerics_is_refused_at_construction(tmp_path, value: object, said: 
 
 
 #: Aten ops a logged step may add per watched tensor (output, output gradient, parameter
-#: gradient) with every format: a base for |x|, the amax, the powers, the non-zero count (of an
-#: output: its per-unit amax from the per-unit peaks its statistics take, and its median) and
-#: the buffer the counts share; two a count (a comparison into the buffer and its sum; 4 per
-#: unscaled format, 2 per scaled one) and two a scaled format's scaling; and per fp8 cast of a
-#: Linear's input or weight.
-BASE_OPS, OPS_PER_COUNT, OPS_PER_SCALING, OPS_PER_CAST = 15, 2, 2, 13
+#: gradient) of a small model with every format: a base for |x|, the amax, the powers, the
+#: non-zero count (of an output: its median instead), the buffer the counts are written into
+#: side by side and their one sum; one a count (a comparison into the buffer: 4 per unscaled
+#: format, 2 per scaled one) and two a scaled format's scaling; and per fp8 cast of a Linear's
+#: input or weight.
+BASE_OPS, OPS_PER_COUNT, OPS_PER_SCALING, OPS_PER_CAST = 17, 1, 2, 13
 COUNTS = sum(2 if f.scaled else 4 for f in FORMATS.values())
 
 

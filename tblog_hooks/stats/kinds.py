@@ -410,12 +410,12 @@ def numeric_measures(*, zero_frac: bool, channels: bool, base: tuple[Measure, ..
     of its kind after ``base`` (its source's own): the max |x| and RMS, which scale with the loss
     under a ``GradScaler``, and the kurtosis and per-format fractions, which do not (they are
     judged at the loss scale, as the format sees the gradients). What ``base`` computes of the
-    tensor (``numerics.SHARED``: the non-zero count, the extremes, per-unit peaks) they take
+    tensor (``numerics.SHARED``: the non-zero count, the extremes) they take
     rather than compute again."""
     magnitude = (Stat.AMAX, Stat.RMS)
     every = numerics.stats(zero_frac=zero_frac, channels=channels)
     given = {n for m in base for f in m.fields for n in f.names}
-    uses = tuple(n for n in numerics.SHARED if n in given and (channels or n != "peak"))
+    uses = tuple(n for n in numerics.SHARED if n in given)
     own = ("nonzero",) * ("nonzero" not in uses)
     counts = (*own, *(n for f in numerics.FORMATS.values() for n in numerics.names(f)))
     per_unit = (Field(name="unit_amax", pool=MAX, per_unit=True),) * channels

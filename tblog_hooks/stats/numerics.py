@@ -117,19 +117,14 @@ def measure(x: Tensor, units: int, *, channels: bool, given: Mapping[str, Tensor
     is empty for a 0-d or 1-d ``x``.
 
     ``given``: what the base statistics of ``x`` computed already (:data:`SHARED`), taken rather
-    than computed again: ``nonzero`` (not returned then), the extremes ``min`` and ``max`` (the
-    amax is the larger magnitude of the two) and per unit the largest value ``peak`` (a unit's
-    amax is the larger magnitude of it and the unit's smallest value)."""
+    than computed again: ``nonzero`` (not returned then) and the extremes ``min`` and ``max`` (the
+    amax, without per-unit ones, is the larger magnitude of the two)."""
     given = given or {}
     wide = acc_dtype(x.dtype)
     a = absolute(x)
     out: dict[str, Tensor] = {}
-    if channels:
-        peak = given.get("peak")
-        if peak is None:
-            out["unit_amax"] = reductions.per_unit(a, units, torch.amax)
-        else:
-            out["unit_amax"] = torch.maximum(peak, reductions.per_unit(x, units, torch.amin).neg_()).to(wide)
+    if channels:  # (from the per-unit peaks it would take a per-unit minimum and two ops more)
+        out["unit_amax"] = reductions.per_unit(a, units, torch.amax)
     if channels and x.dim() >= 2:
         out["amax"] = out["unit_amax"].amax()
     elif "max" in given:
@@ -141,18 +136,20 @@ def measure(x: Tensor, units: int, *, channels: bool, given: Mapping[str, Tensor
     square = a * scale
     square.square_()
     out["sum2"], out["sum4"] = square.sum(), square.square_().sum()
-    below = Below(a)
-    if "nonzero" not in given:
-        out["nonzero"] = below.nonzero(a)
+    own = "nonzero" not in given
+    below = Below(a, own + sum(len(names(fmt)) for fmt in FORMATS.values()))
+    if own:
+        below.nonzero("nonzero", a)
     for fmt in FORMATS.values():
         if fmt.scaled:
             torch.mul(a, scale * fmt.max, out=square)  # (the powers' buffer, free again)
-        out.update(below.counts(square if fmt.scaled else a, fmt))
+        below.counts(square if fmt.scaled else a, fmt)
+    out.update(below.totals())
     return out
 
 
 #: The base statistics' device values :func:`measure` takes where its kind computes them.
-SHARED = ("nonzero", "min", "max", "peak")
+SHARED = ("nonzero", "min", "max")
 
 
 def absolute(x: Tensor) -> Tensor:
@@ -164,34 +161,60 @@ def absolute(x: Tensor) -> Tensor:
 
 #: Up to this many elements, a float32 sum of ones is exact (every partial sum an integer it holds).
 _EXACT_FLOAT32_COUNT = 1 << 24
+#: The most elements :class:`Below` writes every count's comparison into side by side (16 MB).
+_SIDE_BY_SIDE = 1 << 22
 
 
 class Below:
-    """Exact counts of the magnitudes of one tensor at or below bounds, each two ops: the
-    comparison written as 0.0 / 1.0 into a float32 buffer all its bounds share, then summed (in
-    float32 up to 2**24 elements, else float64). On a CPU a comparison into float32 takes a fifth of
-    the time of ``count_nonzero(a <= bound)``, whose bool tensor and branching count are slow."""
+    """Exact counts of the magnitudes of one tensor at or below bounds: each a comparison written
+    as 0.0 / 1.0 into a float32 buffer, summed (in float32 up to 2**24 elements, else float64). On a
+    CPU a comparison into float32 takes a fifth of the time of ``count_nonzero(a <= bound)``,
+    whose bool tensor and branching count are slow. Up to :data:`_SIDE_BY_SIDE` elements in all
+    the ``bounds`` comparisons go side by side and one op sums them (the ops, not the passes, are
+    a small tensor's cost); a larger tensor's share one buffer, each summed as it is written."""
 
-    def __init__(self, like: Tensor) -> None:
-        self._ones = torch.empty(like.shape, dtype=torch.float32, device=like.device)
+    def __init__(self, like: Tensor, bounds: int) -> None:
+        self._together = like.numel() * bounds <= _SIDE_BY_SIDE
+        shape = (bounds if self._together else 1, *like.shape)
+        self._ones = torch.empty(shape, dtype=torch.float32, device=like.device)
+        self._rows = self._ones.unbind() if self._together else (self._ones[0],)
         self._sum = torch.float32 if like.numel() <= _EXACT_FLOAT32_COUNT else torch.float64
+        self._names: list[str] = []
+        self._counted: dict[str, Tensor] = {}
 
-    def at_most(self, seen: Tensor, bound: float, *, tie: bool = True) -> Tensor:
-        """How many of ``seen`` are ``<= bound`` (``tie=False``: ``< bound``); NaN is none."""
-        compare = torch.le if tie else torch.lt
-        return compare(seen, bound, out=self._ones).sum(dtype=self._sum)
+    def at_most(self, name: str, seen: Tensor, bound: float, *, tie: bool = True) -> None:
+        """Count ``seen <= bound`` (``tie=False``: ``< bound``) as ``name``; NaN is none."""
+        self._into(name, (torch.le if tie else torch.lt)(seen, bound, out=self._row()))
 
-    def nonzero(self, seen: Tensor) -> Tensor:
-        """How many of ``seen`` are not 0 (NaN is), as ``torch.count_nonzero``."""
-        return torch.ne(seen, 0, out=self._ones).sum(dtype=self._sum)
+    def nonzero(self, name: str, seen: Tensor) -> None:
+        """Count the elements of ``seen`` that are not 0 (NaN is), as ``torch.count_nonzero``."""
+        self._into(name, torch.ne(seen, 0, out=self._row()))
 
-    def counts(self, seen: Tensor, fmt: Format) -> dict[str, Tensor]:
+    def counts(self, seen: Tensor, fmt: Format) -> None:
         """:func:`measure`'s counts of one format, of the magnitudes ``seen`` as they are cast."""
         bound, tie_stays = fmt.finite  # finite after the cast (NaN fails every comparison)
-        counted = [self.at_most(seen, fmt.flushed), self.at_most(seen, bound, tie=tie_stays)]
-        if not fmt.scaled:
-            counted += [self.at_most(seen, fmt.normal, tie=False), self.at_most(seen, fmt.least, tie=False)]
-        return dict(zip(names(fmt), counted))
+        zero, finite, *small = names(fmt)
+        self.at_most(zero, seen, fmt.flushed)
+        self.at_most(finite, seen, bound, tie=tie_stays)
+        if small:
+            self.at_most(small[0], seen, fmt.normal, tie=False)
+            self.at_most(small[1], seen, fmt.least, tie=False)
+
+    def totals(self) -> dict[str, Tensor]:
+        """Every count, by name (0-d)."""
+        if self._together:
+            dims = tuple(range(1, self._ones.dim()))
+            summed = self._ones.sum(dim=dims, dtype=self._sum) if dims else self._ones
+            self._counted.update(zip(self._names, summed.unbind()))
+        return self._counted
+
+    def _row(self) -> Tensor:
+        return self._rows[len(self._names)] if self._together else self._rows[0]
+
+    def _into(self, name: str, ones: Tensor) -> None:
+        if not self._together:
+            self._counted[name] = ones.sum(dtype=self._sum)
+        self._names.append(name)
 
 
 #: The format fp8 training casts a Linear's input and weight to (torchao, Transformer Engine).
@@ -205,9 +228,10 @@ def fp8_cast(x: Tensor) -> dict[str, Tensor]:
     fmt = FORMATS[FORWARD]
     a = absolute(x)
     scale = a.amax().clamp(min=AMAX_FLOOR).reciprocal()
-    below = Below(a)
-    nonzero = below.nonzero(a)
-    return {"nonzero": nonzero, **below.counts(a.mul_(scale * fmt.max), fmt)}
+    below = Below(a, 3)
+    below.nonzero("nonzero", a)
+    below.counts(a.mul_(scale * fmt.max), fmt)
+    return below.totals()
 
 
 def fp8_statistics(v: Values, count: int) -> dict[str, float]:

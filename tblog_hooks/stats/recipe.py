@@ -83,7 +83,7 @@ NUMERIC_SOURCES = {
     Source.PARAM_GRAD: (False, False, False),
 }
 #: With ``numerics=``, the measures added to the output's kind: its per-unit peaks and median
-#: |x| too, sharing the non-zero count, the extremes and the per-unit peaks of its statistics.
+#: |x| too, sharing the non-zero count and the extremes of its statistics.
 NUMERIC_OUTPUT = numeric_measures(zero_frac=False, channels=True, base=TENSOR_MEASURES)
 #: The sources whose scaled statistics carry the ``GradScaler``'s loss scale (parameter
 #: gradients only where they are read before ``unscale_``, see ``output/scaling.py``).
