@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from tblog_hooks import HookLogger, HookLoggerError
 from tblog_hooks.diagnostics.numerics_rules import FORMATS as PICTURE_FORMATS
 from tblog_hooks.diagnostics.numerics_rules import PICTURE_TAGS
+from tblog_hooks.stats import numerics as numerics_module
 from tblog_hooks.stats.formats import NAMES, SPECS
 from tblog_hooks.stats.kinds import Kind
 from tblog_hooks.stats.numerics import AMAX_FLOOR, FORMATS
@@ -123,20 +124,17 @@ def test_every_fraction_equals_cast_and_count(name: str) -> None:
             assert got[stat] == pytest.approx(want[stat], rel=1e-5, abs=1e-6), stat
 
 
-def test_a_large_tensor_counts_as_a_small_one() -> None:
-    """A tensor too large for its counts' comparisons side by side (each summed as it is written)
-    counts as the reference does too."""
-    x = _tensors()["wide"].repeat(20)  # (400k elements)
-    got = measured(NUMERIC[Source.OUTPUT_GRADIENT], x)
-    for fmt in ALL:
-        if not FORMATS[fmt].scaled:
-            for stat, want in reference(x, fmt).items():
-                assert got[stat] == want, (stat, got[stat], want)
-    finite = x[torch.isfinite(x)]
-    got = measured(NUMERIC[Source.OUTPUT_GRADIENT], finite)
-    for fmt in ALL:
-        for stat, want in reference(finite, fmt).items():
-            assert got[stat] == pytest.approx(want, abs=1e-6), (stat, got[stat], want)
+@pytest.mark.parametrize("together", [True, False], ids=["side by side", "one by one"])
+def test_the_counts_side_by_side_or_one_by_one_are_the_casts(monkeypatch: pytest.MonkeyPatch, together: bool) -> None:
+    """A small tensor's comparisons written side by side and summed by one op, or a large one's each
+    summed as written (``numerics.Below``): both count every boundary as the cast does."""
+    monkeypatch.setattr(numerics_module, "_SIDE_BY_SIDE", 1 << 40 if together else 0)
+    for x in (_tensors()["wide"], _tensors()["finite"]):
+        got = measured(NUMERIC[Source.OUTPUT_GRADIENT], x)
+        for fmt in ALL:
+            if not (FORMATS[fmt].scaled and not torch.isfinite(x).all()):
+                for stat, want in reference(x, fmt).items():
+                    assert got[stat] == pytest.approx(want, abs=1e-9), (stat, got[stat], want)
 
 
 @needs_cuda

@@ -161,8 +161,9 @@ def absolute(x: Tensor) -> Tensor:
 
 #: Up to this many elements, a float32 sum of ones is exact (every partial sum an integer it holds).
 _EXACT_FLOAT32_COUNT = 1 << 24
-#: The most elements :class:`Below` writes every count's comparison into side by side (16 MB).
-_SIDE_BY_SIDE = 1 << 22
+#: The most elements :class:`Below` writes every count's comparison into side by side (1 MB: a
+#: larger buffer leaves the CPU's cache, and summing each comparison while it is there is faster).
+_SIDE_BY_SIDE = 1 << 18
 
 
 class Below:
@@ -203,8 +204,7 @@ class Below:
     def totals(self) -> dict[str, Tensor]:
         """Every count, by name (0-d)."""
         if self._together:
-            dims = tuple(range(1, self._ones.dim()))
-            summed = self._ones.sum(dim=dims, dtype=self._sum) if dims else self._ones
+            summed = self._ones.view(len(self._rows), -1).sum(dim=1, dtype=self._sum)
             self._counted.update(zip(self._names, summed.unbind()))
         return self._counted
 
