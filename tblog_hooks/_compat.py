@@ -1,8 +1,9 @@
-"""Every private torch and tensorboard API the library uses, in one place, each with why it is
-needed. All are present in the torch releases the project supports (>= 2.4) and are tested with
-torch 2.14.1 and tensorboard 2.21.0; where a use is known to need a later release, it says so.
-Nothing else in the package touches a private attribute of either, so a torch upgrade means
-reading this file.
+"""Every private torch API the library uses, and TensorBoard's writer as torch's ``SummaryWriter``
+holds it, in one place, each with why it is needed: the torch side. All are present in the torch
+releases the project supports (>= 2.4) and are tested with torch 2.14.1 and tensorboard 2.21.0;
+where a use is known to need a later release, it says so. Nothing else in the package touches a
+private attribute of either but ``_tensorboard_compat.py``, the read side's TensorBoard APIs
+(imported by what TensorBoard loads, so without torch): a torch upgrade means reading this file.
 """
 
 from __future__ import annotations
@@ -340,6 +341,17 @@ def titan_sharding(module: nn.Module) -> tuple[object | None, object | None, obj
     return (None if isinstance(output, tuple) else output), handed.get(first), given.get(first)
 
 
+def titan_local_map_output(module: nn.Module) -> object | None:
+    """The layout of what the forward of ``module`` returns from inside its local-tensor region,
+    where torchtitan's ``Module.parallelize`` runs that forward as one (0.3.0: a
+    ``ShardingConfig`` with ``local_map``, whose ``out_src_shardings`` is that layout); ``None``
+    otherwise. Inside the region its submodules compute on plain local tensors."""
+    config = getattr(module, "_sharding_config", None)
+    if config is None or not getattr(module, "_parallelized", False) or config.local_map is None:
+        return None
+    return config.out_src_shardings  # type: ignore[no-any-return]
+
+
 # -- torch function modes (attention statistics) -------------------------------------------------
 def function_mode_on_top(mode: object) -> bool:
     """Whether ``mode`` is the innermost active ``TorchFunctionMode``
@@ -377,3 +389,23 @@ def full_float32_matmul(device: torch.device) -> Iterator[None]:
         yield
     finally:
         setattr(backend, name, before)
+
+
+def varlen_attention_ops() -> frozenset[object]:
+    """The op that ``torch.nn.attention.varlen.varlen_attn`` calls, as a ``TorchFunctionMode``
+    sees it (``torch.ops.torch_attn._varlen_attn``, the packet and its overload), once that module
+    is imported (which registers it); none before, nor on a torch without it."""
+    if "torch.nn.attention.varlen" not in sys.modules or not hasattr(torch.ops.torch_attn, "_varlen_attn"):
+        return frozenset()
+    packet = torch.ops.torch_attn._varlen_attn
+    return frozenset({packet, packet.default})
+
+
+def flex_attention_file() -> str | None:
+    """The source file of ``torch.nn.attention.flex_attention.flex_attention`` once that module
+    is imported, else ``None``: its calls are frames named ``flex_attention`` of that file, also
+    where dynamo runs its compiled code (a code object of its own, named and placed as the
+    function's)."""
+    module = sys.modules.get("torch.nn.attention.flex_attention")
+    function = getattr(module, "flex_attention", None)
+    return None if function is None else function.__code__.co_filename

@@ -86,7 +86,7 @@ class HookLogger:
         wrapper = model
         model, averaged = _model_to_watch(model)
         config = Options(**options)
-        selected, mapped = _select(model, config)
+        selected, mapped, logits = _select(model, config)
         self._every = config.every
         self._step = config.start_step
         # Logged steps that recorded something so far: the histogram schedule counts these, so that
@@ -97,10 +97,10 @@ class HookLogger:
         self._watched = Watched(model, selected)
         parallel = TensorParallel(model)
         parallel.look_up()
-        _check_compiled_parts(model, selected, tensor_parallel=parallel.styled)
+        _check_compiled_parts(model, selected, tensor_parallel=parallel.tensor_parallel)
         split = parallel.holds_split()
         self._recording = Recording(
-            self._watched, config, feature_maps=frozenset(mapped), model=model, parallel=parallel
+            self._watched, config, feature_maps=frozenset(mapped), logits=logits, model=model, parallel=parallel
         )
         _check_optimizer(config, averaged=averaged, split=split, graded=bool(self._recording.params()))
         self._amp = ScaleWatch(config.scaler) if config.scaler is not None and config.scaler.is_enabled() else None
@@ -112,10 +112,10 @@ class HookLogger:
         restore = None if self._writer is None else fast_checksum(self._writer, frame)
         # Hooks, tensor hooks and an owned writer go when the logger is closed or collected.
         self._detach = weakref.finalize(self, _detach, self._recording, self._destination, owns_writer, restore)
-        self._outbox = _outbox(self._destination, self._diagnostics, self._recording, gradient_divisor(wrapper, model))
+        divisor = gradient_divisor(wrapper, model)
+        self._outbox = _outbox(self._destination, self._diagnostics, self._recording, divisor)
         _warn_if_shared(model, self._destination)
-        health, order = self._diagnostics.health, self._diagnostics.order
-        spiking = (self._recording.handles, health, self._destination, self._ranks, order, model)
+        spiking = (self._recording.handles, self._diagnostics, self._destination, self._ranks, model, divisor)
         self._spikes = SpikeLog.of(config, self._watched, self._module_names, *spiking)
         # A rank that neither writes nor takes part in collectives is off from the start.
         self._state = _State.OFF if self._writer is None and not self._ranks.needed else _State.IDLE
@@ -245,7 +245,7 @@ class HookLogger:
             # (a warning each) instead of aborting or hanging in mismatched collectives.
             mine = None if self._state.off else drained or ([], [], [])
             try:
-                packed = self._ranks.finish(mine, packed, self._recording.pack, self._recording.parameters.resolve)
+                packed = self._ranks.finish(mine, packed, self._recording.pack, self._recording.resolve)
             except Exception as error:  # different calls on different ranks, a broken process group
                 packed = None
                 self._ranks.stop()
@@ -355,8 +355,8 @@ def _open_writer(config: Options, rank: int) -> tuple[SummaryWriter | None, bool
     return _make_writer(config.log_dir, purge_step=config.start_step or None), True
 
 
-def _select(model: nn.Module, config: Options) -> tuple[dict[str, nn.Module], dict[str, nn.Module]]:
-    """The watched modules and those of them whose feature maps are taken."""
+def _select(model: nn.Module, config: Options) -> tuple[dict[str, nn.Module], dict[str, nn.Module], frozenset[str]]:
+    """The watched modules, those of them whose feature maps are taken, and those whose logits are measured."""
     selected = select_modules(model, config.modules)
     maps = config.feature_maps
     mapped = {} if maps is None or maps is False else select_modules(model, maps, "feature_maps")
@@ -365,7 +365,23 @@ def _select(model: nn.Module, config: Options) -> tuple[dict[str, nn.Module], di
             f"feature_maps= selects modules that are not watched: {sorted(set(mapped) - set(selected))!r}; "
             "add them to modules= as well"
         )
-    return selected, mapped
+    return selected, mapped, _logit_modules(model, config, selected)
+
+
+def _logit_modules(model: nn.Module, config: Options, selected: dict[str, nn.Module]) -> frozenset[str]:
+    """The watched modules whose output logits ``logits=`` asks for (``True``: the last watched one)."""
+    chosen = config.logits
+    if chosen is None or chosen is False:
+        return frozenset()
+    if chosen is True:
+        return frozenset(list(selected)[-1:])
+    named = select_modules(model, chosen, "logits")
+    if set(named) - set(selected):
+        raise HookLoggerError(
+            f"logits= selects modules that are not watched: {sorted(set(named) - set(selected))!r}; "
+            "add them to modules= as well"
+        )
+    return frozenset(named)
 
 
 def _check_compiled_parts(model: nn.Module, selected: dict[str, nn.Module], *, tensor_parallel: bool) -> None:

@@ -5,7 +5,7 @@ are the option list. They are also the constructors' signatures (:func:`logger_s
 fields of :class:`WatchOptions`.
 
 "Off" is spelled ``False`` or ``None`` alike for every option that switches a watch off
-(``histograms``, ``feature_maps``, ``attention``, ``health``, ``spikes``, ``numerics``).
+(``histograms``, ``feature_maps``, ``attention``, ``health``, ``spikes``, ``numerics``, ``logits``).
 """
 
 from __future__ import annotations
@@ -90,6 +90,15 @@ class WatchOptions:
     #: measure: ``"output"``, ``"input"`` (with ``inputs=True``) or ``"output_gradient"``
     #: (``docs/architecture.md``, "Adding a statistic"). This logger's only.
     measures: Mapping[str, Sequence[Measure]] | None = None
+    #: Log ``activation/log_z/{module}`` (and ``log_z_max``, ``z_loss``), the log-partition
+    #: ``log Σ exp(z)`` over the last dim of the output logits of the modules that produce them
+    #: (``docs/numerics.md``): ``True`` (the last watched module, in ``module_names`` order),
+    #: selectors (as for ``modules``) of watched modules, or ``False`` or ``None`` (off).
+    logits: bool | Selector | Sequence[Selector] | None = False
+    #: With e4m3 or e5m2 in ``numerics``, how the fp8 recipe scales each Linear's input and
+    #: weight before their e4m3 cast: ``"tensorwise"`` (one scale per tensor) or ``"rowwise"``
+    #: (one per row, torchao's ``Float8LinearConfig.from_recipe_name("rowwise")``).
+    fp8_scaling: Literal["tensorwise", "rowwise"] = "tensorwise"
 
     def __post_init__(self) -> None:
         for name in _SWITCHES:
@@ -119,6 +128,12 @@ class WatchOptions:
                 f"attention must be True, False or None (off), or one or more selectors (as for modules=), "
                 f"got {self.attention!r}"
             )
+        if isinstance(self.logits, (list, tuple)) and not self.logits:
+            raise HookLoggerError(
+                f"logits must be True (the last watched module), False or None (off), or one or more selectors "
+                f"(as for modules=) of watched modules, got {self.logits!r}"
+            )
+        self._check_fp8_scaling()
         _ = self.thresholds, self.spike_config, self.numerics_formats, self.recipe  # (checked)
         self._check_histogram_kinds()
 
@@ -158,7 +173,27 @@ class WatchOptions:
     @functools.cached_property
     def recipe(self) -> Recipe:
         """What the logger records (``stats/recipe.py``), built from these options."""
-        return Recipe.build(inputs=self.inputs, numerics=self.numerics_formats is not None, measures=self.measures)
+        return Recipe.build(
+            inputs=self.inputs,
+            numerics=self.numerics_formats is not None,
+            measures=self.measures,
+            rowwise=self.fp8_scaling == "rowwise",
+        )
+
+    def _check_fp8_scaling(self) -> None:
+        """``fp8_scaling`` is a recipe's name, and other than the default only with a float8 format named."""
+        if self.fp8_scaling not in numerics.SCALINGS:
+            raise HookLoggerError(
+                f"fp8_scaling must be one of {', '.join(map(repr, numerics.SCALINGS))} (torchao's float8 recipes), "
+                f"got {self.fp8_scaling!r}"
+            )
+        formats = self.numerics_formats or ()
+        if self.fp8_scaling != "tensorwise" and not any(numerics.FORMATS[f].scaled for f in formats):
+            raise HookLoggerError(
+                f"fp8_scaling={self.fp8_scaling!r} says how fp8 training scales its casts, which are counted only "
+                "with e4m3 or e5m2 in numerics=: pass numerics=('e4m3',) (or with the format the run trains in), "
+                "or leave fp8_scaling out"
+            )
 
     def _check_histogram_kinds(self) -> None:
         """Histogram kinds asked for by name must be ones the other options produce."""

@@ -17,6 +17,7 @@ from .diagnostics.spikes import SpikeWatch
 if TYPE_CHECKING:
     from .capture.watched import Handles, Watched
     from .diagnostics.health import Health
+    from .diagnostics.per_step import Diagnostics
     from .options import Options
     from .output.destination import Destination
     from .transport.distributed import Ranks
@@ -41,16 +42,18 @@ class SpikeLog:
     @classmethod
     def of(
         cls, config: Options, watched: Watched, modules: Sequence[str],
-        handles: Handles, health: Health | None, destination: Destination | None, ranks: Ranks,
-        order: Callable[[], Sequence[str]] | None = None, model: nn.Module | None = None,
+        handles: Handles, diagnostics: Diagnostics, destination: Destination | None, ranks: Ranks,
+        model: nn.Module | None = None, divisor: Callable[[], float] = lambda: 1.0,
     ) -> SpikeLog | NoSpikes:  # fmt: skip
-        """The spike watch ``config`` asks for, its hooks kept in ``handles`` (``order``: the
-        watched modules in forward order, as far as known; ``model``'s forward pre-hook counts
-        each step's samples)."""
+        """The spike watch ``config`` asks for, its hooks kept in ``handles`` (``diagnostics``: the
+        health findings it tells of spikes, and the watched modules in forward order as far as
+        known; ``model``'s forward pre-hook counts each step's samples; ``divisor``: of the ranks'
+        summed losses, ``distributed.gradient_divisor``)."""
+        health, order = diagnostics.health, diagnostics.order
         spikes = config.spike_config
         if spikes is None or (destination is None and not (ranks.reduce or any_split(watched))):
             return NoSpikes(off=spikes is None)
-        norms = StepNorms(watched, modules, spikes.steps, samples_over_ranks=ranks.reduce, lead=ranks.lead)
+        norms = StepNorms(watched, modules, spikes.steps, over_ranks=ranks.reduce, lead=ranks.lead, divisor=divisor)
         handles.add(register_optimizer_step_pre_hook(norms.pre))
         handles.add(register_optimizer_step_post_hook(norms.post))
         watch = None if destination is None else SpikeWatch(spikes, modules, order)
@@ -66,7 +69,7 @@ class SpikeLog:
         check_loss(loss)
         loss = whole_loss(loss)  # type: ignore[arg-type]  # (checked)
         if self.watch is None:  # a rank that only joins the collectives (sharded norms, samples)
-            self.norms.drop(self.samples.take())
+            self.norms.drop(loss, self.samples.take())
             if (step + 1) % self._every == 0:
                 self.norms.refresh()
             return False
@@ -139,14 +142,17 @@ _MAX_PENDING = 1000
 
 class NoSpikes:
     """``spikes=`` off, or a rank that neither writes nor joins a collective of sharded norms: a
-    loss given to ``step()`` is checked, and warned about (once) when ``spikes=`` is off."""
+    loss given to ``step()`` is checked, and warned about (once) when ``spikes=`` is off; with it
+    on, a ``DTensor`` loss is made whole as on the writing rank (a ``Partial`` one's is a collective)."""
 
     def __init__(self, *, off: bool) -> None:
         self._off = off
 
     def step(self, step: int, loss: object) -> bool:
         check_loss(loss)
-        if self._off and loss is not None:
+        if not self._off:  # (a Partial DTensor loss's full value is a collective the writing rank makes)
+            whole_loss(loss)  # type: ignore[arg-type]  # (checked)
+        elif loss is not None:
             warnings.warn(
                 "tblog_hooks: step(loss=...) is only used with spikes= (HookLogger(..., spikes=True)); "
                 "this logger ignores it",

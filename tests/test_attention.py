@@ -639,7 +639,8 @@ def _copy_run(tmp_path, qk_norm: bool, steps: int = 150) -> tuple[list[float], H
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.0)
     data = torch.Generator().manual_seed(0)
     losses = []
-    with HookLogger(model, log_dir=tmp_path, every=5, attention=True, histograms=False, modules=["blocks"]) as hooks:
+    watched = dict(modules=["blocks", "head.1"], logits=["head.1"])  # (its output layer: log Z, for logit_drift)
+    with HookLogger(model, log_dir=tmp_path, every=5, attention=True, histograms=False, **watched) as hooks:
         for _ in range(steps):
             first = torch.randint(0, 16, (32, 8), generator=data)
             tokens = torch.cat([first, first], 1)
@@ -660,6 +661,10 @@ def test_a_stable_qk_layernorm_run_that_learns_to_copy_has_no_attention_finding(
     assert min(float(np.nanmin(t[..., 1])) for t in heads.values()) < 0.3  # a head attends to about one key
     assert max(float(np.nanmax(t[..., 0])) for t in heads.values()) > 10  # its logits grew 5-fold
     assert not [f for f in hooks.findings if f.kind in ATTENTION_FINDINGS]
+    # Its log Z climbs over 10 nats as it grows confident (a loss of 1e-3 needs it), short of a drift.
+    log_z = read_run(tmp_path).scalars["activation/log_z/head.1"]
+    assert log_z[145] - log_z[0] > 10
+    assert not [f for f in hooks.findings if f.kind == "logit_drift"]
 
 
 def test_an_unstable_run_without_qk_norm_is_caught_early(tmp_path) -> None:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import math
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -38,11 +40,14 @@ from tensorboard.plugins import base_plugin
 from torch.utils.tensorboard import SummaryWriter
 from werkzeug.test import Client
 
+from tblog_hooks.cli import report
 from tblog_hooks.dashboard import analyses, documents
 from tblog_hooks.dashboard.documents import SEVERITY
 from tblog_hooks.dashboard.plugin import HealthPlugin
 from tblog_hooks.dashboard.source import Source
-from tblog_hooks.diagnostics.findings import FINDING_KINDS
+from tblog_hooks.diagnostics import gradient_rules, replay
+from tblog_hooks.diagnostics.findings import FINDING_KINDS, MEASURES, Thresholds, log
+from tblog_hooks.diagnostics.health import default_health
 from tblog_hooks.stats.tags import (
     HEADS_TABLE_TAG,
     NUMERICS_TABLE_TAG,
@@ -290,6 +295,46 @@ def test_every_finding_kind_has_a_severity() -> None:
     assert sorted(SEVERITY) == sorted(FINDING_KINDS)
 
 
+def test_every_finding_kind_says_what_its_value_is(server) -> None:
+    measures = get(server, f"{ROUTE}/kinds")
+    assert list(measures) == list(FINDING_KINDS)  # type: ignore[arg-type]
+    assert measures == {str(k): {"label": m.label, "meaning": m.meaning} for k, m in MEASURES.items()}
+    assert all(m["label"] and m["meaning"] for m in measures.values())  # type: ignore[union-attr, index]
+    assert "ratio" in measures["vanishing_gradient"]["label"]  # type: ignore[index]
+
+
+def test_the_overview_counts_each_runs_findings_worst_first(server, logdir) -> None:
+    reported = _report(logdir)
+    rows = get(server, f"{ROUTE}/overview")
+    assert sorted(r["name"] for r in rows) == sorted(f"{r} [{p}]" if p else r for r, p in health_runs.MODELS)  # type: ignore[union-attr, index]
+    for row in rows:  # type: ignore[union-attr]
+        found = reported[row["name"]]["findings"]  # type: ignore[index]
+        counts = {k: n for k in SEVERITY if (n := sum(f["kind"] == k for f in found))}
+        assert (row["findings"], row["kinds"], list(row["kinds"])) == (len(found), counts, list(counts))  # type: ignore[index]
+        assert row["worst"] == next(iter(counts), None)  # type: ignore[index]
+
+    def rank(row: dict[str, Any]) -> tuple[int, int, str]:
+        worst = min((SEVERITY.index(k) for k in row["kinds"]), default=len(SEVERITY))
+        return worst, -row["findings"], row["name"]
+
+    assert rows == sorted(rows, key=rank) and rows[0]["name"] == "net"  # type: ignore[arg-type, index]
+
+
+def test_a_download_is_the_routes_document_as_a_file(server) -> None:
+    query = urllib.parse.urlencode({"run": "gan", "prefix": "G", "tag": "gradient/norm", "format": "csv"})
+    with urllib.request.urlopen(f"{server}{ROUTE}/heatmap?{query}", timeout=30) as response:
+        assert response.headers["Content-Type"].startswith("text/csv")
+        assert response.headers["Content-Disposition"] == 'attachment; filename="gan_G_heatmap_gradient_norm.csv"'
+        rows = response.read().decode().splitlines()
+    doc = get(server, f"{ROUTE}/heatmap", run="gan", prefix="G", tag="gradient/norm")
+    assert rows[0] == ",".join(["module", *map(str, doc["steps"])])  # type: ignore[index]
+    assert [r.split(",")[0] for r in rows[1:]] == doc["modules"]  # type: ignore[index]
+    code, message = error(server, f"{ROUTE}/heatmap", run="net", tag="gradient/norm", format="xlsx")
+    assert code == 400 and "format='xlsx'" in message and "csv, json" in message
+    code, message = error(server, f"{ROUTE}/modules", run="net", format="csv")
+    assert code == 400 and "heatmap, findings, series" in message
+
+
 def _written_table(logdir: Path, table: str) -> dict[int, tuple[list[str], np.ndarray]]:
     """``{step: (module names, values)}`` of a value table as ``EventAccumulator`` reads it back."""
     names = read_tensors(logdir / "net", rows_tag(table))
@@ -383,6 +428,41 @@ def test_a_run_is_judged_once_for_the_routes_that_ask_at_once(tmp_path, monkeypa
     assert answers[0].get_data() == answers[4].get_data()
     _app(plugin, "/findings").get("/findings?run=net")  # asked again, unchanged: not judged again
     assert judged == ["net"]
+
+
+def test_runs_judged_at_once_get_their_findings_and_a_live_logger_keeps_logging(tmp_path, monkeypatch, caplog) -> None:
+    """The server judges runs in threads of its own: a replay logs nothing, whatever another thread
+    judges meanwhile, and the live logger's findings are logged while a replay runs."""
+    health_runs.write_net(tmp_path / "net")
+    health_runs.write_gan(tmp_path / "gan")
+    runs = [report.load_all(tmp_path / "net", "net")[0], report.load_all(tmp_path / "gan", "gan")[0]]
+    alone = [replay.findings(run) for run in runs]
+    assert any(f.step > min(runs[0].scalars) for f in alone[0])  # some found after the first step
+    inside, done = threading.Event(), threading.Event()
+    real = gradient_rules.GradientRules.judge
+
+    def judge(self, step, scalars, order, heads):  # type: ignore[no-untyped-def]
+        if threading.current_thread().name == "first" and not inside.is_set():
+            inside.set()  # the first replay waits inside its first step until the other is done
+            assert done.wait(TENSORBOARD_READY_S)
+        return real(self, step, scalars, order, heads)
+
+    monkeypatch.setattr(gradient_rules.GradientRules, "judge", judge)
+    caplog.set_level(logging.WARNING, logger=log.name)
+    caplog.clear()  # (what the loggers writing the runs logged)
+    found: dict[str, list[object]] = {}
+    first = threading.Thread(target=lambda: found.setdefault("first", replay.findings(runs[0])), name="first")
+    first.start()
+    assert inside.wait(TENSORBOARD_READY_S)
+    live = default_health(Thresholds())  # the live logger's, in a training thread
+    assert live.update(7777, {"gradient/norm/body": 1e-9, "gradient/norm/head": 0.5}, ["body", "head"])
+    found["second"] = replay.findings(runs[1])
+    done.set()
+    first.join()
+    assert [found["first"], found["second"]] == alone
+    assert [r.getMessage() for r in caplog.records] == [
+        "tblog_hooks: step 7777: vanishing_gradient: " + live.started[0].message
+    ]
 
 
 def test_the_scales_are_the_statistics_declarations(server) -> None:

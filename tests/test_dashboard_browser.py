@@ -4,9 +4,14 @@
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,10 +19,22 @@ from typing import Any
 
 import health_runs
 import pytest
-from conftest import TENSORBOARD_READY_S, get, read_run, read_tensors, read_text, tensorboard, wait_until_loaded
+from conftest import (
+    TENSORBOARD_READY_S,
+    get,
+    read_run,
+    read_tags,
+    read_tensors,
+    read_text,
+    tensorboard,
+    wait_until_loaded,
+)
 from torch.utils.tensorboard import SummaryWriter
 
-from tblog_hooks.stats.tags import HEADS_TABLE_TAG, NUMERICS_TABLE_TAG, ORDER_TAG, escape, parse_order
+from tblog_hooks.dashboard.documents import SEVERITY
+from tblog_hooks.diagnostics.findings import FINDING_KINDS
+from tblog_hooks.diagnostics.replay import owner
+from tblog_hooks.stats.tags import HEADS_TABLE_TAG, NUMERICS_TABLE_TAG, ORDER_TAG, escape, parse_order, unescape
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="stops the server's process group (POSIX)")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -265,10 +282,7 @@ def _open(page: Any, name: str) -> None:
 def test_a_selection_stays_only_where_the_run_has_its_module(page) -> None:
     _open(page, "net")
     frame(page).locator('#modules tbody tr[data-module="dead"]').click()
-    assert (
-        frame(page).locator("#selection").inner_text() == "dead · step undefined"
-        or "dead" in frame(page).locator("#selection").inner_text()
-    )
+    assert frame(page).locator("#selection").inner_text() == "dead"  # a module chosen without a step
     _open(page, "gan [G]")  # modules "0" and "2": no "dead"
     assert frame(page).locator("#selection").inner_text() == "click a cell or a finding"
     assert health(page, "page.selection") is None and health(page, "page.heatmap.selected") is None
@@ -403,6 +417,175 @@ def test_a_browser_reload_keeps_the_run_statistic_comparison_and_selection(page)
         "net",
     ]
     assert frame(page).locator("#selection").get_attribute("data-module") == "2"
+
+
+def test_each_findings_value_says_what_it_is(page, logdir) -> None:
+    _open(page, "net")
+    url = page.url.split("/#")[0]
+    measures = get(url, "/data/plugin/tblog_hooks/kinds")
+    findings = get(url, "/data/plugin/tblog_hooks/findings", run="net")
+    rows = frame(page).locator("#findings tbody tr")
+    assert rows.count() == len(findings)  # type: ignore[arg-type]
+    for i, finding in enumerate(findings):  # type: ignore[arg-type]
+        cell = rows.nth(i).locator("td.value")
+        measure = measures[finding["kind"]]  # type: ignore[index]
+        assert (
+            cell.locator(".unit").inner_text() == measure["label"] and cell.get_attribute("title") == measure["meaning"]
+        )
+    # A vanishing finding's value is the ratio its label says: the largest norm up to its module over the largest.
+    vanishing = next(f for f in findings if f["kind"] == "vanishing_gradient")  # type: ignore[union-attr, index]
+    scalars, text = read_run(logdir / "net").scalars, read_text(logdir / "net", ORDER_TAG)
+    order = parse_order(text[max(text)])
+    norms = [scalars[f"gradient/norm/{escape(m)}"][vanishing["step"]] for m in order]
+    upstream = max(norms[: order.index(vanishing["module"]) + 1])
+    assert "ratio" in measures["vanishing_gradient"]["label"] and vanishing["value"] == upstream / max(norms)  # type: ignore[index]
+    assert "differs by kind" in frame(page).locator("#findings th", has_text="value").get_attribute("title")
+    # Every kind, as the table draws it: one finding of each.
+    every = [{"kind": k, "module": "", "step": 0, "value": 0.5, "message": k} for k in FINDING_KINDS]
+    health(page, f"(page.analysis = {{...page.analysis, findings: {every}}}, page.drawFindings(), 0)")
+    labels = frame(page).locator("#findings tbody td.value .unit").all_text_contents()
+    assert labels == [measures[k]["label"] for k in FINDING_KINDS]  # type: ignore[index]
+    _open(page, "gan [G]")  # (the run's own findings again)
+
+
+def _charts_opened(page: Any, link: Any) -> tuple[set[str], list[str]]:
+    """Follow ``link`` (to a stock tab, in a browser tab of its own): the tags of the charts the
+    stock tab shows under its tag filter, and the runs its run list shows."""
+    with page.context.expect_page() as opened:
+        link.click()
+    shown = opened.value
+    try:
+        pane = shown.locator("tf-category-paginated-view").first  # "Tags matching" the filter
+        pane.locator("tf-scalar-card, tf-histogram-loader").first.wait_for(timeout=READY_MS)
+        tags = pane.evaluate("(e) => e.category.items.map((i) => i.tag)")
+        runs = shown.locator("tf-multi-checkbox")  # the runs its run filter shows
+        runs.locator("paper-checkbox").first.wait_for(timeout=READY_MS)
+        return set(tags), runs.evaluate("(e) => e.namesMatchingRegex")
+    finally:
+        shown.close()
+
+
+def test_a_finding_or_a_module_links_to_its_charts_in_tensorboards_own_tabs(page, logdir) -> None:
+    _open(page, "net")
+    written, text = read_tags(logdir / "net"), read_text(logdir / "net", ORDER_TAG)
+    order = parse_order(text[max(text)])
+
+    def of(kind: str, module: str) -> set[str]:  # the module's tags and its own parameters'
+        return {t for t in written[kind] if owner(unescape(t.rsplit("/", 1)[1]), order) == module}
+
+    finding = frame(page).locator('#findings tr[data-module="dead"]').first
+    assert _charts_opened(page, finding.locator('a[data-tab="scalars"]')) == (of("scalars", "dead"), ["net"])
+    module = frame(page).locator('#modules tbody tr[data-module="a/b c.qkv"]')
+    assert _charts_opened(page, module.locator('a[data-tab="histograms"]')) == (of("histograms", "a/b c.qkv"), ["net"])
+    model = frame(page).locator('#findings tr[data-module=""]', has_text="loss_spike").locator('a[data-tab="scalars"]')
+    assert _charts_opened(page, model)[0] == {t for t in written["scalars"] if t.startswith("step/")}
+    frame(page).locator('#modules tbody tr[data-module="head"]').click()
+    link = frame(page).locator('#series-links a[data-tab="scalars"]')
+    assert _charts_opened(page, link) == (of("scalars", "head"), ["net"])
+    _open(page, "gan [G]")  # a prefixed logger: its own tags only, not those of the other in the run
+    g = {t for t in read_tags(logdir / "gan")["scalars"] if t.startswith("G/") and (t.endswith("/2") or "/2." in t)}
+    assert _charts_opened(page, frame(page).locator('#modules tbody tr[data-module="2"] a[data-tab="scalars"]')) == (
+        g,
+        ["gan"],
+    )
+
+
+def _download(page: Any, selector: str) -> tuple[str, str]:
+    """The text and file name of what the link at ``selector`` downloads."""
+    with page.expect_download() as done:
+        frame(page).locator(selector).click()
+    return Path(done.value.path()).read_text(encoding="utf-8"), done.value.suggested_filename
+
+
+def _same_cell(cell: str, value: float | None) -> bool:
+    """Whether a downloaded CSV cell is ``value`` (empty: no value; ``NaN``, ``Infinity`` as written)."""
+    if value is None or cell == "":
+        return value is None and cell == ""
+    return math.isnan(value) if cell == "NaN" else float(cell) == value
+
+
+def test_what_a_view_shows_downloads_as_csv_and_json(page, logdir) -> None:
+    _open(page, "net")
+    frame(page).locator("#stat").select_option("gradient/norm")
+    _wait(page, "page.heatmap.stat === 'gradient/norm'")
+    scalars = read_run(logdir / "net").scalars
+    text, name = _download(page, '.downloads[data-route="heatmap"] a[data-format="csv"]')
+    rows = list(csv.reader(io.StringIO(text)))
+    assert name == "net_heatmap_gradient_norm.csv" and rows[0][0] == "module"
+    steps = [int(s) for s in rows[0][1:]]
+    assert [r[0] for r in rows[1:]] == health(page, "page.doc.modules") and len(rows) > 2
+    norms = {module: scalars[f"gradient/norm/{escape(module)}"] for module in (r[0] for r in rows[1:])}
+    assert steps == sorted({s for written in norms.values() for s in written})  # a column per step any has
+    for module, *cells in rows[1:]:
+        assert all(_same_cell(c, norms[module].get(s)) for c, s in zip(cells, steps, strict=True))
+    assert any(c == "NaN" for r in rows for c in r)  # the run's NaN, as the heatmap draws it
+    text, name = _download(page, '.downloads[data-route="heatmap"] a[data-format="json"]')
+    url = page.url.split("/#")[0]
+    assert json.loads(text) == get(url, "/data/plugin/tblog_hooks/heatmap", run="net", tag="gradient/norm")
+    # The findings table: those of the report (read from the event files), with what each value is.
+    text, name = _download(page, '.downloads[data-route="findings"] a[data-format="csv"]')
+    cli = Path(sys.executable).with_name("tblog-hooks")
+    reported = json.loads(
+        subprocess.run(
+            [str(cli), "report", "--json", str(logdir / "net")], capture_output=True, text=True, check=True
+        ).stdout
+    )
+    measures = get(url, "/data/plugin/tblog_hooks/kinds")
+    rows = list(csv.DictReader(io.StringIO(text)))
+    assert name == "net_findings.csv" and len(rows) == len(reported["findings"]) > 0
+    for row, f in zip(rows, reported["findings"], strict=True):
+        assert (row["kind"], row["module"], int(row["step"]), row["message"]) == (
+            f["kind"],
+            f["module"],
+            f["step"],
+            f["message"],
+        )
+        assert row["value_is"] == measures[f["kind"]]["label"]  # type: ignore[index]
+        assert _same_cell(row["value"], math.nan if f["value"] is None else f["value"])
+    text, _ = _download(page, '.downloads[data-route="findings"] a[data-format="json"]')
+    assert [{**f, "value": None if isinstance(f["value"], str) else f["value"]} for f in json.loads(text)] == reported[
+        "findings"
+    ]
+    # A module's series: a column per tag of the module and its parameters.
+    frame(page).locator('#modules tbody tr[data-module="dead"]').click()
+    frame(page).locator('.downloads[data-route="series"] a[data-format="csv"]').wait_for(timeout=READY_MS)
+    text, name = _download(page, '.downloads[data-route="series"] a[data-format="csv"]')
+    rows = list(csv.reader(io.StringIO(text)))
+    assert name == "net_series_dead.csv" and rows[0][0] == "step"
+    text_order = read_text(logdir / "net", ORDER_TAG)
+    order = parse_order(text_order[max(text_order)])
+    own = {t for t in scalars if t.count("/") == 2 and owner(unescape(t.rsplit("/", 1)[1]), order) == "dead"}
+    assert set(rows[0][1:]) == {t for t in own if not t.startswith("spike/")}  # (every-step series: the spikes card's)
+    for i, tag in enumerate(rows[0][1:], start=1):
+        assert all(_same_cell(r[i], scalars[tag].get(int(r[0]))) for r in rows[1:])
+    text, _ = _download(page, '.downloads[data-route="series"] a[data-format="json"]')
+    assert json.loads(text) == get(url, "/data/plugin/tblog_hooks/series", run="net", module="dead")
+
+
+def test_the_runs_overview_lists_each_runs_findings_worst_first_and_opens_one(page, logdir) -> None:
+    _open(page, "gan [G]")
+    cli = Path(sys.executable).with_name("tblog-hooks")
+    lines = subprocess.run(
+        [str(cli), "report", "--json", str(logdir)], capture_output=True, text=True, check=True
+    ).stdout
+    reported = {doc["run"]: doc["findings"] for doc in map(json.loads, lines.splitlines())}
+    overview = frame(page).locator("#overview")
+    overview.locator("tbody tr").first.wait_for(timeout=READY_MS)
+    rows = overview.locator("tbody tr")
+    names = [rows.nth(i).get_attribute("data-name") for i in range(rows.count())]
+    assert sorted(names) == sorted(reported) and len(names) >= 3  # type: ignore[type-var]
+    counts = [int(rows.nth(i).locator("td").nth(1).inner_text()) for i in range(rows.count())]
+    assert counts == [len(reported[n]) for n in names]  # type: ignore[index]
+    worst = [min((SEVERITY.index(f["kind"]) for f in reported[n]), default=len(SEVERITY)) for n in names]  # type: ignore[index]
+    assert [(w, -c) for w, c in zip(worst, counts, strict=True)] == sorted(
+        (w, -c) for w, c in zip(worst, counts, strict=True)
+    )
+    assert names[0] == "net"  # its NaN: the worst
+    assert overview.locator("tr.selected").get_attribute("data-name") == "gan [G]"
+    rows.nth(0).click()
+    _wait(page, "page.model.name === 'net' && page.analysis && !page.opening")
+    assert overview.locator("tr.selected").get_attribute("data-name") == "net"
+    assert frame(page).locator("#run option:checked").inner_text() == "net"
 
 
 def test_no_errors_in_the_browser(page, console) -> None:

@@ -23,10 +23,10 @@ from tblog_hooks import HookLogger, Spikes
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 TIMEOUT = datetime.timedelta(seconds=30)
 STEPS, SAMPLES = 3, 4  # a global batch of four samples a step
-#: Every scalar of a step: parameter gradients without numerics= (not taken of FSDP2's pieces), the
-#: per-step series but the loss (rank 0's own).
-SCALARS = ("activation/", "input/", "gradient/", "param_grad/norm/", "param_grad/global_norm", "param/")
-SERIES = ("step/grad_norm", "step/samples")
+#: Every scalar of a step (numerics= of FSDP2's parameter gradients pooled over its shards), the
+#: per-step series (the loss: the ranks' summed and divided as their gradients are).
+SCALARS = ("activation/", "input/", "gradient/", "param_grad/", "param/")
+SERIES = ("step/grad_norm", "step/samples", "step/loss")
 UNPOOLED = "activation/median_abs/"
 OPTIONS = {"every": 1, "numerics": ("bf16",), "spikes": Spikes(warmup=3, window=8)}
 
@@ -91,8 +91,8 @@ def test_data_parallel_statistics_are_those_of_one_process(tmp_path: Path, kind:
     _train(_model(), str(tmp_path / "whole"), 0, 1)
     whole = read_run(tmp_path / "whole")
     pooled, own = read_run(tmp_path / "True"), read_run(tmp_path / "False")
-    # reduce_ranks=True: the scalars of every rank's calls, the averaged parameter gradients and
-    # every rank's samples, as one process with the whole batch.
+    # reduce_ranks=True: the scalars of every rank's calls, the averaged parameter gradients,
+    # every rank's samples and the loss of the whole batch, as one process with the whole batch.
     # (A module's median |x| is not pooled over calls, only their largest: left out.)
     tags = tuple(t for t in whole.scalars if t.startswith(SCALARS + SERIES) and not t.startswith(UNPOOLED))
     assert_same_run(pooled, whole, range(STEPS), tags, histograms=False)

@@ -315,3 +315,35 @@ def test_large_tensor_histogram_is_a_bounded_deterministic_sample_scalars_exact(
     hist_a, hist_b = first.histograms["activation/root"][0], second.histograms["activation/root"][0]
     assert (hist_a.num, hist_a.min, hist_a.max) == (both.size, both.min(), both.max())
     assert list(hist_a.bucket) == list(hist_b.bucket) and list(hist_a.bucket_limit) == list(hist_b.bucket_limit)
+
+
+def test_fault_in_a_compiled_hook_is_reported_once_outside_the_compiled_graph(tmp_path, monkeypatch) -> None:
+    """A hook traced into a ``fullgraph=True`` graph that fails is reported once, when the step
+    ends (a warning inside the graph is dynamo's ``Unsupported``, which ended training); that
+    module's statistics stop, the others' go on, and the model trains as without the logger."""
+    traced_sample = sampling.traced_sample
+
+    def broken(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[-1] == 8:  # the Tanh's output, not the Linear's
+            raise RuntimeError("injected fault in a traced sample")
+        return traced_sample(t)
+
+    monkeypatch.setattr(sampling, "traced_sample", broken)
+    torch._dynamo.reset()
+    model, reference = _model()[3:], _model()[3:]  # (Tanh, Linear: no tensor subclass in the compiled graph)
+    opt, opt_reference = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    with _logger_warnings() as messages:
+        hooks = HookLogger(model, log_dir=tmp_path, every=1, modules=["3", "4"], parameters=False, histograms=True)
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        for step in range(STEPS):
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+            train(hooks, [compiled(x).square().mean()], opt)
+            train(None, [reference(x).square().mean()], opt_reference)
+        hooks.close()
+    assert len(messages) == 1, messages
+    assert "logging for '3' failed" in messages[0] and "injected fault in a traced sample" in messages[0]
+    for got, expected in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(got, expected)
+    run = read_run(tmp_path)
+    assert set(run.scalars["activation/mean/4"]) == set(range(STEPS))
+    assert set(run.scalars.get("activation/mean/3", {})) <= {0}

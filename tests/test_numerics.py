@@ -731,3 +731,50 @@ def test_fp8_judges_each_linears_input_weight_and_output_gradient_as_torchao_cas
     named = {f.module: f.message for f in hooks.findings if f.kind == "fp8_underflow"}
     assert {"l1", "l2"} <= set(named) and "l0" not in named, named  # (l3's input holds l2's outlier output)
     assert "of the input of l1" in named["l1"] and "of the weight of l2" in named["l2"]
+
+
+def test_fp8_rowwise_counts_each_linears_input_and_weight_as_torchaos_rowwise_recipe(tmp_path) -> None:
+    """With ``fp8_scaling="rowwise"``, the input and weight fractions are those of torchao's
+    rowwise cast (``hp_tensor_to_float8_dynamic`` with axiswise granularity, as its ``Float8Linear``
+    calls it under ``Float8LinearConfig.from_recipe_name("rowwise")``: the input per token, the
+    weight per output feature, power-of-two scales). ``l2``'s one large weight costs its own row
+    only (at most 1/32 of the weight, against over 10% per tensor); ``l0``'s outlier channel is in
+    every token of ``l1``'s input, which still loses its small elements."""
+    scaling = pytest.importorskip("torchao.float8.float8_scaling_utils")
+    from torchao.float8.config import Float8LinearConfig, ScalingGranularity
+    from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
+
+    config = Float8LinearConfig.from_recipe_name("rowwise")
+    assert config.round_scales_to_power_of_2 and config.cast_config_input.target_dtype == torch.float8_e4m3fn
+
+    def torchao_lost(t: Tensor, role: GemmInputRole, dim: int) -> float:
+        cast = scaling.hp_tensor_to_float8_dynamic(
+            t, torch.float8_e4m3fn, LinearMMConfig(), gemm_input_role=role,
+            scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=dim, round_scales_to_power_of_2=True,
+        )  # fmt: skip
+        return float(((t != 0) & (cast._data.float() == 0)).sum()) / t.numel()
+
+    model = _fp8_model()
+    inputs: dict[str, Tensor] = {}
+    for name, module in model.named_children():
+        module.register_forward_pre_hook(lambda m, args, name=name: inputs.__setitem__(name, args[0].detach().clone()))
+    options = dict(every=1, numerics=("e4m3",), fp8_scaling="rowwise", histograms=False)
+    with HookLogger(model, log_dir=tmp_path, **options) as hooks:  # type: ignore[arg-type]
+        train(hooks, [model(torch.randn(64, 32)).square().mean()])
+    scalars = {t: v[0] for t, v in read_run(tmp_path).scalars.items()}
+    for name, module in model.named_children():
+        want_input = torchao_lost(inputs[name], GemmInputRole.INPUT, -1)  # (Float8Linear: axiswise_dim -1 ...)
+        want_weight = torchao_lost(module.weight.detach().t(), GemmInputRole.WEIGHT, 0)  # (... and 0 of weight.t())
+        assert scalars[f"input/underflow_e4m3/{name}"] == pytest.approx(want_input, abs=1e-9), name
+        assert scalars[f"param/underflow_e4m3/{name}.weight"] == pytest.approx(want_weight, abs=1e-9), name
+    assert scalars["input/underflow_e4m3/l1"] > 0.1 and 0 < scalars["param/underflow_e4m3/l2.weight"] <= 1 / 32
+    named = {f.module: f.message for f in hooks.findings if f.kind == "fp8_underflow"}
+    assert "of the input of l1" in named["l1"] and "per row" in named["l1"]
+
+
+def test_fp8_scaling_needs_a_float8_format_and_a_recipe_name(tmp_path) -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(HookLoggerError, match="only with e4m3 or e5m2 in numerics="):
+        HookLogger(model, log_dir=tmp_path, numerics=("bf16",), fp8_scaling="rowwise")
+    with pytest.raises(HookLoggerError, match="'tensorwise', 'rowwise'"):
+        HookLogger(model, log_dir=tmp_path, numerics=("e4m3",), fp8_scaling="blockwise")  # type: ignore[arg-type]

@@ -1,5 +1,5 @@
 """The package's shape: every module imports, folders and classes stay small, private torch and
-tensorboard APIs are used from ``_compat.py`` only."""
+tensorboard APIs are used from the two compat modules only (:data:`COMPAT`)."""
 
 from __future__ import annotations
 
@@ -41,18 +41,24 @@ def test_classes_and_functions_are_small(path: Path) -> None:
             assert size <= limit, f"{node.name} is {size} lines"
 
 
+#: The only modules that use private torch or tensorboard APIs: the torch side (the logger's
+#: private torch APIs, and TensorBoard's writer as torch's ``SummaryWriter`` holds it) and the
+#: tensorboard side (what the read side, loaded by TensorBoard, uses of TensorBoard: no torch).
+COMPAT = {"_compat.py": "torch side", "_tensorboard_compat.py": "tensorboard side, torch-free"}
 #: ``torch._foreach_norm``, ``torch.utils._pytree``, ... and the private attributes of torch and
-#: tensorboard objects the package needs (``scaler._get_scale_async``, ``module._parameters``, ...).
+#: tensorboard objects the package needs (``scaler._get_scale_async``, ``module._parameters``,
+#: the data provider's ``_stub``, ...).
 _PRIVATE = re.compile(
     r"\b(?:torch|tensorboard)(?:\.[a-z]\w*)*\._[a-zA-Z]\w*"
     r"|(?<!self)\._(?:get_scale_async|per_optimizer_states|init_scale|execution_engine|parameters|forward_hooks"
-    r"|version|values|indices|get_file_writer|compiled_call_impl|async_writer|current_graph_task_id)\b"
+    r"|version|values|indices|get_file_writer|compiled_call_impl|async_writer|current_graph_task_id"
+    r"|stub|translate_grpc_error)\b"
 )
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_private_apis_only_in_compat(path: Path) -> None:
-    if path.name == "_compat.py":
+    if path.relative_to(ROOT).as_posix() in COMPAT:
         return
     code = "\n".join(line.split("#", 1)[0] for line in path.read_text(encoding="utf-8").splitlines())
     assert not _PRIVATE.findall(code)
@@ -81,7 +87,7 @@ def _imports(path: Path, *, typing_too: bool = False) -> set[str]:
 _MODULES = {".".join(p.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__") for p in SOURCES}
 #: The data flow, downhill: a module imports from its own layer or those before it, never after.
 _LAYERS = [
-    {"errors", "_compat", "keywords"},
+    {"errors", "_compat", "_tensorboard_compat", "keywords"},
     {"stats", "topology", "kernels"},
     {"capture", "transport"},
     {"output"},
@@ -122,6 +128,7 @@ def test_imports_run_downhill_without_circles() -> None:
 #: What reads runs back (``tblog-hooks report``, the TensorBoard plugin) imports these.
 _READ_SIDE = [
     "tblog_hooks",
+    "tblog_hooks._tensorboard_compat",
     "tblog_hooks.stats.tags",
     "tblog_hooks.diagnostics.replay",
     "tblog_hooks.cli.report",

@@ -70,6 +70,25 @@ def test_unknown_names_are_one_error_listing_close_matches(tmp_path) -> None:
     assert not list(tmp_path.iterdir())  # nothing written for a logger that never started
 
 
+def _titan_block() -> nn.Module:
+    """A block named as torchtitan 0.3.0's Llama 3 blocks are (``qkv_linear.wqkv``, no ``wq``)."""
+    attention = nn.ModuleDict({"qkv_linear": nn.ModuleDict({"wqkv": nn.Linear(2, 6)}), "wo": nn.Linear(2, 2)})
+    return nn.ModuleDict(
+        {"attention": attention, "feed_forward": nn.ModuleDict({f"w{i}": nn.Linear(2, 2) for i in (1, 2, 3)})}
+    )
+
+
+def test_the_closest_names_offer_a_like_last_part_first(tmp_path) -> None:
+    with pytest.raises(HookLoggerError) as info:
+        HookLogger(
+            nn.ModuleDict({"layers": nn.ModuleList([_titan_block(), _titan_block()])}),
+            log_dir=tmp_path,
+            modules=["layers.0.attention.wq"],
+        )
+    assert "(closest names: layers.0.attention.qkv_linear.wqkv, layers.1.attention.qkv_linear.wqkv, " in str(info.value)
+    assert "layers.0.attention.wo" in str(info.value)  # (the whole names' closest follow)
+
+
 def test_a_module_outside_the_model_is_an_error_naming_it() -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
     with pytest.raises(HookLoggerError, match="a Linear that is not part of the model"):

@@ -9,12 +9,14 @@ import functools
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_same_run, read_run, spawn_ranks
+from conftest import assert_same_run, read_run, read_tensors, spawn_ranks
 
-from tblog_hooks import Histograms, HookLogger
+from tblog_hooks import Histograms, HookLogger, HookLoggerError
+from tblog_hooks.stats.tags import HEADS_TABLE_TAG
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is installed by scripts/bootstrap (--no-deps)")
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -51,43 +53,153 @@ def _train(model: torch.nn.Module, log_dir: str, dims: object = None, **options:
             hooks.step()
 
 
-def _backends(rank: int, root: str, backends: tuple[str, ...]) -> None:
-    for backend in backends:
-        model, dims = titan.parallel(backend, 2, tp=2)
+def _backends(rank: int, root: str, backends: tuple[tuple[str, bool], ...], moe: bool = False) -> None:
+    for backend, sp in backends:
+        model, dims = titan.parallel(backend, 2, tp=2, sp=sp, moe=moe)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _train(model, f"{root}/../{backend}", dims)
+            _train(model, f"{root}/../{_run(backend, sp)}", dims)
         said = [str(w.message) for w in caught if str(w.message).startswith("tblog_hooks")]
-        Path(root, f"../{backend}_{rank}.said").write_text(repr(sorted(said)))
+        Path(root, f"../{_run(backend, sp)}_{rank}.said").write_text(repr(sorted(said)))
 
 
-#: (torchtitan's FSDP2 rejects a third model's meshes in one process: two runs)
-BACKENDS = (("spmd_types",), ("partial_dtensor", "full_dtensor"))
-#: What is said of the modules whose numbers cannot be told (and are not logged): the final norm's
-#: output is Replicate, so each rank holds a term of its gradient (a DTensor placed Partial, under
-#: spmd_types a plain tensor).
-UNKNOWN = {
-    "spmd_types": {"norm": "holds a term of its gradient"},
-    "partial_dtensor": {"norm": "holds partial values"},
-    "full_dtensor": {"norm": "holds partial values"},
-}
+def _run(backend: str, sp: bool) -> str:
+    return backend if sp else f"{backend}_without_sp"
+
+
+#: Each spawn's backends and whether sequence parallelism is on (torchtitan's FSDP2 rejects a
+#: third model's meshes in one process, spmd_types a second). Without sequence parallelism the
+#: embedding, the norms and each block's last projections return Replicate outputs too.
+BACKENDS = ((("spmd_types", True),), (("partial_dtensor", True), ("full_dtensor", True)), (("partial_dtensor", False),))
+#: Every backend, with sequence parallelism.
+SEQUENCE_PARALLEL = BACKENDS[:2]
 
 
 def test_each_torchtitan_backend_at_tp2_logs_what_one_process_logs(tmp_path: Path) -> None:
     for backends in BACKENDS:
-        (tmp_path / backends[0]).mkdir()
-        spawn_ranks(functools.partial(_backends, backends=backends), tmp_path / backends[0], 2)
+        (tmp_path / _run(*backends[0])).mkdir()
+        spawn_ranks(functools.partial(_backends, backends=backends), tmp_path / _run(*backends[0]), 2)
     _train(titan.one_process(), str(tmp_path / "one"))
-    for backend in [b for backends in BACKENDS for b in backends]:
-        one = read_run(tmp_path / "one")
-        run = read_run(tmp_path / backend)
-        unknown = UNKNOWN[backend]
-        for rank in range(2):  # every rank says the same, once per module
-            said = eval((tmp_path / f"{backend}_{rank}.said").read_text())
-            assert len(said) == len(unknown), said
-            for module, why in unknown.items():
-                assert any(f"{module!r} failed" in w and why in w for w in said), (module, said)
-        for tags in (one.scalars, one.histograms, run.scalars, run.histograms):  # (what came before it was said)
-            for tag in [t for t in tags if t.rsplit("/", 1)[-1] in unknown]:
-                del tags[tag]
-        assert_same_run(run, one, range(STEPS), ACTIVATIONS + PARAMETERS)
+    one = read_run(tmp_path / "one")
+    for run in [_run(*b) for backends in BACKENDS for b in backends]:
+        # Every module is logged, those whose output is Replicate over the tensor-parallel ranks
+        # too (each rank holds a term of their gradient, reduced at the end of the step): nothing said.
+        for rank in range(2):
+            assert eval((tmp_path / f"{run}_{rank}.said").read_text()) == [], run
+        assert_same_run(read_run(tmp_path / run), one, range(STEPS), ACTIVATIONS + PARAMETERS)
+
+
+OUTSIDE = ["tok_embeddings", "lm_head"]  # (outside the compiled blocks)
+
+
+def _compiled(rank: int, root: str) -> None:
+    model, dims = titan.parallel("partial_dtensor", 2, tp=2, compiled=True)
+    with pytest.raises(HookLoggerError, match=r"'layers\.0' is compiled .* in a tensor-parallel model"):
+        HookLogger(model, log_dir=f"{root}/refused", modules=["layers.0.feed_forward"])
+    _train(model, root, dims, modules=OUTSIDE)
+
+
+def test_torchtitan_per_block_compile_at_tp2_refuses_modules_inside_and_logs_those_outside(tmp_path: Path) -> None:
+    """torchtitan's per-block compile (``fullgraph=True``) under tensor parallelism: a module
+    inside a compiled block is refused at construction (hooks traced there cannot tell a piece
+    from the whole); the modules outside, and every parameter, are logged as one process logs them."""
+    (tmp_path / "compiled").mkdir()
+    spawn_ranks(_compiled, tmp_path / "compiled", 2)
+    _train(titan.one_process(), str(tmp_path / "one"), modules=OUTSIDE)
+    assert_same_run(read_run(tmp_path / "compiled"), read_run(tmp_path / "one"), range(STEPS), ACTIVATIONS + PARAMETERS)
+
+
+def _batch(replica: int) -> torch.Tensor:
+    return torch.randint(titan.VOCAB, (2, titan.SEQ), generator=torch.Generator().manual_seed(replica))
+
+
+def _forward(model: torch.nn.Module, log_dir: str, tokens: torch.Tensor, dims: object = None) -> None:
+    """One logged forward and backward with ``numerics=True`` (``activation/amax_channel``)."""
+    with HookLogger(model, log_dir=log_dir, every=1, modules=["*"], numerics=True, parameters=False) as hooks:
+        with titan.spmd_context(dims):
+            titan.local(model(titan.inputs(tokens, dims))).square().sum().backward()
+        hooks.step()
+
+
+def _full_dtensor_2d(rank: int, root: str) -> None:
+    model, dims = titan.parallel("full_dtensor", 4, tp=2)
+    _forward(model, root, _batch(rank // 2), dims)  # (the mesh is dp_shard x tp: ranks 0, 1 hold replica 0)
+
+
+def test_torchtitan_full_dtensor_on_dp2_x_tp2_gives_the_global_channel_index(tmp_path: Path) -> None:
+    """Under ``full_dtensor`` on a dp 2 x tp 2 mesh an output is a ``DTensor`` split along the
+    batch over the data-parallel ranks and along its features over the tensor-parallel ones:
+    ``activation/amax_channel`` is the channel's index in the whole output (one process on
+    both replicas' batches), not within the rank's piece."""
+    (tmp_path / "four").mkdir()
+    spawn_ranks(_full_dtensor_2d, tmp_path / "four", 4)
+    _forward(titan.one_process(), str(tmp_path / "one"), torch.cat([_batch(0), _batch(1)]))
+    one, run = read_run(tmp_path / "one"), read_run(tmp_path / "four")
+    # (not median_abs: pooled as the largest of the pieces' medians, see docs/sharded.md, Limits)
+    roots = {t.rsplit("/", 1)[0] + "/" for t in one.scalars if t.startswith("activation/") and "median_abs" not in t}
+    assert "activation/amax_channel/" in roots
+    assert_same_run(run, one, range(1), tuple(sorted(roots)), histograms=False)
+
+
+def _moe(rank: int, root: str) -> None:
+    _backends(rank, root, (("partial_dtensor", True),), moe=True)
+
+
+#: From the first block's routed experts on, the numbers are bf16's (torchtitan's grouped experts
+#: multiply in bf16, whose roundings differ once their hidden units are split over ranks).
+DOWNSTREAM = ("layers.0.moe", "layers.1", "norm", "lm_head", "root")
+
+
+def test_torchtitan_moe_routed_experts_at_tp2_are_said_and_left_out_never_written_as_pieces(tmp_path: Path) -> None:
+    """torchtitan's Qwen3 MoE at tp 2: its routed experts compute each rank's share of their
+    hidden units inside a local-tensor region whose result is ``Partial``, so what the inner
+    experts return on a rank is a term of a sum over the ranks. They are said once, on every
+    rank, and left out; the region's own output (reduced) and the modules before it are what
+    one process logs."""
+    (tmp_path / "partial_dtensor").mkdir()
+    spawn_ranks(_moe, tmp_path / "partial_dtensor", 2)
+    _train(titan.one_process(moe=True), str(tmp_path / "one"))
+    one, run = read_run(tmp_path / "one"), read_run(tmp_path / "partial_dtensor")
+    experts = [f"layers.{i}.moe.routed_experts.inner_experts" for i in range(2)]
+    for rank in range(2):
+        said = eval((tmp_path / f"partial_dtensor_{rank}.said").read_text())
+        for module in experts:
+            what = [w for w in said if f"{module!r} failed" in w]
+            assert len(what) == 1 and "whose result is Partial over the tensor-parallel ranks" in what[0], said
+    for module in experts:
+        assert not [t for t in [*run.scalars, *run.histograms] if t.endswith(f"/{module}")]
+    for stat in ("max", "std"):  # the region's output, reduced over the ranks: whole, to bf16's precision
+        tag = f"activation/{stat}/layers.0.moe.routed_experts"
+        assert run.scalars[tag][0] == pytest.approx(one.scalars[tag][0], rel=1e-2)
+    for tags in (one.scalars, one.histograms, run.scalars, run.histograms):
+        for tag in [t for t in tags if t.rsplit("/", 1)[-1].startswith(DOWNSTREAM) or t.endswith(tuple(experts))]:
+            del tags[tag]
+    assert_same_run(run, one, range(1), ("activation/", "input/"))
+
+
+BLOCKS = ["layers.0", "layers.1"]
+
+
+def _attention(rank: int, root: str, backends: tuple[tuple[str, bool], ...]) -> None:
+    for backend, sp in backends:
+        model, dims = titan.parallel(backend, 2, tp=2, sp=sp)
+        _train(model, f"{root}/../{backend}", dims, modules=BLOCKS, attention=True)
+
+
+def test_torchtitan_attention_at_tp2_covers_every_head(tmp_path: Path) -> None:
+    """``attention=True`` under each backend at tp 2: torchtitan's inner attention runs on each
+    rank's heads (a local-tensor region whose query is handed split along its heads), so the
+    per-head statistics of both ranks go side by side and the maxima are of every head: what
+    one process writes."""
+    for backends in SEQUENCE_PARALLEL:
+        (tmp_path / backends[0][0]).mkdir()
+        spawn_ranks(functools.partial(_attention, backends=backends), tmp_path / backends[0][0], 2)
+    _train(titan.one_process(), str(tmp_path / "one"), modules=BLOCKS, attention=True)
+    one, heads = read_run(tmp_path / "one"), read_tensors(tmp_path / "one", HEADS_TABLE_TAG)
+    assert sorted(heads) == list(range(STEPS)) and heads[0].shape[1] == titan.HEADS  # (modules x heads x statistics)
+    for backend in [b for backends in SEQUENCE_PARALLEL for b, _ in backends]:
+        assert_same_run(read_run(tmp_path / backend), one, range(STEPS), ("attention/",), histograms=False)
+        theirs = read_tensors(tmp_path / backend, HEADS_TABLE_TAG)
+        assert sorted(theirs) == sorted(heads)
+        for step, table in heads.items():
+            np.testing.assert_allclose(theirs[step], table, rtol=1e-6, err_msg=f"{backend} at step {step}")

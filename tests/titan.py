@@ -6,13 +6,14 @@ in one process, in float64. torchtitan is installed by ``scripts/bootstrap`` (``
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 DIM, HEADS, VOCAB, SEQ = 32, 4, 64, 8
+EXPERTS = 4
 HIDDEN = 96  # (its pieces, 48 wide, unlike the model width: see docs/sharded.md, Limits)
 
 
@@ -47,11 +48,55 @@ def config(*, sp: bool = True) -> Any:
     return cfg
 
 
-def one_process() -> nn.Module:
-    """The model unsharded, its weights drawn from seed 0, in float64."""
+def moe_config(*, sp: bool = True) -> Any:
+    """torchtitan's debug Qwen3 MoE made small (two blocks, four heads, four routed experts of
+    which each token takes two, no shared experts), with its sharding configuration; its
+    attention as :func:`config`'s."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import (  # type: ignore[attr-defined]
+        _EMBEDDING_INIT,
+        _LINEAR_INIT,
+        Qwen3Model,
+        _build_qwen3_moe_layers,
+        _qwen3_norm,
+    )
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    head = DIM // HEADS
+    rope = CosSinRoPE.Config(dim=head, max_seq_len=64, theta=1000000.0)
+    layers = _build_qwen3_moe_layers(
+        n_layers=2,
+        dim=DIM,
+        n_heads=HEADS,
+        n_kv_heads=HEADS,
+        head_dim=head,
+        moe_hidden_dim=HIDDEN // 2,
+        num_experts=EXPERTS,
+        top_k=2,
+        attn_backend="flex",
+        moe_comm_backend="standard",
+        rope=rope,
+    )
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    cfg = Qwen3Model.Config(
+        vocab_size=VOCAB,
+        dim=DIM,
+        norm=_qwen3_norm(DIM),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_LINEAR_INIT),
+        layers=layers,
+    )
+    set_qwen3_sharding_config(cfg, enable_sp=sp, enable_ep=False)
+    return cfg
+
+
+def one_process(*, moe: bool = False) -> nn.Module:
+    """The model (``moe``: :func:`moe_config`'s) unsharded, its weights drawn from seed 0, in float64."""
     with float64():
         torch.manual_seed(0)
-        model = config().build()
+        model = (moe_config() if moe else config()).build()
         with torch.no_grad():
             model.init_weights(buffer_device=None)
     return model
@@ -68,16 +113,29 @@ def float64() -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def parallel(backend: str, world: int, *, tp: int, sp: bool = True, **parallelism: Any) -> tuple[nn.Module, Any]:
+def parallel(
+    backend: str,
+    world: int,
+    *,
+    tp: int,
+    sp: bool = True,
+    compiled: bool = False,
+    moe: bool = False,
+    before: Callable[[nn.Module], object] | None = None,
+    **parallelism: Any,
+) -> tuple[nn.Module, Any]:
     """The model as torchtitan shards it on ``world`` ranks with tensor-parallel degree ``tp``
-    (the rest data parallel, FSDP2), under ``backend``, with :func:`one_process`'s weights;
-    and its ``ParallelDims``."""
+    (the rest data parallel, FSDP2), under ``backend``, with :func:`one_process`'s weights
+    (``compiled``: each block compiled as torchtitan compiles it, ``fullgraph=True``, eager
+    backend; ``moe``: :func:`moe_config`'s model, by ``parallelize_qwen3``); and its ``ParallelDims``.
+    ``before`` is given the model as built, before it is sharded."""
     import torchtitan.distributed.parallel_dims as parallel_dims
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.llama3 import parallelize_llama
+    from torchtitan.models.qwen3 import parallelize_qwen3
 
     parallel_dims.device_type = "cpu"  # (torchtitan's device choice: the accelerator it finds, else CUDA)
     options = ParallelismConfig(
@@ -87,20 +145,22 @@ def parallel(backend: str, world: int, *, tp: int, sp: bool = True, **parallelis
     dims = ParallelDims.from_config(options, world)
     dims.build_mesh()
     with torch.device("meta"), float64():
-        model = config(sp=sp).build()
+        model = (moe_config if moe else config)(sp=sp).build()
+    if before is not None:
+        before(model)
     TORCH_DTYPE_MAP.setdefault("float64", torch.float64)  # (its mixed precision offers float32 and bf16 only)
     training = TrainingConfig(mixed_precision_param="float64", mixed_precision_reduce="float64")
-    model = parallelize_llama(
+    model = (parallelize_qwen3 if moe else parallelize_llama)(
         model,
         parallel_dims=dims,
         training=training,
         parallelism=options,
-        compile_config=CompileConfig(),
+        compile_config=CompileConfig(enable=compiled, components=["model"], backend="eager"),
         ac_config=None,
         dump_folder="/tmp",
     )
     model.to_empty(device="cpu")
-    full = dict(one_process().named_parameters())
+    full = dict(one_process(moe=moe).named_parameters())
     with torch.no_grad():
         model.init_weights(buffer_device=None)  # (the buffers: rotary angles)
         for name, param in model.named_parameters():

@@ -36,8 +36,10 @@ class ActivationRecorder:
         feature_maps: frozenset[str],
         parallel: TensorParallel,
         numerics: Written | None = None,
+        logits: frozenset[str] = frozenset(),
     ) -> None:
-        """``numerics``: with ``numerics=``, the formats written, told each logged forward's autocast state."""
+        """``numerics``: with ``numerics=``, the formats written, told each logged forward's autocast
+        state; ``logits``: the modules whose output logits' log-partition is recorded."""
         self.buffer, self.gradients, self.parallel = buffer, gradients, parallel
         self.numerics = numerics
         recipe = buffer.recipe
@@ -47,6 +49,7 @@ class ActivationRecorder:
         fp8 = numerics is not None and numerics.fp8
         self._casts = (recipe.numerics[Source.FP8_INPUT], recipe.numerics[Source.FP8_WEIGHT]) if fp8 else None
         self.activations, self.inputs, self.feature_maps = activations, inputs, feature_maps
+        self.logits, self._log_partition = logits, recipe[Source.LOGITS]
         self.passes = PassFilter(eval_passes=eval_passes)
         #: Per watched module, the dim of its outputs that holds its units (``reductions.units_dim``).
         self.units: dict[str, int] = {}
@@ -82,8 +85,6 @@ class ActivationRecorder:
             counted = self.passes.classify(name, training, mode.in_backward())
             if not any(counted):
                 return None
-            if counted.gradients and self.gradients is not None and not mode.compiled:
-                self.parallel.check_gradient(module)
             units = self.units.get(name, -1)
             tensors = loggable_leaves(output)
             if not tensors:
@@ -99,8 +100,11 @@ class ActivationRecorder:
                         self._remember(mode, t, mode.record(self._output, name, t, units, split))
                     if self._casts is not None and isinstance(module, nn.Linear):
                         self._fp8_casts(mode, name, module, args)
+                if name in self.logits and counted.activations:
+                    self._logits(mode, name, pieces)
             if counted.gradients and self.gradients is not None:
-                return self.gradients.watch(mode, name, output, tensors, [split for _, split in pieces])
+                splits = [split for _, split in pieces]
+                return self.gradients.watch(mode, name, output, tensors, splits, self.parallel.gradient_terms(module))
         except Exception as error:  # the logger must never stop training
             self.buffer.fail(name, error)
         return None
@@ -115,11 +119,20 @@ class ActivationRecorder:
             if type(t) in (Tensor, nn.Parameter) and loggable(t):
                 mode.measure(kind, key, t.detach())  # type: ignore[union-attr]
 
-    def on_input(self, name: str, inputs: object, training: bool) -> None:
+    def _logits(self, mode: Mode, name: str, pieces: list[tuple[Tensor, Split | None]]) -> None:
+        """The log-partition of the output logits: the first output of at least one dim (a
+        model's output holding the loss first gives its logits); not of a piece split over
+        tensor-parallel ranks (its vocabulary is one rank's)."""
+        t, split = next(((t, split) for t, split in pieces if t.dim() >= 1), (None, None))
+        if t is not None and split is None:
+            mode.measure(self._log_partition, name, t)
+
+    def on_input(self, name: str, module: nn.Module, inputs: object) -> None:
         """Forward pre-hook body: the inputs' non-finite count (to tell where NaN/Inf start),
         or with ``inputs=True`` the same statistics as for outputs."""
         if name in self.buffer.disabled or not (self.activations or self.inputs):
             return  # without output counts the input count tells nothing
+        training = module.training
         mode = self.buffer.now()
         if (
             mode is None
@@ -131,7 +144,7 @@ class ActivationRecorder:
             units = self.units.get(name, -1)
             leaves = loggable_leaves(inputs)
             whole: list[tuple[Tensor, Split | None]] = [(t, None) for t in leaves]
-            pieces = whole if mode.compiled else self.parallel.inputs(leaves)
+            pieces = whole if mode.compiled else self.parallel.inputs(module, leaves)
             with torch.no_grad():
                 for t, split in pieces:
                     if self.inputs:

@@ -54,7 +54,7 @@ class ForwardPreHook(_ModuleHook):
 
     def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.buffer.active:
-            self.recorder.on_input(self.name, (args, kwargs), module.training)
+            self.recorder.on_input(self.name, module, (args, kwargs))
 
 
 class ParamGradHook(_Hook):

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import warnings
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -18,10 +19,13 @@ from ..stats.packing import Record
 from ..stats.recipe import Source
 from ..stats.reductions import loggable
 from ..stats.tags import Root
-from ..topology.sharding import Split, is_dtensor, local
+from ..topology.sharding import Pending, Split, is_dtensor, local, pending, terms
 from . import probes
 from .step import Mode, StepBuffer
 from .watched import Handles
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class OutputGradientRecorder:
@@ -39,6 +43,7 @@ class OutputGradientRecorder:
         self._probe_handles = Handles()  # the probes' own hooks, live until release()
         self._probes: dict[str, probes.Probe] = {}
         self._warned_repeated = False
+        self._pending: list[Pending] = []  # this step's gradients placed Partial, one per call
 
     def place_probes(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
         """A probe per watched module, on the device its outputs will be on: made now, before
@@ -47,26 +52,42 @@ class OutputGradientRecorder:
             self._place_probe(name, probes.home_device(module, model))
 
     def watch(
-        self, mode: Mode, name: str, output: object, tensors: list[Tensor], splits: list[Split | None]
+        self,
+        mode: Mode,
+        name: str,
+        output: object,
+        tensors: list[Tensor],
+        splits: list[Split | None],
+        summed_over: DeviceMesh | None = None,
     ) -> object | None:
         """Watch the gradients of a training pass's outputs (``tensors``, the loggable leaves of
-        ``output``, each split over ranks as ``splits`` says); returns the output to use instead,
-        if any."""
+        ``output``, each split over ranks as ``splits`` says; ``summed_over``: the mesh over which
+        plain gradients are terms of a sum, ``TensorParallel.gradient_terms``); returns the output
+        to use instead, if any."""
         if mode.compiled:
             return self._tap(name, output)
         for t, split in zip(tensors, splits):
             if t.requires_grad:
-                self._handles.add(t.register_hook(_GradientHook(self, name, split)))
+                self._handles.add(t.register_hook(_GradientHook(self, name, split, summed_over)))
         return None
 
-    def on_grad(self, name: str, grad: Tensor, split: Split | None) -> None:
-        """A tensor hook's gradient (of an output split as ``split``; a ``DTensor``'s says itself)."""
+    def on_grad(self, name: str, grad: Tensor, split: Split | None, summed_over: DeviceMesh | None = None) -> None:
+        """A tensor hook's gradient (of an output split as ``split``; a ``DTensor``'s says itself).
+        One placed ``Partial`` (a ``Replicate`` output's, whose consumers each hold a term of it),
+        or a plain term of a sum over ``summed_over``, is copied and recorded once reduced over
+        the ranks at the end of the step (:meth:`resolve`)."""
         if name in self.buffer.disabled:
             return
         try:
             if not loggable(grad):
                 return
             with torch.no_grad():
+                waiting = (
+                    terms(name, grad, summed_over) if summed_over is not None else pending(name, grad, output=True)
+                )
+                if waiting is not None:
+                    self._pending.append(waiting)
+                    return
                 if is_dtensor(grad):  # (its units are where its output's were)
                     grad, placed = local(grad)
                     split = placed and dataclasses.replace(placed, axis=split.axis if split else placed.axis)
@@ -107,15 +128,26 @@ class OutputGradientRecorder:
                 stacklevel=2,
             )
 
-    def end_step(self, records: list[Record]) -> None:
+    def resolve(self, waiting: list[Pending], reduced: list[Tensor]) -> tuple[list[Record], list[Sample]]:
+        """Records and histogram samples of output gradients placed ``Partial``, from their terms
+        ``reduced`` over ranks (``Ranks.finish``)."""
+        with torch.no_grad():
+            for p, t in zip(waiting, reduced):
+                whole, split = p.whole(t)
+                self.buffer.eager.record(self._kind, p.key, whole, split=split, numerics=self._numerics)
+        return self.buffer.drain()
+
+    def end_step(self, records: list[Record]) -> list[Pending]:
         """A logged step ended: remove its tensor hooks; probes of modules whose outputs turned
         out to be on another device (the model was moved after attaching) follow them, at the
-        cost of one more graph."""
+        cost of one more graph. Returns the gradients still to be reduced over ranks."""
         self._handles.remove_all()
+        waiting, self._pending = self._pending, []
         for record in records:
             probe = self._probes.get(record.name)
             if record.kind is self._output and probe is not None and probe.device != record.values[0].device:
                 self._place_probe(record.name, record.values[0].device)
+        return waiting
 
     def release(self) -> None:
         """The logger is done: remove every gradient hook, the probes' too."""
@@ -154,13 +186,15 @@ def _on_probe(recorder: weakref.ref[OutputGradientRecorder], name: str, summed: 
 class _GradientHook:
     """Tensor hook on a module output: records the gradient, never changes it."""
 
-    __slots__ = ("calls", "name", "recorder", "split")
+    __slots__ = ("calls", "name", "recorder", "split", "summed_over")
 
-    def __init__(self, recorder: OutputGradientRecorder, name: str, split: Split | None) -> None:
-        self.recorder, self.name, self.split, self.calls = recorder, name, split, 0
+    def __init__(
+        self, recorder: OutputGradientRecorder, name: str, split: Split | None, summed_over: DeviceMesh | None
+    ) -> None:
+        self.recorder, self.name, self.split, self.summed_over, self.calls = recorder, name, split, summed_over, 0
 
     def __call__(self, grad: Tensor) -> None:
         self.calls += 1
         if self.calls == 2:
             self.recorder.repeated_backward(self.name)
-        self.recorder.on_grad(self.name, grad, self.split)
+        self.recorder.on_grad(self.name, grad, self.split, self.summed_over)

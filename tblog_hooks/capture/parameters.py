@@ -116,11 +116,16 @@ class ParameterRecorder:
         """``numerics=``'s record of a gradient, at the loss scale backward made it at (an
         ``unscale_`` divided it: multiplied back for the counts, its magnitudes divided again on
         the device); none of a sparse one, nor of one a fused optimizer still holds scaled (its
-        norm is unscaled on the device, these would not be), nor of a sharded parameter's piece."""
+        norm is unscaled on the device, these would not be). Of a sharded parameter's piece (an
+        FSDP2 shard), the piece's, pooled with the other pieces' at the end of the step."""
         kind = self._numerics
-        if kind is None or scale is not None or split is not None or key not in dense:
+        if kind is None or scale is not None or key not in dense:
             return None
         compute = self.buffer.kernels.compute
+        if not grad.numel():  # an empty shard (FSDP2 gives a rank none of a small parameter)
+            values = kind.values(compute((kind,), grad.new_zeros(1), -1))
+            # (one zero's extremes and sums change nothing pooled; its counts are zeroed)
+            return Record(kind, key, 0, tuple(v if v.is_floating_point() else v.zero_() for v in values), split=split)
         if unscaled is None:
             return Record(kind, key, grad.numel(), kind.values(compute((kind,), grad, -1)), split=split)
         factor = unscaled.to(grad.device).reshape(())

@@ -42,11 +42,12 @@ class Recording:
         config: Options,
         *,
         feature_maps: frozenset[str],
+        logits: frozenset[str],
         model: nn.Module,
         parallel: TensorParallel,
     ) -> None:
-        """The recording the ``HookLogger`` options ``config`` ask for (``feature_maps``: the names
-        of the watched modules they select; ``parallel``: the model's tensor-parallel styles)."""
+        """The recording the ``HookLogger`` options ``config`` ask for (``feature_maps``, ``logits``:
+        the names of the watched modules they select; ``parallel``: the model's tensor-parallel styles)."""
         histograms = config.histogram_schedule
         self.watched = watched
         self._parameters = config.parameters
@@ -68,6 +69,7 @@ class Recording:
             inputs=config.inputs,
             eval_passes=config.eval_passes,
             feature_maps=feature_maps,
+            logits=logits,
             parallel=self.parallel,
             numerics=self.numerics,
         )
@@ -174,12 +176,23 @@ class Recording:
         ranks (``sharding.Pending``), ready for the current stream (``transport/streams.py``);
         the recorders are reset."""
         records, samples = self.buffer.drain()
-        if self.gradients is not None:
-            self.gradients.end_step(records)
+        outputs = [] if self.gradients is None else self.gradients.end_step(records)
         graded, rows, waiting = self.parameters.end_step()
-        records, samples = records + graded, samples + rows
+        records, samples, waiting = records + graded, samples + rows, waiting + outputs
         self.buffer.streams.keep(_tensors(records, samples, waiting))
         return records, samples, waiting
+
+    def resolve(self, waiting: list[Pending], reduced: list[Tensor]) -> tuple[list[Record], list[Sample]]:
+        """Records and histogram samples of the gradients placed ``Partial``, from their terms
+        ``reduced`` over ranks (``Ranks.finish``): parameters' and outputs' by their recorders."""
+        records: list[Record] = []
+        samples: list[Sample] = []
+        for output, recorder in ((False, self.parameters), (True, self.gradients)):
+            mine = [(p, t) for p, t in zip(waiting, reduced) if p.output is output]
+            if mine and recorder is not None:
+                more, rows = recorder.resolve([p for p, _ in mine], [t for _, t in mine])
+                records, samples = records + more, samples + rows
+        return records, samples
 
     def pack(self, records: list[Record], samples: list[Sample]) -> tuple[Tensor, StepLayout] | None:
         """Bin the step's histograms and pack every record into one float64 tensor. Should binning

@@ -27,6 +27,7 @@ Selector = Union[str, nn.Module, type[nn.Module], Callable[[str, nn.Module], boo
 
 ROOT_NAME = "root"
 _GLOB_CHARS = frozenset("*?[")
+_LEAF_CUTOFF = 0.6  # (``wq`` is 0.67 like ``wqkv``, 0.5 like ``wo`` or ``w1``)
 
 
 def default_selection(name: str, module: nn.Module) -> bool:
@@ -139,11 +140,27 @@ def _hits(rule: Selector, named: list[tuple[str, str, nn.Module]]) -> set[int]:
     return {i for i, (name, _, module) in enumerate(named) if rule(name, module)}
 
 
+def _closest_names(rule: str, names: list[str], n: int = 5) -> list[str]:
+    """Up to ``n`` of ``names`` like ``rule``: first those whose last part is like the rule's
+    (``layers.0.attention.qkv_linear.wqkv`` for ``layers.0.attention.wq``, which the whole
+    names alone would not offer ahead of ``layers.0.attention.wo``), the closer whole name first
+    among equally close last parts; then the closest whole names."""
+    leaf = rule.rpartition(".")[2]
+    matcher = difflib.SequenceMatcher(b=leaf)
+    by_leaf = []
+    for name in names:
+        matcher.set_seq1(name.rpartition(".")[2])
+        if matcher.real_quick_ratio() >= _LEAF_CUTOFF and matcher.ratio() >= _LEAF_CUTOFF:
+            by_leaf.append((-matcher.ratio(), -difflib.SequenceMatcher(a=name, b=rule).ratio(), name))
+    whole = difflib.get_close_matches(rule, names, n=n, cutoff=0.5)
+    return list(dict.fromkeys([name for *_, name in sorted(by_leaf)] + whole))[:n]
+
+
 def _unmatched_message(unmatched: list[Selector], names: list[str], option: str) -> str:
     lines = [f"{option}= has selectors that match no module of the model:"]
     for rule in unmatched:
         if isinstance(rule, str):
-            close = difflib.get_close_matches(rule, [n for n in dict.fromkeys(names) if n], n=5, cutoff=0.5)
+            close = _closest_names(rule, [n for n in dict.fromkeys(names) if n])
             hint = f"closest names: {', '.join(close)}" if close else "no similar name"
             lines.append(f"  {rule!r} ({hint})")
         elif isinstance(rule, nn.Module):

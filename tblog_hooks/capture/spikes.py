@@ -17,6 +17,13 @@ embedding's gradient is ``Replicate`` where its parameter is ``Shard(0)``), one 
 floats per group of such dims per step, on every rank, in ``step()`` (never in a hook: a rank whose
 hook failed still takes part). Gradients placed ``Partial`` (a sequence-parallel norm's) are left
 out of the per-step norms, said once: only a collective of the whole gradient could add them up.
+
+Which collectives a step makes is fixed when the logger is made, alike on every rank: the
+shard groups of the watched parameters as they are then. A model sharded after that (the logger
+made before ``fully_shard`` or ``parallelize_llama``) adds none: the norms are switched off on the
+rank that reads them, which alone would otherwise enter a collective the others never make.
+A parameter two optimizers step in one step (torchtitan's ``OptimizersContainer``, itself an
+optimizer, steps the optimizers it holds) is counted once.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,21 +61,25 @@ class StepNorms:
         modules: Sequence[str],
         steps: int,
         *,
-        samples_over_ranks: bool = False,
+        over_ranks: bool = False,
         lead: bool = True,
+        divisor: Callable[[], float] = lambda: 1.0,
     ) -> None:
-        """``samples_over_ranks`` (``reduce_ranks=True`` over several ranks): each step's samples are
-        summed over the ranks, those of the first rank of each tensor-parallel group (``lead``)."""
+        """``over_ranks`` (``reduce_ranks=True`` over several ranks): each step's samples are summed
+        over the ranks, those of the first rank of each tensor-parallel group (``lead``), and so are
+        their losses, divided by ``divisor()`` (what the data-parallel reduction divides the summed
+        gradients by, ``distributed.gradient_divisor``): the loss whose gradients the optimizer applies."""
         self.watched, self.modules, self.steps = watched, tuple(modules), steps
-        self._samples_over_ranks, self._lead = samples_over_ranks, lead
+        self._over_ranks, self._lead, self._divisor = over_ranks, lead, divisor
         # id(parameter) -> (slot: group-set index * modules + module index, parameter, whether it is a
         # DTensor, whose gradient is one too); None: look up again.
         self._owners: dict[int, tuple[int, Tensor, bool]] | None = None
         # Shard groups of sharded parameters by their Split's key (alike on every rank), in the order
         # found; a parameter's slot is in block 1 + that position (block 0: not sharded).
-        self._group_sets: dict[tuple[object, ...], Groups] = {}
+        self._group_sets = _group_sets(watched)
         self._indices: dict[tuple[int, ...], Tensor] = {}  # device index tensors by their slots
         self._stepped: dict[int, Tensor] = {}  # id(optimizer) -> its per-module squares this step
+        self._read_now: set[int] = set()  # id(parameter) of the gradients read this step
         self._device = torch.device("cpu")  # of the squares
         self._after: set[int] = set()  # optimizers stepping with a closure: read after their step
         self._ring = Ring(steps, len(self.modules))
@@ -102,8 +113,9 @@ class StepNorms:
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     entry = owners.get(id(p))
-                    if entry is None or not loggable(g := p.grad):
+                    if entry is None or id(p) in self._read_now or not loggable(g := p.grad):
                         continue
+                    self._read_now.add(id(p))
                     slot = entry[0]
                     if entry[2]:  # (no DTensor check per plain parameter and step)
                         if is_partial(g):
@@ -126,44 +138,52 @@ class StepNorms:
             self._fail(error)
 
     def end_step(self, step: int, loss: Tensor | float | None, samples: int | None) -> bool:
-        """The step's squares (summed over ranks), ``loss`` and ``samples`` (summed over ranks with
-        ``samples_over_ranks``) into the ring (one non-blocking copy per device); nothing read.
+        """The step's squares (summed over ranks), ``loss`` and ``samples`` (over ranks with
+        ``over_ranks``) into the ring (one non-blocking copy per device); nothing read.
         Whether a row was queued: none without squares or a loss (nothing to judge)."""
-        sums, counted = self._combined(), self._over_ranks(samples)
+        sums, (total, counted) = self._combined(), self._pooled(loss, samples)
         if self.failed or (sums is None and loss is None):
             return False
         try:
-            self._ring.put(step, sums, loss, counted)
+            self._ring.put(step, sums, total, counted)
         except Exception as error:
             self._fail(error)
             return False
         return True
 
-    def drop(self, samples: int | None) -> None:
-        """The step's squares and samples summed over ranks, and forgotten (a rank that does not write)."""
+    def drop(self, loss: Tensor | float | None, samples: int | None) -> None:
+        """The step's squares, loss and samples summed over ranks, and forgotten (a rank that does not write)."""
         self._combined()
-        self._over_ranks(samples)
+        self._pooled(loss, samples)
 
-    def _over_ranks(self, samples: int | None) -> Tensor | int | None:
-        """``samples``, or with ``samples_over_ranks`` their sum over the ranks (one ``all_reduce`` of
-        one value, on every rank at each step, failed or not: the other ranks make it too)."""
-        if not self._samples_over_ranks:
-            return samples
+    def _pooled(
+        self, loss: Tensor | float | None, samples: int | None
+    ) -> tuple[Tensor | float | None, Tensor | int | None]:
+        """``loss`` and ``samples``, or with ``over_ranks`` the sum of the ranks' losses (of the
+        first rank of each tensor-parallel group) divided by ``divisor()`` (NaN where no rank gave
+        one) and of their samples: one ``all_reduce`` of three values, on every rank at each step,
+        failed or not (the other ranks make it too); nothing read."""
+        if not self._over_ranks:
+            return loss, samples
         try:
-            mine = float(samples or 0) if self._lead else 0.0  # (a fill on the device: no copy, no sync)
-            total = torch.full((1,), mine, dtype=torch.float64, device=collective_device())
-            dist.all_reduce(total)
+            row = torch.zeros(3, dtype=torch.float64, device=collective_device())
+            if self._lead:  # (fills on the device, and the loss added there: no copy, nothing read)
+                row[0], row[2] = float(samples or 0), float(loss is not None)
+                row[1] = loss.detach().reshape(()) if isinstance(loss, Tensor) else (loss or 0.0)
+            dist.all_reduce(row)
         except Exception as error:  # a broken process group: no collective from now on
-            self._samples_over_ranks = False
+            self._over_ranks = False
             self._fail(error)
-            return None
-        return total
+            return None, None
+        total = torch.where(row[2:] > 0, row[1:2] / self._divisor(), math.nan)
+        return (total if loss is not None else None), row[:1]
 
     def _combined(self) -> Tensor | None:
         """The step's per-module squares, over every optimizer that stepped and, for sharded
         parameters, over the ranks holding their other pieces: the collectives every rank makes
         at each step once the watched parameters are known to be sharded, whatever it read."""
         stepped, self._stepped = list(self._stepped.values()), {}
+        self._read_now.clear()
         if not self._group_sets:
             return (
                 None if not stepped else stepped[0] if len(stepped) == 1 else torch.stack(on_one_device(stepped)).sum(0)
@@ -204,7 +224,8 @@ class StepNorms:
                 continue
             block, split = 0, local(p)[1] if world > 1 else None
             if split is not None:
-                self._group_sets.setdefault(split.key, split.groups)
+                if split.key not in self._group_sets:
+                    raise HookLoggerError(SHARDED_LATE)
                 block = 1 + list(self._group_sets).index(split.key)
             owners[id(p)] = (block * len(self.modules) + index[name], p, is_dtensor(p))
         self._owners = owners
@@ -262,6 +283,26 @@ class StepNorms:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+def _group_sets(watched: Watched) -> dict[tuple[object, ...], Groups]:
+    """The shard groups of the watched parameters split over ranks, by their ``Split``'s key (alike
+    on every rank), in the order found: the collectives of every step, fixed when the logger is made."""
+    found: dict[tuple[object, ...], Groups] = {}
+    if rank_and_world()[1] > 1:
+        for _, p in watched.params():
+            split = local(p)[1]
+            if split is not None:
+                found.setdefault(split.key, split.groups)
+    return found
+
+
+#: Why the per-step norms stop on a model sharded after the logger was made.
+SHARDED_LATE = (
+    "the model was sharded (fully_shard, parallelize_module, torchtitan's parallelize) after the HookLogger was "
+    "created, so the gradient norms would be this rank's pieces, and adding them up would take collectives the "
+    "other ranks do not make; create the HookLogger after sharding the model"
+)
 
 
 class Ring:

@@ -69,6 +69,7 @@ class StepBuffer:
         #: Modules (by name) and parts whose logging failed or ended.
         self.disabled: set[str | Part] = set()
         self._old_compile_warned = False
+        self._failed: list[tuple[str | Part, BaseException]] = []  # failures of compiled hooks, not yet reported
         self.indices = IndexCache()  # sample and histogram-row indices, made once per size
         self._schedule = histograms
         self.kinds = _NO_KINDS  # histogram kinds of the current logged step
@@ -124,6 +125,9 @@ class StepBuffer:
         """Everything the hooks recorded this step, in the order they recorded it; empties the buffer."""
         records, samples = self._records, self._samples
         self._records, self._samples = [], []
+        failed, self._failed = self._failed, []
+        for key, error in failed:
+            _warn_failed(key, error)
         traced = self.traced.sink.drain()
         if traced and TORCH_VERSION < COMPILE_VERIFIED and not self._old_compile_warned:
             self._old_compile_warned = True
@@ -139,15 +143,25 @@ class StepBuffer:
         return records, samples
 
     def fail(self, key: str | Part, error: BaseException) -> None:
-        """Report a failure once and stop logging ``key`` (a module's name, or a part); training carries on."""
+        """Report a failure once and stop logging ``key`` (a module's name, or a part); training
+        carries on. A hook traced by ``torch.compile`` only keeps it (a warning there would break
+        a ``fullgraph=True`` graph, and end training): it is reported when the step's records are
+        drained, outside compiled code."""
         if key not in self.disabled:
             self.disabled.add(key)
-            name = key.value if isinstance(key, Part) else key
-            warnings.warn(
-                f"tblog_hooks: logging for {name!r} failed and is switched off: {type(error).__name__}: {error}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            if torch.compiler.is_compiling():
+                self._failed.append((key, error))
+            else:
+                _warn_failed(key, error)
+
+
+def _warn_failed(key: str | Part, error: BaseException) -> None:
+    name = key.value if isinstance(key, Part) else key
+    warnings.warn(
+        f"tblog_hooks: logging for {name!r} failed and is switched off: {type(error).__name__}: {error}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 class Mode(abc.ABC):

@@ -9,12 +9,13 @@ that step": every document is valid JSON as built (``json.dumps(..., allow_nan=F
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..diagnostics.findings import FindingKind
+from ..diagnostics.findings import MEASURES, FindingKind
 from ..diagnostics.numerics_rules import FORMATS
 from ..diagnostics.numerics_rules import PICTURES as NUMERICS_ROOTS
 from ..diagnostics.replay import owner
@@ -28,6 +29,7 @@ from ..stats.tags import (
     Root,
     Scale,
     Stat,
+    escape,
     per_format,
     scale_of,
     tag,
@@ -55,6 +57,7 @@ SEVERITY = (
     FindingKind.FP8_OVERFLOW,
     FindingKind.DEAD_UNITS,
     FindingKind.MASSIVE_ACTIVATION,
+    FindingKind.LOGIT_DRIFT,
     FindingKind.ATTENTION_LOGIT_GROWTH,
     FindingKind.ATTENTION_ENTROPY_COLLAPSE,
     FindingKind.FP8_UNDERFLOW,
@@ -78,6 +81,13 @@ def scales() -> dict[str, str]:
     named = {str(stat): scale_of(stat) for stat in Stat} | {str(lost): scale_of(lost) for lost in Lost}
     formats = {per_format(lost, fmt): scale_of(lost) for lost in Lost for fmt in FORMATS}
     return {"default": Scale.LOG} | {name: str(scale) for name, scale in (named | formats).items()}
+
+
+def kinds() -> dict[str, dict[str, str]]:
+    """The ``kinds`` document: for each finding kind, what its ``value`` is (``label``, a few
+    words shown beside it, and ``meaning``, the sentence; see
+    :data:`~tblog_hooks.diagnostics.findings.MEASURES`)."""
+    return {str(kind): measure._asdict() for kind, measure in MEASURES.items()}
 
 
 def findings(analysis: Analysis) -> list[dict[str, Any]]:
@@ -109,6 +119,35 @@ def run_entry(model: Model) -> dict[str, Any]:
         "heads": HEADS_TABLE_TAG in model.tables,
         "numerics": NUMERICS_TABLE_TAG in model.tables,
     }
+
+
+def overview(judged: Sequence[tuple[Model, Analysis]]) -> list[dict[str, Any]]:
+    """The ``overview`` document: per model, how many findings of each kind its run holds
+    (``kinds``, the most severe first), the most severe (``worst``, ``None`` without findings),
+    and how many logged steps they were judged on; worst run first, by its most severe kind
+    (:data:`SEVERITY`), then the number of findings, then name."""
+    rows = []
+    for model, analysis in judged:
+        counts = {str(k): 0 for k in SEVERITY}
+        for f in analysis.findings:
+            counts[f.kind] += 1
+        kinds = {k: n for k, n in counts.items() if n}
+        rows.append({
+            "run": model.run,
+            "prefix": model.prefix,
+            "name": model.name,
+            "findings": len(analysis.findings),
+            "kinds": kinds,
+            "worst": next(iter(kinds), None),
+            "logged_steps": len(analysis.run.scalars),
+            "sampled": analysis.sampled,
+        })  # fmt: skip
+
+    def rank(row: dict[str, Any]) -> tuple[int, int, str]:
+        worst = len(SEVERITY) if row["worst"] is None else SEVERITY.index(FindingKind(row["worst"]))
+        return worst, -row["findings"], row["name"]
+
+    return sorted(rows, key=rank)
 
 
 #: The axes of each value table after its modules, and how the documents name them.
@@ -182,11 +221,18 @@ def module_table(analysis: Analysis) -> dict[str, Any]:
     for scalars in run.scalars.values():
         latest.update(scalars)
     values: dict[str, dict[str, float | str | None]] = {m: {} for m in run.order}
+    parameters: dict[str, set[str]] = {}
     for full, value in latest.items():
         root, stat, name = _parts(full)
         if name is not None and root in _MODULE_ROOTS:
             values.setdefault(unescape(name), {})[f"{root}/{stat}"] = number(value)
+        elif name is not None and root in _PARAMETER_ROOTS:
+            parameters.setdefault(unescape(name), set())
     modules = in_forward_order(values, run.order)
+    own: dict[str, list[str]] = {}
+    for name in sorted(parameters):
+        if (held := owner(name, modules)) is not None and held != name:
+            own.setdefault(held, []).append(name[len(held) + 1 :])
     found: dict[str, list[str]] = {m: [] for m in modules}
     for finding in analysis.findings:
         if (held := owner(finding.module, modules)) is not None:
@@ -198,7 +244,13 @@ def module_table(analysis: Analysis) -> dict[str, Any]:
         return worst, -len(found[module]), position[module]
 
     rows = [
-        {"module": m, "index": position[m], "findings": found[m], "values": values[m]}
+        {
+            "module": m,
+            "index": position[m],
+            "findings": found[m],
+            "values": values[m],
+            "tag_filter": tag_filter(run.prefix, m, own.get(m, [])),
+        }
         for m in sorted(modules, key=rank)
     ]
     stats = {stat for row in values.values() for stat in row}
@@ -206,13 +258,27 @@ def module_table(analysis: Analysis) -> dict[str, Any]:
     return {
         "stats": first + sorted(stats - set(first)),
         "rows": rows,
+        "model_tag_filter": tag_filter(run.prefix, None),
         "logged_steps": len(run.scalars),
         "sampled": analysis.sampled,
     }
 
 
-#: Roots whose names are modules (``param`` and ``param_grad`` name parameters).
+#: Roots whose names are modules, and those whose names are parameters.
 _MODULE_ROOTS = (Root.ACTIVATION, Root.INPUT, Root.GRADIENT, Root.ATTENTION)
+_PARAMETER_ROOTS = (Root.PARAM, Root.PARAM_GRAD)
+
+
+def tag_filter(prefix: str, module: str | None, parameters: Sequence[str] = ()) -> str:
+    """TensorBoard's tag filter (a regular expression) for the charts of ``module`` in its Scalars
+    and Histograms tabs: its tags and its own ``parameters``' (``root/stat/{name}`` scalars,
+    ``root/{name}`` histograms, names escaped as in the tags) under the logger's ``prefix``; for
+    ``None``, the whole model's every-step series (``step/*``)."""
+    head = f"^{re.escape(prefix)}/" if prefix else "^"
+    if module is None:
+        return f"{head}{Root.STEP}/"
+    names = f"(?:\\.(?:{'|'.join(re.escape(escape(p)) for p in parameters)}))?" if parameters else ""
+    return f"{head}[^/]+/(?:[^/]+/)?{re.escape(escape(module))}{names}$"
 
 
 def _parts(full: str) -> tuple[str, str, str | None]:

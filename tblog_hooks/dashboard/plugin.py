@@ -1,11 +1,13 @@
 """The "Model health" plugin: TensorBoard finds it through the ``tensorboard_plugins`` entry point
 of this package and serves its routes under ``/data/plugin/tblog_hooks/``.
 
-Routes (JSON, documented in ``docs/dashboard.md``): ``runs``, ``scales``, ``heatmap?run=&tag=``,
-``findings?run=``, ``modules?run=``, ``series?run=&module=``, ``spikes?run=``, ``heads?run=&step=``,
-``numerics?run=&step=``, ``compare?run=&other=``; each route of one
-run also takes ``prefix=`` (needed only when the run holds several loggers' prefixes). The page
-itself is ``index.js`` (an ES module; its difference view in ``compare.js``) and ``style.css``.
+Routes (JSON, documented in ``docs/dashboard.md``): ``runs``, ``overview``, ``scales``, ``kinds``,
+``heatmap?run=&tag=``, ``findings?run=``, ``modules?run=``, ``series?run=&module=``,
+``spikes?run=``, ``heads?run=&step=``, ``numerics?run=&step=``, ``compare?run=&other=``; each
+route of one run also takes ``prefix=`` (needed only when the run holds several loggers'
+prefixes), and ``heatmap``, ``findings`` and ``series`` take ``format=csv`` or ``format=json`` for
+a download. The page itself is ``index.js`` (an ES module; its difference view in
+``compare.js``) and ``style.css``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from werkzeug import wrappers
 from ..diagnostics import compare
 from ..diagnostics.compare import Tolerance
 from ..stats.tags import HEADS_TABLE_TAG, NUMERICS_TABLE_TAG, TABLE_PLUGIN, split_prefix
-from . import documents
+from . import documents, downloads
 from .analyses import Analyses
 from .source import DEFAULT_SCALARS_KEPT, Model, Source, names_of
 
@@ -63,7 +65,9 @@ class HealthPlugin(base_plugin.TBPlugin):  # type: ignore[misc]
             "/compare": self._compare,
         }
         apps = {path: _app(self._static) for path in _STATIC} | {"/runs": _app(self._runs)}
+        apps["/overview"] = _app(self._overview)
         apps["/scales"] = _app(lambda request: _respond(request, documents.scales()))
+        apps["/kinds"] = _app(lambda request: _respond(request, documents.kinds()))
         return apps | {path: _app(functools.partial(self._of_model, build)) for path, build in documents_of.items()}
 
     def is_active(self) -> bool:
@@ -82,10 +86,34 @@ class HealthPlugin(base_plugin.TBPlugin):  # type: ignore[misc]
         ctx, eid = _context(request)
         return _respond(request, [documents.run_entry(model) for model in self._source.models(ctx, eid)])
 
-    def _of_model(self, build: Build, request: wrappers.Request) -> wrappers.Response:
-        """A route of one run's model: ``run=`` and ``prefix=`` choose it (see :meth:`_model`)."""
+    def _overview(self, request: wrappers.Request) -> wrappers.Response:
+        """Every run's findings counted, worst run first: each run judged (once per change of it)."""
         ctx, eid = _context(request)
-        return _respond(request, build(request, ctx, eid, self._model(request, ctx, eid)))
+        judged = [(model, self._analyses.of(ctx, eid, model)) for model in self._source.models(ctx, eid)]
+        return _respond(request, documents.overview(judged))
+
+    def _of_model(self, build: Build, request: wrappers.Request) -> wrappers.Response:
+        """A route of one run's model: ``run=`` and ``prefix=`` choose it (see :meth:`_model`);
+        ``format=csv`` or ``format=json`` (``heatmap``, ``findings``, ``series``) make its answer a
+        file to download (see :mod:`.downloads`)."""
+        ctx, eid = _context(request)
+        route, fmt = request.path.rsplit("/", 1)[-1], request.args.get("format")
+        if fmt is not None and (route not in downloads.TABLES or fmt not in downloads.FORMATS):
+            raise errors.InvalidArgumentError(
+                f"format={fmt!r} is not a download of {route}: format= is one of {', '.join(downloads.FORMATS)},"
+                f" for the routes {', '.join(downloads.TABLES)}"
+            )
+        model = self._model(request, ctx, eid)
+        doc = build(request, ctx, eid, model)
+        if fmt is None:
+            return _respond(request, doc)
+        detail = request.args.get("tag", request.args.get("module", ""))
+        response = (
+            _respond(request, doc) if fmt == "json" else _respond(request, downloads.csv_table(route, doc), "text/csv")
+        )
+        name = downloads.file_name(route, model.run, model.prefix, detail, fmt)
+        response.headers["Content-Disposition"] = f'attachment; filename="{name}"'
+        return response
 
     def _model(
         self, request: wrappers.Request, ctx: Any, eid: str, which: tuple[str, str] = ("run", "prefix")

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from tensorboard.data import grpc_provider, provider
-from tensorboard.data.proto import data_provider_pb2
+from tensorboard.data import provider
 
+from .._tensorboard_compat import Column, read_scalar_columns
 from ..diagnostics.replay import forward_key, is_logged_step
 from ..stats.tags import (
     GRAD_NORM_TAG,
@@ -32,8 +32,6 @@ _SCALARS, _TEXT = "scalars", "text"
 ALL_VALUES = 1 << 30
 #: How many values of a scalar tag TensorBoard keeps without ``--samples_per_plugin scalars=N``.
 DEFAULT_SCALARS_KEPT = 1000
-#: ``(steps, values)`` of one tag, in step order.
-Column = tuple[list[int], list[float]]
 
 
 @dataclass(frozen=True)
@@ -114,21 +112,11 @@ class Source:
 
         TensorBoard's data server answers in columns, which its Python client turns into an object
         per value (seconds for the millions of a deep model's run): the columns are read as they
-        come where the provider is that client, through the request it would make itself."""
+        come where the provider is that client (see :func:`~tblog_hooks._tensorboard_compat.read_scalar_columns`)."""
+        columns = read_scalar_columns(self._provider, experiment_id, model.run, tags, _SCALARS, ALL_VALUES)
+        if columns is not None:
+            return columns
         run_tag_filter = provider.RunTagFilter(runs=[model.run], tags=tags)
-        if isinstance(self._provider, grpc_provider.GrpcDataProvider):
-            request = data_provider_pb2.ReadScalarsRequest(experiment_id=experiment_id)
-            request.plugin_filter.plugin_name = _SCALARS
-            request.run_tag_filter.runs.names[:] = [model.run]
-            request.run_tag_filter.tags.names[:] = tags
-            request.downsample.num_points = ALL_VALUES
-            response = self._provider._stub.ReadScalars(request)  # the client's own stub: no public columnar read
-            return {
-                entry.tag_name: (list(entry.data.step), list(entry.data.value))
-                for run in response.runs
-                if run.run_name == model.run
-                for entry in run.tags
-            }
         data = self._provider.read_scalars(
             ctx, experiment_id=experiment_id, plugin_name=_SCALARS, downsample=ALL_VALUES, run_tag_filter=run_tag_filter
         )

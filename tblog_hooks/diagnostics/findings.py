@@ -15,6 +15,7 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 from ..errors import HookLoggerError
 from ..keywords import keywords
@@ -35,10 +36,71 @@ class FindingKind(enum.StrEnum):
     FP8_UNDERFLOW = "fp8_underflow"
     FP8_OVERFLOW = "fp8_overflow"
     MASSIVE_ACTIVATION = "massive_activation"
+    #: With ``logits=``: ``diagnostics/logit_rules.py``.
+    LOGIT_DRIFT = "logit_drift"
     #: With ``spikes=``: judged every step by ``diagnostics/spikes.py``; each starts and ends at its own step.
     GRADIENT_SPIKE = "gradient_spike"
     LOSS_SPIKE = "loss_spike"
 
+
+class Measure(NamedTuple):
+    """What a kind's :attr:`Finding.value` is: ``label``, a few words beside the number (the
+    dashboard's findings table), and ``meaning``, the sentence that says it exactly."""
+
+    label: str
+    meaning: str
+
+
+#: What each kind's ``value`` is (the quantity its rule compared): one entry per kind, here only.
+MEASURES: dict[FindingKind, Measure] = {
+    FindingKind.VANISHING_GRADIENT: Measure(
+        "ratio to the largest norm",
+        "the largest output-gradient norm from the input up to the module, divided by the largest in the model "
+        "at that step (a ratio, not the module's own norm, which its cell shows)",
+    ),
+    FindingKind.EXPLODING_GRADIENT: Measure(
+        "update ratio, else norm",
+        "the median update-to-weight ratio of the watched parameters where the optimizer step moved them too far, "
+        "else the largest output-gradient norm (the message says which)",
+    ),
+    FindingKind.DEAD_UNITS: Measure(
+        "fraction of units", "the fraction of the module's units never positive across the batch"
+    ),
+    FindingKind.NONFINITE: Measure(
+        "NaN/Inf count, or norm",
+        "how many NaN/Inf the module's output or output gradient held; for a parameter's gradient, or the "
+        "step's gradient norm with spikes=, that non-finite norm",
+    ),
+    FindingKind.AMP_SKIPPED_STEPS: Measure(
+        "logged steps skipped", "how many logged steps in a row the GradScaler skipped"
+    ),
+    FindingKind.ATTENTION_LOGIT_GROWTH: Measure("max logit", "the module's largest attention logit (signed)"),
+    FindingKind.ATTENTION_ENTROPY_COLLAPSE: Measure(
+        "entropy (nats)",
+        "the module's mean attention entropy in nats (its lowest head's where per-head values were written)",
+    ),
+    FindingKind.FP16_GRADIENT_UNDERFLOW: Measure(
+        "fraction lost", "the fraction of the module's output gradient lost to zero in fp16 at the step's loss scale"
+    ),
+    FindingKind.FP8_UNDERFLOW: Measure(
+        "fraction lost",
+        "the largest fraction of what fp8 training casts in the Linear (input, weight, output gradient) lost to "
+        "zero after scaling (per tensor; the input and weight per row with fp8_scaling='rowwise')",
+    ),
+    FindingKind.FP8_OVERFLOW: Measure(
+        "fraction NaN/Inf",
+        "the largest fraction of what fp8 training casts in the Linear that becomes NaN/Inf after per-tensor scaling",
+    ),
+    FindingKind.MASSIVE_ACTIVATION: Measure("max |output|", "the module's largest |output|"),
+    FindingKind.LOGIT_DRIFT: Measure(
+        "mean log Z (nats)", "the mean over tokens of the log-partition log Σexp(z) of the module's output logits"
+    ),
+    FindingKind.GRADIENT_SPIKE: Measure(
+        "ratio to recent median",
+        "the gradient norm (global, or the module's own) divided by its median of recent steps",
+    ),
+    FindingKind.LOSS_SPIKE: Measure("ratio to recent median", "the loss divided by its median of recent steps"),
+}
 
 #: Every finding kind, in the order tables list them.
 FINDING_KINDS: tuple[str, ...] = tuple(kind.value for kind in FindingKind)
@@ -46,6 +108,7 @@ VANISHING, EXPLODING, DEAD, NONFINITE, SKIPPING = FINDING_KINDS[:5]
 LOGIT_GROWTH, ENTROPY_COLLAPSE = FindingKind.ATTENTION_LOGIT_GROWTH.value, FindingKind.ATTENTION_ENTROPY_COLLAPSE.value
 FP16_UNDERFLOW, FP8_UNDERFLOW = FindingKind.FP16_GRADIENT_UNDERFLOW.value, FindingKind.FP8_UNDERFLOW.value
 FP8_OVERFLOW, MASSIVE = FindingKind.FP8_OVERFLOW.value, FindingKind.MASSIVE_ACTIVATION.value
+LOGIT_DRIFT = FindingKind.LOGIT_DRIFT.value
 _SMALLER_IS_WORSE = (VANISHING, ENTROPY_COLLAPSE)  # finding kinds whose smaller values are worse
 #: Modules named per kind in the log line (the worst ones) and rows per kind in the text summary.
 LOG_WORST, TABLE_ROWS = 3, 20
@@ -123,7 +186,7 @@ class Thresholds:
     fp16_gradient_underflow: float = 0.01
     #: ``fp8_underflow``: with e4m3 or e5m2 written, this fraction of what fp8 training casts of a
     #: watched Linear, its input or weight (e4m3) or its output gradient (e5m2), is lost to zero
-    #: after per-tensor scaling to its max |x| ...
+    #: after scaling to its max |x| (per tensor; per row with ``fp8_scaling="rowwise"``) ...
     fp8_underflow: float = 0.01
     #: ... ``fp8_overflow``: more than this fraction becomes NaN/Inf in that cast.
     fp8_overflow: float = 0.0
@@ -132,6 +195,11 @@ class Thresholds:
     massive_activation: float = 100.0
     #: ... and above this multiple of the median |output| of the same tensor (their ~1,000).
     massive_ratio: float = 1000.0
+    #: ``logit_drift``: with ``logits=``, a module's mean log-partition of its output logits is at
+    #: least this many nats above the lowest it had over its latest ``growth_window`` logged steps
+    #: without the finding (the partition function grew ``e**16``, 9 million-fold: more than a
+    #: model learning its task needs, see ``docs/numerics.md``).
+    logit_drift: float = 16.0
 
     def __post_init__(self) -> None:
         limits = {  # name: (low, high, low allowed, high allowed, integral, what is valid)
@@ -152,6 +220,7 @@ class Thresholds:
             "fp8_overflow": (0.0, math.inf, True, True, False, "a fraction >= 0 (1 or more: off)"),
             "massive_activation": (0.0, math.inf, True, True, False, "a number >= 0 (inf: off)"),
             "massive_ratio": (1.0, math.inf, True, True, False, "a number >= 1 (inf: off)"),
+            "logit_drift": (0.0, math.inf, False, True, False, "a positive number of nats (inf: off)"),
         }  # fmt: skip
         check_fields(self, limits)
 
@@ -187,7 +256,8 @@ class Finding:
             ``{module}.{param}``); ``""`` when it is about the whole model.
         step: the step at which it started (TensorBoard's ``global_step``): a logged step, or for
             ``gradient_spike`` and ``loss_spike`` any step.
-        value: the measured quantity its rule compared, e.g. the dead fraction or the NaN/Inf count.
+        value: the measured quantity its rule compared, e.g. the dead fraction or the NaN/Inf count
+            (each kind's is in :data:`MEASURES`).
         message: one line saying what was found, as logged.
     """
 

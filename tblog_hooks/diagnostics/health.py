@@ -3,7 +3,7 @@
 Host-side only, from one logged step's scalars at a time: the logger feeds it each step it
 writes, and ``tblog-hooks report`` replays a run's event files through the same code. Which
 findings there are is up to the rules :class:`Health` is given (``gradient_rules.py``,
-``attention_rules.py``, ``numerics_rules.py``); :func:`default_health` gives it all of them.
+``attention_rules.py``, ``numerics_rules.py``, ``logit_rules.py``); :func:`default_health` gives it all of them.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from ..stats.tags import Root, escape, tag
 from .attention_rules import AttentionRules
 from .findings import FINDING_KINDS, TABLE_ROWS, Candidates, Finding, Key, Thresholds, by_kind, count, log, started_line
 from .gradient_rules import GradientRules
+from .logit_rules import LogitRules
 from .numerics_rules import NumericsRules
 
 
@@ -29,19 +30,29 @@ class Rule(Protocol):
         """The finding kinds this step carries evidence for, and the candidates among them."""
 
 
-def default_health(thresholds: Thresholds) -> Health:
-    """A :class:`Health` with every rule of the package."""
-    return Health(thresholds, [GradientRules(thresholds), AttentionRules(thresholds), NumericsRules(thresholds)])
+def default_health(thresholds: Thresholds, *, logs: bool = True) -> Health:
+    """A :class:`Health` with every rule of the package (``logs``: see :class:`Health`)."""
+    rules: list[Rule] = [
+        GradientRules(thresholds),
+        AttentionRules(thresholds),
+        NumericsRules(thresholds),
+        LogitRules(thresholds),
+    ]
+    return Health(thresholds, rules, logs=logs)
 
 
 class Health:
-    """Tracks which findings hold, step after step; each is reported once when it starts.
+    """Tracks which findings hold, step after step; each is reported once when it starts: listed
+    in :attr:`started`, and with ``logs`` (the live logger) logged as a line of
+    ``tblog_hooks.health``. A replay, which prints them itself, passes ``logs=False``: the choice
+    is this instance's, whatever other threads judge meanwhile.
 
     Its state is bounded: the findings that hold, a streak count per candidate and what each
     rule keeps, whatever the length of the run."""
 
-    def __init__(self, thresholds: Thresholds, rules: Sequence[Rule]) -> None:
+    def __init__(self, thresholds: Thresholds, rules: Sequence[Rule], *, logs: bool = True) -> None:
         self.thresholds = thresholds
+        self.logs = logs
         self.rules = tuple(rules)
         self.active: dict[Key, Finding] = {}
         self.started: list[Finding] = []
@@ -72,7 +83,8 @@ class Health:
         self.started += found
         self._spikes.extend(found)
         self._spiked += found
-        log.warning("tblog_hooks: step %d: %s", found[0].step, started_line(found))
+        if self.logs:
+            log.warning("tblog_hooks: step %d: %s", found[0].step, started_line(found))
 
     def _advance(self, step: int, judged: set[str], candidates: Candidates) -> list[Finding]:
         """Findings of judged kinds hold while their candidate does; others keep their state."""
@@ -94,7 +106,7 @@ class Health:
                 new.append(finding)
         self.active = active
         self.started += new
-        if new:
+        if new and self.logs:
             log.warning("tblog_hooks: step %d: %s", step, started_line(new))
         return new
 

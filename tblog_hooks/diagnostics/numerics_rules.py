@@ -135,11 +135,13 @@ class NumericsRules:
         return found
 
     def _fp8(self, step: int, scalars: Mapping[str, float], linears: Sequence[str]) -> Candidates:
-        """Linears whose input, weight (e4m3) or output gradient (e5m2), scaled per tensor by
-        ``max_F / amax``, lose at least ``fp8_underflow`` to zero or more than ``fp8_overflow`` to
-        NaN/Inf: the module named is the one that casts them."""
+        """Linears whose input, weight (e4m3) or output gradient (e5m2), scaled by ``max_F / amax``
+        (per tensor; the input and weight per row with ``fp8_scaling="rowwise"``), lose at least
+        ``fp8_underflow`` to zero or more than ``fp8_overflow`` to NaN/Inf: the module named is
+        the one that casts them."""
         t = self.thresholds
         found: Candidates = {}
+        root_of = {tensor: root for tensor, root, _, _ in FP8}
         for kind, lost, limit, what in (
             (FP8_UNDERFLOW, Lost.UNDERFLOW, t.fp8_underflow, "lost to zero"),
             (FP8_OVERFLOW, Lost.OVERFLOW, t.fp8_overflow, "NaN/Inf"),
@@ -152,10 +154,11 @@ class NumericsRules:
                 crossed = fraction >= limit if kind == FP8_UNDERFLOW else fraction > limit
                 if not crossed or not fraction > 0:
                     continue
+                rows = "" if root_of[tensor] == Root.GRADIENT else ", or per row with fp8_scaling='rowwise'"
                 message = (
-                    f"{fraction:.1%} of the {tensor} of {m} is {what} in {fmt} scaled per tensor to its max |x|, "
-                    f"as fp8 training casts it in {m}: keep {m} in higher precision (torchao's module_filter_fn), "
-                    "or find what sets its max (see massive_activation)"
+                    f"{fraction:.1%} of the {tensor} of {m} is {what} in {fmt} scaled to its max |x| "
+                    f"(per tensor{rows}), as fp8 training casts it in {m}: keep {m} in higher precision "
+                    "(torchao's module_filter_fn), or find what sets its max (see massive_activation)"
                 )
                 _add(found, Finding(kind, m, step, fraction, message))
         return found

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..stats.tags import Indexed, Root, Stat, tag, unescape
-from .findings import Finding, Thresholds, log
+from .findings import Finding, Thresholds
 from .health import default_health
 from .spikes import replay
 
@@ -115,14 +115,10 @@ def findings(run: Run, thresholds: Thresholds | None = None) -> list[Finding]:
     Each step's scalars are judged in one order, whatever order they were read in (an event
     file's, TensorBoard's): by tag root and statistic, then by name in forward order (see
     :func:`forward_key`), so that where values tie, the same module is named."""
-    judge = default_health(thresholds or Thresholds())
+    judge = default_health(thresholds or Thresholds(), logs=False)  # the report prints them itself
     key = _tag_key(run.order)
-    log.disabled = True  # the report prints them itself
-    try:
-        for step, scalars in _in_order(run.scalars, key):
-            judge.update(step, scalars, run.order)
-    finally:
-        log.disabled = False
+    for step, scalars in _in_order(run.scalars, key):
+        judge.update(step, scalars, run.order)
     return sorted(judge.started + replay(dict(_in_order(run.series, key)), order=run.order), key=lambda f: f.step)
 
 

@@ -396,6 +396,35 @@ ATTENTION_HEADS = Measure(
 HISTOGRAM_ROWS = Measure(name="histograms", fields=(Field(name="rows", pool=FIRST),), scalars=lambda v, n: {})
 
 
+def _log_partition(v: Values, count: int) -> dict[str, float]:
+    """Mean and max of ``log Z`` over the pooled tokens, and the mean of its square."""
+    tokens = float(v["tokens"][0])
+    if not tokens > 0:
+        return {}
+    return {
+        Stat.LOG_Z: float(v["log_z"][0]) / tokens,
+        Stat.LOG_Z_MAX: float(v["log_z_max"][0]),
+        Stat.Z_LOSS: float(v["log_z_squares"][0]) / tokens,
+    }
+
+
+#: With ``logits=``, the log-partition ``log Σ exp(z)`` of a module's output logits per token, the
+#: statistic z-loss regularises (``reductions.log_partition``): its mean over tokens
+#: (``activation/log_z``), max (``log_z_max``) and mean square (``z_loss``, before a z-loss's weight).
+LOG_PARTITION = Measure(
+    name="log-partition",
+    fields=(
+        Field(name="log_z", pool=SUM),
+        Field(name="log_z_squares", pool=SUM),
+        Field(name="log_z_max", pool=MAX),
+        Field(name="tokens", pool=SUM),
+    ),
+    stats=(Stat.LOG_Z, Stat.LOG_Z_MAX, Stat.Z_LOSS),
+    scalars=_log_partition,
+    compute=reductions.log_partition,
+)
+
+
 #: The median |x| of an output with ``numerics=`` (its scalar is ``numeric_measures``'s).
 MEDIAN_ABS = Measure(
     name="numerics (median)",
@@ -446,19 +475,21 @@ def numeric_measures(*, zero_frac: bool, channels: bool, base: tuple[Measure, ..
     return (shape, size, MEDIAN_ABS) if channels else (shape, size)
 
 
-#: With a float8 format in ``numerics=``, what fp8 training casts to e4m3 of a watched
-#: ``nn.Linear``, its input or its weight, scaled per tensor by ``max_F / amax``
-#: (``input/underflow_e4m3/{module}``, ``param/underflow_e4m3/{module}.weight``).
-FP8_CAST = Measure(
-    name="numerics (fp8 casts)",
-    fields=tuple(
-        Field(name=c, pool=SUM) for c in ("nonzero", f"zero_{numerics.FORWARD}", f"finite_{numerics.FORWARD}")
-    ),
-    stats=tuple(per_format(lost, numerics.FORWARD) for lost in (Lost.UNDERFLOW, Lost.OVERFLOW)),
-    scalars=numerics.fp8_statistics,
-    compute=lambda x, units: numerics.fp8_cast(x),
-    counted=True,
-)
+def fp8_cast_measure(*, rowwise: bool) -> Measure:
+    """With a float8 format in ``numerics=``, what fp8 training casts to e4m3 of a watched
+    ``nn.Linear``, its input or its weight, scaled per tensor by ``max_F / amax`` or, with
+    ``rowwise``, per row as torchao's ``"rowwise"`` recipe (``input/underflow_e4m3/{module}``,
+    ``param/underflow_e4m3/{module}.weight``)."""
+    return Measure(
+        name="numerics (fp8 casts)",
+        fields=tuple(
+            Field(name=c, pool=SUM) for c in ("nonzero", f"zero_{numerics.FORWARD}", f"finite_{numerics.FORWARD}")
+        ),
+        stats=tuple(per_format(lost, numerics.FORWARD) for lost in (Lost.UNDERFLOW, Lost.OVERFLOW)),
+        scalars=numerics.fp8_statistics,
+        compute=lambda x, units: numerics.fp8_cast(x, rowwise=rowwise),
+        counted=True,
+    )
 
 
 #: Every histogram kind, by tag root: ``activation/{module}``, ``input/{module}`` (with

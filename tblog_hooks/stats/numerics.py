@@ -221,17 +221,30 @@ class Below:
 FORWARD = "e4m3"
 
 
-def fp8_cast(x: Tensor) -> dict[str, Tensor]:
+#: torchao's float8 recipes a user can name (``fp8_scaling=``): one scale per tensor, or per row.
+SCALINGS = ("tensorwise", "rowwise")
+
+
+def fp8_cast(x: Tensor, *, rowwise: bool = False) -> dict[str, Tensor]:
     """The device values of a Linear's input or weight as fp8 training casts it: to e4m3 after
-    per-tensor scaling by ``max_F / amax``: ``nonzero`` and the ``zero_e4m3`` and ``finite_e4m3``
-    counts of :func:`measure`."""
+    per-tensor scaling by ``max_F / amax``, or with ``rowwise`` as torchao's ``"rowwise"`` recipe
+    (:func:`row_scales`): ``nonzero`` and the ``zero_e4m3`` and ``finite_e4m3`` counts of :func:`measure`."""
     fmt = FORMATS[FORWARD]
     a = absolute(x)
-    scale = a.amax().clamp(min=AMAX_FLOOR).reciprocal()
+    scale = row_scales(a, fmt) if rowwise else a.amax().clamp(min=AMAX_FLOOR).reciprocal() * fmt.max
     below = Below(a, 3)
     below.nonzero("nonzero", a)
-    below.counts(a.mul_(scale * fmt.max), fmt)
+    below.counts(a.mul_(scale), fmt)
     return below.totals()
+
+
+def row_scales(a: Tensor, fmt: Format) -> Tensor:
+    """torchao's rowwise scales of the magnitudes ``a``: per row (one amax along the last dim, the
+    input's per token, the weight's per output feature) ``max_F / max(amax, 1e-12)``, taken in
+    float64 and then float32 and rounded down to a power of two, as ``amax_to_scale`` with
+    ``round_scales_to_power_of_2=True``; multiplying by a power of two rounds nothing."""
+    amax = a.amax(dim=-1, keepdim=True).double().clamp_(min=AMAX_FLOOR)
+    return (fmt.max / amax).float().log2_().floor_().exp2_().to(a.dtype)
 
 
 def fp8_statistics(v: Values, count: int) -> dict[str, float]:

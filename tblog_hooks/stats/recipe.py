@@ -20,10 +20,10 @@ from types import MappingProxyType
 from ..errors import HookLoggerError
 from .kinds import (
     ATTENTION_HEADS,
-    FP8_CAST,
     GRADIENT_NONFINITE,
     GRADIENT_NORM,
     HISTOGRAM_ROWS,
+    LOG_PARTITION,
     NONFINITE,
     PARAM_GRAD_NORM,
     PIXELS,
@@ -33,6 +33,7 @@ from .kinds import (
     Kind,
     Measure,
     describe,
+    fp8_cast_measure,
     numeric_measures,
 )
 from .tags import Root
@@ -68,6 +69,9 @@ class Source(enum.StrEnum):
     #: training casts them (``input/underflow_e4m3/*``, ``param/underflow_e4m3/*``): numerics only.
     FP8_INPUT = "fp8_input"
     FP8_WEIGHT = "fp8_weight"
+    #: With ``logits=``, the output logits of the modules it names: their log-partition
+    #: (``activation/log_z/*``, ``kinds.LOG_PARTITION``).
+    LOGITS = "logits"
 
 
 #: The sources a measure of one's own may be added to: those whose records a measure's device
@@ -110,9 +114,10 @@ _TRAVEL: dict[Source, dict[str, object]] = {
     Source.BINNED: {"name": "histogram"},
     Source.FP8_INPUT: {"name": Root.INPUT, "per_call": True},
     Source.FP8_WEIGHT: {"name": Root.PARAM, "per_call": True},
+    Source.LOGITS: {"name": Root.ACTIVATION, "per_call": True},
 }
-#: The sources of numerics alone, and their measure.
-FP8_SOURCES = {Source.FP8_INPUT: FP8_CAST, Source.FP8_WEIGHT: FP8_CAST}
+#: The sources of numerics alone (measured by ``kinds.fp8_cast_measure``).
+FP8_SOURCES = (Source.FP8_INPUT, Source.FP8_WEIGHT)
 _MEASURES: dict[Source, tuple[Measure, ...]] = {
     Source.OUTPUT: TENSOR_MEASURES,
     Source.INPUT: TENSOR_MEASURES,
@@ -124,6 +129,7 @@ _MEASURES: dict[Source, tuple[Measure, ...]] = {
     Source.IMAGE: (PIXELS,),
     Source.ATTENTION: (ATTENTION_HEADS,),
     Source.BINNED: (HISTOGRAM_ROWS,),
+    Source.LOGITS: (LOG_PARTITION,),
 }
 #: Measures of one's own, by source (a :class:`Source` or its value).
 Extra = Mapping["Source | str", Sequence[Measure]]
@@ -141,9 +147,12 @@ class Recipe:
     numerics: Mapping[Source, Kind]
 
     @classmethod
-    def build(cls, *, inputs: bool = False, numerics: bool = False, measures: Extra | None = None) -> Recipe:
+    def build(
+        cls, *, inputs: bool = False, numerics: bool = False, measures: Extra | None = None, rowwise: bool = False
+    ) -> Recipe:
         """The recipe of a logger with these options; ``measures``: its own, added after the
-        built-in ones of their source (:data:`EXTENSIBLE`). Raises :class:`HookLoggerError` for a
+        built-in ones of their source (:data:`EXTENSIBLE`); ``rowwise``: the fp8 casts scaled per
+        row (``fp8_scaling="rowwise"``). Raises :class:`HookLoggerError` for a
         measure the source cannot compute and for a field or statistic two measures give."""
         extra = _extra(measures or {}, inputs=inputs)
         skipped = (Source.NONFINITE_INPUT if inputs else Source.INPUT, *FP8_SOURCES)
@@ -161,8 +170,9 @@ class Recipe:
                     per_call=per_call,
                     measures=numeric_measures(zero_frac=zero_frac, channels=channels),
                 )
-            for source, measure in FP8_SOURCES.items():
-                numeric[source] = Kind(**_TRAVEL[source], measures=(measure,))  # type: ignore[arg-type]
+            cast = fp8_cast_measure(rowwise=rowwise)
+            for source in FP8_SOURCES:
+                numeric[source] = Kind(**_TRAVEL[source], measures=(cast,))  # type: ignore[arg-type]
         recipe = cls(MappingProxyType(kinds), MappingProxyType(numeric))
         recipe._check_tags()
         return recipe

@@ -142,3 +142,16 @@ CHANNELS_FIRST = (
 def units_dim(module: torch.nn.Module) -> int:
     """The dim of ``module``'s outputs (and inputs) that holds its units, for dead-unit counts."""
     return 1 if isinstance(module, CHANNELS_FIRST) else -1
+
+
+def log_partition(z: Tensor, units: int) -> dict[str, Tensor]:
+    """Of the logits ``z`` (at least 1-d; the last dim is the vocabulary), ``log Z = log Σ exp(z)``
+    per token with ``torch.logsumexp`` in float32 (float64 for float64 logits): their sum, sum of
+    squares, maximum and count (``logits=``, ``kinds.LOG_PARTITION``)."""
+    lse = z.to(acc_dtype(z.dtype)).logsumexp(dim=-1)
+    return {
+        "log_z": lse.sum(),
+        "log_z_squares": lse.square().sum(),
+        "log_z_max": lse.amax(),
+        "tokens": lse.new_full((), lse.numel()),
+    }

@@ -52,6 +52,9 @@ class Stat(enum.StrEnum):
     KURTOSIS = "kurtosis"
     MEDIAN_ABS = "median_abs"
     AMAX_CHANNEL = "amax_channel"
+    LOG_Z = "log_z"
+    LOG_Z_MAX = "log_z_max"
+    Z_LOSS = "z_loss"
 
 
 class Lost(enum.StrEnum):
@@ -79,6 +82,8 @@ SCALES: Mapping[str, Scale] = {
     Stat.MIN: Scale.LINEAR,
     Stat.MAX: Scale.LINEAR,
     Stat.ENTROPY: Scale.LINEAR,
+    Stat.LOG_Z: Scale.LINEAR,
+    Stat.LOG_Z_MAX: Scale.LINEAR,
     Stat.SKIPPED_STEP: Scale.LINEAR,
     Stat.ZERO_FRAC: Scale.FRACTION,
     Stat.DEAD_FRAC: Scale.FRACTION,

@@ -67,6 +67,8 @@ class TensorParallel:
         self._styles: dict[int, tuple[DeviceMesh, tuple[Placement, ...] | None]] = {}  # id(module) -> its style
         self._prepared: dict[int, tuple[DeviceMesh, Placement]] = {}  # id(module) -> its prepared input
         self._titan: dict[int, titan.Layouts] = {}  # id(module) -> its torchtitan sharding layouts
+        self._partial: dict[int, str] = {}  # id(module) -> the local-tensor region of partial sums it runs in
+        self._heads: dict[int, Split] = {}  # id(module) -> how the heads of the attention it calls are split
         #: How the data the latest boundaries left is placed, and its local shape (the latest
         #: first); an error where that cannot be told; ``None``: whole (no boundary yet in this forward).
         self._flow: list[tuple[Split | None, torch.Size]] | ValueError | None = None
@@ -79,6 +81,12 @@ class TensorParallel:
         modules = [] if model is None else list(model.modules())
         self._styles = {id(m): style for m in modules if (style := parallel_output(m)) is not None}
         self._prepared = {id(m): prepared for m in modules if (prepared := prepared_input(m)) is not None}
+        self._partial = {} if model is None else titan.partial_regions(model)
+        parallelized = None if model is None else titan.parallelized_mesh(model)
+        self._heads = {}
+        for m in modules if parallelized is not None else []:
+            if (heads := titan.local_heads(m, parallelized)) is not None:  # type: ignore[arg-type]
+                self._heads[id(m)] = heads
         mesh = None if model is None else titan.tensor_parallel_mesh(model)
         self._titan = {}
         for m in modules if mesh is not None else []:
@@ -122,6 +130,14 @@ class TensorParallel:
         """Whether a module has a tensor-parallel style (as of the latest :meth:`look_up`)."""
         return bool(self._styles or self._prepared)
 
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether the model is tensor-parallel: modules with a tensor-parallel style (as of the
+        latest :meth:`look_up`), or torchtitan's tensor parallelism under any of its backends
+        (``partial_dtensor`` and ``full_dtensor`` leave no style: their outputs are ``DTensor`` s)."""
+        model = self._model()
+        return self.styled or (model is not None and titan.parallelized_mesh(model) is not None)
+
     def holds_split(self) -> bool:
         """Whether the model holds tensors split over ranks: ``DTensor`` parameters (FSDP2, tensor
         parallelism) or modules with a tensor-parallel style (as of the latest :meth:`look_up`)."""
@@ -130,9 +146,14 @@ class TensorParallel:
 
     def first_of_groups(self) -> bool:
         """Whether this rank is the first of each tensor-parallel group of the styles found at the
-        latest :meth:`look_up`: of the ranks of one group, which hold the same unsplit values, its
-        values count once."""
-        return all(mesh.get_local_rank(d) == 0 for mesh, _ in self._styles.values() for d in range(mesh.ndim))
+        latest :meth:`look_up` and of torchtitan's tensor-parallel mesh (under any backend: under
+        ``partial_dtensor`` no module has a style): of the ranks of one group, which hold the same
+        unsplit values, its values count once."""
+        model = self._model()
+        meshes = [mesh for mesh, _ in self._styles.values()]
+        titans = None if model is None else titan.parallelized_mesh(model)
+        meshes += [] if titans is None else [titans]
+        return all(mesh.get_local_rank(d) == 0 for mesh in meshes for d in range(mesh.ndim))
 
     @staticmethod
     def sequence_split() -> bool:
@@ -143,6 +164,7 @@ class TensorParallel:
     def outputs(self, module: nn.Module, tensors: Sequence[Tensor]) -> list[tuple[Tensor, Split | None]]:
         """Each output tensor of ``module`` as this rank's piece and its split. Raises
         ``ValueError`` for an output no piece can tell about (``Partial``, an unknown style)."""
+        self._check_region(module)
         style = self._styles.get(id(module))
         out = []
         for t in tensors:
@@ -157,21 +179,34 @@ class TensorParallel:
                 out.append((t, self._placed_as_flow(t)))
         return out
 
-    def check_gradient(self, module: nn.Module) -> None:
-        """Raises ``ValueError`` where ``module``'s output gradient will be a partial sum over
-        ranks that no hook sees as such (a plain tensor Replicate under ``spmd_types``)."""
+    def gradient_terms(self, module: nn.Module) -> DeviceMesh | None:
+        """The mesh over which ``module``'s output gradient will be a partial sum that no hook
+        sees as such (a plain tensor ``Replicate`` under ``spmd_types``: each rank holds a term);
+        ``None`` where it will not."""
         layouts = self._titan.get(id(module))
-        if layouts is not None and layouts.partial_gradient:
-            raise ValueError(titan.PARTIAL_GRADIENT)
+        return self._styles[id(module)][0] if layouts is not None and layouts.partial_gradient else None
 
-    def inputs(self, tensors: Sequence[Tensor]) -> list[tuple[Tensor, Split | None]]:
-        """Each input tensor (of the module whose forward is about to run) as this rank's piece and its split."""
+    def inputs(self, module: nn.Module, tensors: Sequence[Tensor]) -> list[tuple[Tensor, Split | None]]:
+        """Each input tensor of ``module`` (whose forward is about to run) as this rank's piece
+        and its split. Raises ``ValueError`` as :meth:`outputs` for a module that returns terms
+        of a sum over ranks (its statistics are left out whole: its inputs too)."""
+        self._check_region(module)
         return [local(t) if is_dtensor(t) else (t, self._placed_as_flow(t)) for t in tensors]
+
+    def _check_region(self, module: nn.Module) -> None:
+        """Raises ``ValueError`` for a module inside a torchtitan local-tensor region whose
+        result is ``Partial`` (``titan.PARTIAL_REGION``)."""
+        region = self._partial.get(id(module))
+        if region is not None:
+            raise ValueError(titan.PARTIAL_REGION.format(region=region))
 
     def heads(self, module: nn.Module) -> Split | None:
         """How the attention heads of ``module`` are split over ranks: by its children whose
         style splits their outputs' last dim (``ColwiseParallel`` query, key and value
-        projections), so that each rank computes attention over its own heads."""
+        projections), or where it is a torchtitan local-tensor region (its inner attention),
+        by the layout its query is handed; so that each rank computes attention over its own heads."""
+        if id(module) in self._heads:
+            return self._heads[id(module)]
         for child in module.children():
             style = self._styles.get(id(child))
             if style is not None and style[1] is not None:
@@ -196,7 +231,9 @@ class TensorParallel:
             if t.numel() == shape.numel():
                 if split is None:
                     return None
-                return split if _same_axis(t.shape, shape, split.axis) else dataclasses.replace(split, axis=None)
+                if _same_axis(t.shape, shape, split.axis):
+                    return split
+                return dataclasses.replace(split, axis=None, axes=())
         if self._strict:
             raise ValueError(UNKNOWN_PIECE)
         return None
@@ -266,8 +303,12 @@ def _known(placements: tuple[Placement, ...] | None) -> tuple[Placement, ...]:
 
 
 def along_units(split: Split | None, units: int, ndim: int) -> Split | None:
-    """``split`` as recorded for a module whose units are dim ``units``: its axis kept only where
-    the pieces lie along the units (their per-unit values then go side by side)."""
-    if split is None or split.axis is None or split.axis == units % max(ndim, 1):
-        return split
-    return dataclasses.replace(split, axis=None)
+    """``split`` as recorded for a module whose units are dim ``units``: its axis that of the
+    units where pieces lie along them (their per-unit values then go side by side; where pieces
+    also split another dim, those are other rows of the same units), else none."""
+    if split is None:
+        return None
+    units %= max(ndim, 1)
+    if split.axis == units or (split.axis is None and units in split.axes):
+        return dataclasses.replace(split, axis=units)
+    return split if split.axis is None else dataclasses.replace(split, axis=None)

@@ -30,11 +30,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, eq=False)
 class Split:
     """A tensor split over the mesh dims ``dims`` of ``mesh``, along its own dim ``axis``
-    (``None`` where pieces split several dims, or where it is not known)."""
+    (``None`` where pieces split several dims, or where it is not known). ``axes``: the dim of
+    the tensor each of ``dims`` splits, where known; where they differ (a batch over the
+    data-parallel ranks, features over the tensor-parallel ones) and ``axis`` is one of them,
+    the pieces over the other dims hold other rows of the same units (:meth:`part`)."""
 
     mesh: DeviceMesh
     dims: tuple[int, ...]
     axis: int | None
+    axes: tuple[int, ...] = ()
 
     @property
     def groups(self) -> tuple[dist.ProcessGroup, ...]:
@@ -64,9 +68,27 @@ class Split:
 
         return gathered(dist.get_rank(), len(self.dims))
 
+    def first_of_replicas(self) -> bool:
+        """Whether this rank is the first of those holding the same piece: the first along each
+        mesh dim the tensor is not split on (``Replicate`` there)."""
+        return all(self.mesh.get_local_rank(d) == 0 for d in range(self.mesh.ndim) if d not in self.dims)
+
     def part(self) -> int:
-        """This rank's position among its :meth:`peers`."""
-        return self.peers().index(dist.get_rank())
+        """This rank's position among its :meth:`peers` along :attr:`axis`: among those of the
+        same coordinates on the mesh dims that split another dim of the tensor, whose pieces
+        are other rows of the same units (numbered alike, so pooled as calls of one piece)."""
+        peers, me = self.peers(), dist.get_rank()
+        across = [d for d, a in zip(self.dims, self.axes) if a != self.axis]
+        if self.axis is None or not across:
+            return peers.index(me)
+        ranks = self.mesh.mesh.numpy()
+
+        def coordinates(rank: int) -> list[int]:
+            at = np.argwhere(ranks == rank)[0]
+            return [int(at[d]) for d in across]
+
+        mine = coordinates(me)
+        return [r for r in peers if coordinates(r) == mine].index(me)
 
 
 def is_dtensor(t: object) -> TypeGuard[DTensor]:
@@ -86,19 +108,21 @@ def placed(mesh: DeviceMesh, placements: tuple[Placement, ...], ndim: int) -> Sp
     dims = tuple(d for d, p in enumerate(placements) if not p.is_replicate())
     if not dims:
         return None
-    axes = {placements[d].dim % max(ndim, 1) for d in dims}  # type: ignore[attr-defined]
-    return Split(mesh, dims, axes.pop() if len(axes) == 1 else None)
+    axes = tuple(placements[d].dim % max(ndim, 1) for d in dims)  # type: ignore[attr-defined]
+    return Split(mesh, dims, axes[0] if len(set(axes)) == 1 else None, axes)
 
 
 class Pending(NamedTuple):
     """A gradient placed ``Partial`` on some mesh dims: its local terms, copied, summed (or
     reduced as the placement says) over those dims' ranks at the end of the step, when every
-    rank takes part (``Ranks.finish``); no hook enters a collective."""
+    rank takes part (``Ranks.finish``); no hook enters a collective. ``output``: of a module's
+    output (``gradient/*``), else of a parameter (``param_grad/*``)."""
 
     key: str
     terms: Tensor
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
+    output: bool = False
 
     @property
     def alike(self) -> tuple[object, ...]:
@@ -118,11 +142,17 @@ def is_partial(t: object) -> TypeGuard[DTensor]:
     return is_dtensor(t) and any(p.is_partial() for p in t.placements)
 
 
-def pending(key: str, t: Tensor) -> Pending | None:
+def pending(key: str, t: Tensor, *, output: bool = False) -> Pending | None:
     """A ``Pending`` copy of ``t`` if it is placed ``Partial`` (:func:`is_partial`), else ``None``."""
     if not is_partial(t):
         return None
-    return Pending(key, t.to_local().detach().clone(), t.device_mesh, tuple(t.placements))
+    return Pending(key, t.to_local().detach().clone(), t.device_mesh, tuple(t.placements), output)
+
+
+def terms(key: str, t: Tensor, mesh: DeviceMesh) -> Pending:
+    """A ``Pending`` copy of a plain tensor that holds this rank's term of a sum over ``mesh``
+    (torchtitan's ``spmd_types`` backend: the gradient of an output ``Replicate`` there)."""
+    return Pending(key, t.detach().clone(), mesh, (dtensor_api().Partial(),), True)
 
 
 def local(t: Tensor) -> tuple[Tensor, Split | None]:

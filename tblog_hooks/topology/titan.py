@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
-from .._compat import titan_backend, titan_sharding
-from .sharding import is_dtensor
+from .._compat import titan_backend, titan_local_map_output, titan_sharding
+from .sharding import Split, is_dtensor, placed
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -20,23 +20,59 @@ if TYPE_CHECKING:
 #: The name torchtitan gives its tensor-parallel mesh axis.
 TP = "tp"
 #: Where a sharding configuration's layout over the tensor-parallel axis is not known here.
-PARTIAL_GRADIENT = (
-    "its output is Replicate over the tensor-parallel ranks under torchtitan's spmd_types backend, so each rank "
-    "holds a term of its gradient (a partial sum), which no piece's statistics tell; its statistics are not recorded"
-)
 UNKNOWN_LAYOUT = (
     "its torchtitan sharding configuration leaves how its output is placed over the tensor-parallel ranks unsaid "
     "(a Varying layout without a PartitionSpec), so its statistics would be this rank's piece only; leave the "
     "module out of modules="
 )
 
+PARTIAL_REGION = (
+    "it runs inside the local-tensor region of {region!r}, whose result is Partial over the tensor-parallel ranks "
+    "(torchtitan's routed experts: each rank computes its share of the expert hidden units), so its output on each "
+    "rank is a term of a sum over the ranks, which no piece's statistics tell; its statistics are not recorded "
+    "(those of {region!r}, whose output is reduced, are)"
+)
+
+
+def partial_regions(model: nn.Module) -> dict[int, str]:
+    """The modules of a tensor-parallel model torchtitan parallelized (:func:`parallelized_mesh`)
+    that run inside a local-tensor region whose result is ``Partial`` over the tensor-parallel
+    axis, by ``id``, each with the region's name: what they return is a partial sum."""
+    if parallelized_mesh(model) is None:
+        return {}
+    import spmd_types  # (installed with torchtitan)
+
+    inside: dict[int, str] = {}
+    for name, module in model.named_modules():
+        layout = titan_local_map_output(module)
+        if layout is not None and not isinstance(layout, tuple) and _types(layout).get(TP) is spmd_types.P:
+            inside.update({id(m): name for m in module.modules() if m is not module})
+    return inside
+
+
+def local_heads(module: nn.Module, mesh: DeviceMesh) -> Split | None:
+    """How the heads are split over the tensor-parallel ranks of ``mesh`` for the attention
+    kernel that ``module`` calls, where its forward is a local-tensor region (torchtitan's inner
+    attention): as the layout its query (``(batch, sequence, heads, head dim)``) is handed
+    says; ``None`` for any other module."""
+    if titan_local_map_output(module) is None:
+        return None
+    found = layouts(module)
+    if found is None or found.handed is None:
+        return None
+    return placed(mesh, (found.handed,), 4)
+
 
 def tensor_parallel_mesh(model: nn.Module) -> DeviceMesh | None:
     """The tensor-parallel mesh of a model torchtitan parallelized under ``spmd_types`` with a
-    tensor-parallel degree above 1 (its parameters, which FSDP2 always wraps, are ``DTensor`` s
-    on a mesh with a ``tp`` axis); ``None`` otherwise."""
-    if titan_backend() != "spmd_types":
-        return None
+    tensor-parallel degree above 1 (:func:`parallelized_mesh`); ``None`` otherwise."""
+    return parallelized_mesh(model) if titan_backend() == "spmd_types" else None
+
+
+def parallelized_mesh(model: nn.Module) -> DeviceMesh | None:
+    """The tensor-parallel mesh of a model torchtitan parallelized, under any of its backends,
+    with a tensor-parallel degree above 1 (its parameters, which FSDP2 always wraps, are
+    ``DTensor`` s on a mesh with a ``tp`` axis); ``None`` otherwise."""
     for p in model.parameters():
         if is_dtensor(p) and TP in (p.device_mesh.mesh_dim_names or ()):
             mesh = p.device_mesh[TP]

@@ -18,9 +18,12 @@ logged step as usual; then, on all ranks together, at the end of each logged ste
   writer pools them as the pieces of one tensor;
 - with ``reduce_ranks=True`` one ``all_gather`` of the per-call values (activations, inputs,
   output gradients; ``Kind.per_call``) lets the writer pool them over every rank's calls,
-  exactly as it pools several calls of a module in one process; a tensor-parallel group's
-  ranks hold the same unsplit values, which count once. Parameter gradients (averaged over
-  the data-parallel ranks) and histograms are the writing rank's own.
+  exactly as it pools several calls of a module in one process; of the ranks holding the same
+  values, one rank's count: of a tensor-parallel group, the first's unsplit values; of a piece
+  split over some mesh dims (a ``full_dtensor`` batch's, over the data-parallel ranks), the
+  first's over the mesh's other dims, where it is ``Replicate`` (``Split.first_of_replicas``).
+  Parameter gradients (averaged over the data-parallel ranks) and histograms are the writing
+  rank's own.
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ class Told(NamedTuple):
     numels: list[int]  # per record that is gathered: the elements it describes
     parts: list[int | None]  # per record that is gathered: its place among pieces split along the units
     sampled: list[tuple[int, int]]  # per split histogram sample: its length, the elements it stands for
-    lead: bool  # first of its tensor-parallel group(s): its unsplit per-call values count with reduce_ranks
+    counted: list[bool]  # per record that is gathered: whether its values count with reduce_ranks (see _counts)
 
 
 class Ranks:
@@ -249,16 +252,21 @@ class Ranks:
             for group in entries[0].split.groups:  # type: ignore[union-attr]
                 dist.all_reduce(squares, group=group)
             packed = packed.index_copy(0, index, squares.sqrt())
-        if self.reduce:
-            return self._everyone(packed, layout, told)
-        return self._pieces(packed, layout, told)
+        if self.reduce:  # (told of: every per-call record, then the pieces)
+            first = sum(e.kind.per_call for e in layout.entries)
+            packed, layout = self._everyone(packed, layout, told)
+            return self._pieces(packed, layout, told, [e for e in layout.entries if _pieced(e)], first)
+        pieces = [e for e in layout.entries if e.split is not None and e.kind.per_call]
+        return self._pieces(packed, layout, told, pieces + [e for e in layout.entries if _pieced(e)])
 
-    def _pieces(self, packed: Tensor, layout: StepLayout, told: list[Told]) -> tuple[Tensor, StepLayout]:
-        """The other pieces' per-call records of split tensors, gathered over their groups."""
-        pieces = [e for e in layout.entries if e.kind.per_call and e.split is not None]
+    def _pieces(
+        self, packed: Tensor, layout: StepLayout, told: list[Told], pieces: list[Entry], first: int = 0
+    ) -> tuple[Tensor, StepLayout]:
+        """The other pieces' records of split tensors like ``pieces``, gathered over their groups
+        (``first``: the place of the first of them among the records each rank told of)."""
         if not pieces:
             return packed, layout
-        numbered = {id(e): i for i, e in enumerate(pieces)}
+        numbered = {id(e): first + i for i, e in enumerate(pieces)}
         entries = [_own_part(e) for e in layout.entries]
         stacked, offset = [packed], layout.size
         for alike in _alike(pieces, lambda e: e.split):
@@ -281,8 +289,8 @@ class Ranks:
         per_call = [e for e in layout.entries if e.kind.per_call]
         if not per_call:
             return packed, layout
-        counted = [e for e in layout.entries if not e.kind.per_call or e.split is not None or self.lead]
-        entries = [_own_part(e) for e in counted]
+        mine_counted = {id(e) for e, counts in zip(per_call, told[self.rank].counted) if counts}
+        entries = [_own_part(e) for e in layout.entries if not e.kind.per_call or id(e) in mine_counted]
         mine = packed.index_select(0, _index(_positions(per_call), packed.device))
         gathered = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(gathered, mine)
@@ -291,7 +299,7 @@ class Ranks:
             if rank == self.rank:
                 continue
             copies = _laid_out(per_call, offset, theirs.numels, theirs.parts)
-            entries += [e for e in copies if e.split is not None or theirs.lead]
+            entries += [e for e, counts in zip(copies, theirs.counted) if counts]
             offset += mine.numel()
         others = [t for rank, t in enumerate(gathered) if rank != self.rank]
         return torch.cat([packed, *others]), dataclasses.replace(layout, entries=entries, size=offset)
@@ -300,6 +308,7 @@ class Ranks:
         """This rank's description: what must match across ranks (the gathered and combined
         records' kinds, modules, lengths and splits, hashed), and its element counts."""
         gathered = [r for r in records if r.kind.per_call and (self.reduce or r.split is not None)]
+        gathered += [r for r in records if _pieced(r)]
         combined = [r for r in records if r.kind.norms and r.split is not None]
         split_samples = [h for h in samples if h.split is not None]
         described = repr(
@@ -313,7 +322,23 @@ class Ranks:
         fingerprint = hashlib.blake2b(described, digest_size=16).hexdigest()
         sampled = [(h.sample.numel(), h.numel) for h in split_samples]
         parts = [_part(r.split) for r in gathered]
-        return Told(fingerprint, [r.numel for r in gathered], parts, sampled, self.lead)
+        counted = [_counts(r.split, self.lead) for r in gathered]
+        return Told(fingerprint, [r.numel for r in gathered], parts, sampled, counted)
+
+
+def _counts(split: Split | None, lead: bool) -> bool:
+    """Whether this rank's values of a tensor split as ``split`` count when every rank's are
+    pooled: of ranks holding the same values, one's (``lead``: the first of each tensor-parallel
+    group, for an unsplit tensor; for a piece, the first of the ranks its mesh replicates it over)."""
+    return lead if split is None else split.first_of_replicas()
+
+
+def _pieced(item: Record | Entry) -> bool:
+    """Whether ``item`` is a piece of a split tensor whose records are gathered over its pieces
+    only, whether or not the ranks' records are pooled (``reduce_ranks``): a kind of one record a
+    tensor, neither per call nor of norms (a sharded parameter's gradient under ``numerics=``:
+    the pieces' counts, extremes and sums pooled as one tensor's)."""
+    return item.split is not None and not item.kind.per_call and not item.kind.norms
 
 
 def _key(split: Split | None) -> tuple[object, ...] | None:

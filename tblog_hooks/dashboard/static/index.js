@@ -54,6 +54,10 @@ function viridis(t) {
 // `fraction`, by statistic name: `dead_frac`, `underflow_fp16`, `entropy`).
 let SCALES = { default: 'log' };
 const scaleOf = (stat) => SCALES[stat.slice(stat.indexOf('/') + 1)] || SCALES.default;
+// What each finding kind's `value` is, from the server's table (`kinds`): `label` beside the
+// number, `meaning` the sentence (a vanishing finding's value is a ratio, not the norm in its cell).
+let KINDS = {};
+const measureOf = (kind) => KINDS[kind] || { label: '', meaning: 'the quantity the rule compared: see the message' };
 
 // A colour scale over the finite values of a statistic of scale `kind`: `log` is log10 where they
 // are all >= 0 (zeros get their own colour) and linear where some are negative; `linear` is linear
@@ -612,6 +616,12 @@ function lineChart({ steps, values, width = 300, height = 130, log = false, mark
   return canvas;
 }
 
+// Links that download what a view shows: the route `name`'s answer to `query` as CSV and as JSON.
+function downloads(name, query) {
+  return el('span', { class: 'downloads', 'data-route': name }, 'download',
+    ...['csv', 'json'].map((format) => el('a', { href: route(name, { ...query, format }).href, download: '', 'data-format': format }, format.toUpperCase())));
+}
+
 // `node` reached with Tab and chosen with Enter or Space, as with a click.
 function chooseable(node) {
   node.tabIndex = 0;
@@ -786,8 +796,9 @@ class Page {
   }
 
   async start() {
-    const [models, scales, state] = await Promise.all([fetchJson('runs'), fetchJson('scales'), this.host.state()]);
+    const [models, scales, kinds, state] = await Promise.all([fetchJson('runs'), fetchJson('scales'), fetchJson('kinds'), this.host.state()]);
     SCALES = scales;
+    KINDS = kinds;
     this.state = state;
     const reload = () => this.reload(false).catch(() => {});  // the server may be gone
     this.host.listen('experimental.DataReloaded', reload);
@@ -819,6 +830,9 @@ class Page {
       this.summary);
     this.heatmap = new Heatmap({ onSelect: (module, step) => this.select(module, step) });
     this.heatTitle = el('span', { id: 'heatmap-title' });
+    this.heatDownloads = el('span');
+    this.findingsDownloads = el('span');
+    this.seriesDownloads = el('span');
     this.selectionLine = el('span', { class: 'hint selection', id: 'selection' }, 'click a cell or a finding');
     const zoom = el('span', { class: 'zoom' },
       el('button', { onclick: () => this.heatmap.zoom(1 / 1.5), title: 'smaller rows' }, '−'),
@@ -827,6 +841,7 @@ class Page {
     this.findingsHint = el('span', { class: 'hint', id: 'findings-hint' }, 'click one (or Enter) to see its cell');
     this.seriesBox = el('div', { class: 'charts', id: 'series' });
     this.seriesTitle = el('span', {}, 'Module');
+    this.seriesLinks = el('span', { id: 'series-links' });
     this.spikesCard = el('div', { class: 'card wide', id: 'spikes' });
     this.attentionCard = el('div', { class: 'card', id: 'attention' });
     this.tables = {
@@ -834,16 +849,20 @@ class Page {
       numerics: new TableCard('numerics', 'Low precision per format', 'the fraction of each watched module\'s outputs and output gradients each format would lose, at one logged step'),
     };
     this.tableBox = el('div', { class: 'modules', id: 'modules' });
+    this.overviewBox = el('div', { class: 'overview' });
+    this.overviewCard = el('div', { class: 'card', id: 'overview', style: 'display:none' },
+      el('h2', {}, 'Runs', el('span', { class: 'hint' }, 'findings per run, worst first; click one (or Enter) to open it')), this.overviewBox);
     this.root.replaceChildren(
       toolbar,
       this.sampling,
+      this.overviewCard,
       el('div', { class: 'grid' },
         el('div', {},
-          el('div', { class: 'card', id: 'heatmap' }, el('h2', {}, this.heatTitle, this.selectionLine, zoom), this.heatmap.node),
+          el('div', { class: 'card', id: 'heatmap' }, el('h2', {}, this.heatTitle, this.selectionLine, this.heatDownloads, zoom), this.heatmap.node),
           this.compareCard),
         el('div', {},
-          el('div', { class: 'card' }, el('h2', {}, 'Findings', this.findingsHint), this.findingsBox),
-          el('div', { class: 'card' }, el('h2', {}, this.seriesTitle), this.seriesBox))),
+          el('div', { class: 'card' }, el('h2', {}, 'Findings', this.findingsHint, this.findingsDownloads), this.findingsBox),
+          el('div', { class: 'card' }, el('h2', {}, this.seriesTitle, this.seriesLinks, this.seriesDownloads), this.seriesBox))),
       this.spikesCard,
       this.attentionCard,
       this.tables.heads.node,
@@ -856,6 +875,39 @@ class Page {
     this.selection = this.state.module !== undefined || step !== undefined ? { module: this.state.module || '', step } : null;
     this.wantedStat = this.state.stat;
     await this.open(first, false, true);
+    await this.drawOverview();
+  }
+
+  // With several runs (or prefixes): each one's findings counted by kind, the worst run first
+  // (the server judges every run for it, once per change of each).
+  // Read again only when a run joined or grew (TensorBoard's reloads come every 30 s).
+  async drawOverview() {
+    if (this.models.length < 2) { this.overviewCard.style.display = 'none'; return; }
+    const version = this.models.map((m) => `${m.name}@${m.max_step}`).join('\n');
+    if (version === this.overviewVersion) return;
+    const rows = await fetchJson('overview');
+    this.overviewVersion = version;
+    this.overviewCard.style.display = '';
+    this.overviewRows = rows.map((r) => chooseable(el('tr', { 'data-name': r.name, onclick: () => this.openNamed(r.name) },
+      el('td', {}, r.name),
+      el('td', { class: 'num' }, String(r.findings)),
+      el('td', {}, r.worst ? el('span', { class: `kind ${r.worst}` }, r.worst) : 'healthy'),
+      el('td', {}, ...Object.entries(r.kinds).map(([kind, n]) => el('span', { class: 'count' }, el('span', { class: `kind ${kind}` }, kind), ` ${n}`))),
+      el('td', { class: 'num' }, `${r.logged_steps.toLocaleString()}${r.sampled ? ' (sample)' : ''}`))));
+    this.overviewBox.replaceChildren(el('table', {},
+      el('thead', {}, el('tr', {}, ...['run', 'findings', 'worst', 'by kind', 'logged steps'].map((h) => el('th', { class: h === 'findings' || h === 'logged steps' ? 'num' : '' }, h)))),
+      el('tbody', {}, ...this.overviewRows)));
+    this.markOverview();
+  }
+
+  markOverview() {
+    for (const row of this.overviewRows || []) row.classList.toggle('selected', row.dataset.name === this.model?.name);
+  }
+
+  // Open the run (or prefix) named `name`, as choosing it in the Run list does.
+  async openNamed(name) {
+    const model = this.models.find((m) => m.name === name);
+    if (model && model !== this.model) await this.open(model);
   }
 
   // Fill the Run and Compare lists from `models`, keeping what they show (or showing `compare`).
@@ -901,6 +953,7 @@ class Page {
       return;
     }
     this.listModels(models);
+    await this.drawOverview().catch(() => {});
     const now = models.find((m) => m.name === this.model.name);
     if (!now || (!always && now.max_step === this.model.max_step)) return;
     const step = this.model.max_step;
@@ -925,6 +978,7 @@ class Page {
     const other = model !== this.model && !restore;
     this.model = model;
     this.runSelect.value = String(this.models.indexOf(model));
+    this.markOverview();
     this.statSelect.replaceChildren(...model.stats.map((s) => el('option', { value: s }, s)));
     if (model.stats.includes(stat)) this.statSelect.value = stat;
     this.analysis = null;
@@ -932,6 +986,7 @@ class Page {
       this.heatmap.marks = [];
       const reading = () => el('div', { class: 'empty' }, 'Reading the whole run…');
       this.findingsBox.replaceChildren(reading());
+      this.findingsDownloads.replaceChildren();
       this.tableBox.replaceChildren(reading());
       this.findingRows = [];
       this.tableRows = [];
@@ -946,6 +1001,8 @@ class Page {
       delete this.selectionLine.dataset.step;
       this.heatmap.select(null, undefined);
       this.seriesTitle.textContent = 'Module';
+      this.seriesLinks.replaceChildren();
+      this.seriesDownloads.replaceChildren();
       this.seriesBox.replaceChildren(el('div', { class: 'empty' }, 'Click a row of the heatmap to see that module\'s statistics.'));
     }
     this.keep();
@@ -953,6 +1010,7 @@ class Page {
       fetchJson('findings', this.query()), fetchJson('modules', this.query()), model.spikes ? fetchJson('spikes', this.query()) : null]);
     if (this.model !== model) return;
     this.analysis = { findings, table, spikes };
+    this.findingsDownloads.replaceChildren(downloads('findings', this.query()));
     this.heatmap.marks = findings;
     this.heatmap.draw();
     this.summary.textContent = `${table.rows.length} modules · ${findings.length} finding${findings.length === 1 ? '' : 's'}`;
@@ -964,6 +1022,35 @@ class Page {
     if (this.selection) await this.select(this.selection.module, this.selection.step);
     this.openTook = performance.now() - started;
     if (this.opening === model) this.opening = null;
+  }
+
+  // TensorBoard's own tab (`scalars`, `histograms`) with its tag filter `filter` and its run filter
+  // showing this run alone (TensorBoard 2.21's `tagFilter` and `regexInput`: its `runSelectionState`
+  // in a URL leaves the run list empty). It opens in a browser tab of its own: TensorBoard reads a
+  // tab's filters from the URL when it first shows that tab, not when only the URL's hash changes.
+  chartsUrl(tab, filter) {
+    let url;
+    try { url = new URL(window.parent.location.href); } catch { url = new URL('../../../', import.meta.url); }
+    const run = `^${this.model.run.replace(/[.*+?^${}()|[\]\\]/g, '\\$&')}$`;
+    url.hash = `${tab}&tagFilter=${encodeURIComponent(filter)}&regexInput=${encodeURIComponent(run)}`;
+    return url.href;
+  }
+
+  // Links to the Scalars and Histograms charts of `name` (a module, or a parameter: its module's),
+  // or with '' to the Scalars of the whole model's every-step series; null where none is known.
+  chartLinks(name) {
+    const table = this.analysis?.table;
+    if (!table) return null;
+    const owners = name ? table.rows.filter((r) => name === r.module || name.startsWith(`${r.module}.`)) : [];
+    const row = owners.reduce((a, b) => (!a || b.module.length > a.module.length ? b : a), null);
+    const filter = name ? row?.tag_filter : table.model_tag_filter;
+    if (!filter) return null;
+    const link = (tab, text) => el('a', {
+      href: this.chartsUrl(tab, filter), target: '_blank', rel: 'noopener', class: 'tb-link', 'data-tab': tab,
+      title: `TensorBoard's ${text} tab, filtered to ${name ? (row.module === name ? 'this module' : `${row.module}, this parameter's module`) : 'the whole model\'s series'}`,
+      onclick: (event) => event.stopPropagation(),
+    }, `${text} ↗`);
+    return el('span', { class: 'tb-links' }, link('scalars', 'Scalars'), name ? link('histograms', 'Histograms') : null);
   }
 
   // Whether the run shown has a module (or parameter) of that name.
@@ -996,6 +1083,7 @@ class Page {
       compared ? fetchJson('heatmap', { run: other.run, prefix: other.prefix, tag: stat }) : null]);
     if (this.model !== model || this.statSelect.value !== stat || this.compareModel() !== other) return;
     this.doc = doc;
+    this.heatDownloads.replaceChildren(downloads('heatmap', this.query({ tag: stat })));
     const { doc: filteredDoc, invalid } = this.filtered(doc);
     this.filter.classList.toggle('invalid', invalid);
     this.filter.title = invalid ? 'not a regular expression: every row is shown' : '';
@@ -1044,20 +1132,23 @@ class Page {
       const row = chooseable(el('tr', { 'data-module': f.module, 'data-step': f.step, onclick: () => this.select(f.module, f.step, f) },
         el('td', {}, el('span', { class: `kind ${f.kind}` }, f.kind)),
         el('td', { class: 'num' }, String(f.step)),
-        el('td', {}, f.module || '(model)'),
-        el('td', { class: 'num', title: 'the quantity the rule compared: see the message' }, format(f.value)),
+        el('td', { class: 'module' }, f.module || '(model)', this.chartLinks(f.module)),
+        el('td', { class: 'num value', title: measureOf(f.kind).meaning }, format(f.value), el('span', { class: 'unit' }, measureOf(f.kind).label)),
         el('td', { class: 'message' }, f.message)));
       row.finding = f;
       body.append(row);
       return row;
     });
     this.findingsBox.replaceChildren(el('table', {},
-      el('thead', {}, el('tr', {}, ...['kind', 'step', 'module', 'value', 'message'].map((h) => el('th', { class: h === 'step' || h === 'value' ? 'num' : '' }, h)))), body));
+      el('thead', {}, el('tr', {}, ...['kind', 'step', 'module', 'value', 'message'].map((h) => el('th', {
+        class: h === 'step' || h === 'value' ? 'num' : '',
+        title: h === 'value' ? 'what the rule compared, which differs by kind (under each value; hover it for the sentence)' : '',
+      }, h)))), body));
   }
 
   async select(module, step, finding = undefined) {
     this.selection = { module, step };
-    this.selectionLine.textContent = module ? `${module} · step ${step}` : `step ${step} (whole model)`;
+    this.selectionLine.textContent = !module ? `step ${step} (whole model)` : step === undefined ? module : `${module} · step ${step}`;
     this.selectionLine.dataset.module = module;
     this.selectionLine.dataset.step = step;
     for (const row of this.findingRows || []) row.classList.toggle('selected', row.finding === finding);
@@ -1073,6 +1164,8 @@ class Page {
     if (this.model !== model || this.selection?.module !== module) return;
     hideTooltip();
     this.seriesTitle.textContent = `Module ${module}`;
+    this.seriesLinks.replaceChildren(this.chartLinks(module) || '');
+    this.seriesDownloads.replaceChildren(downloads('series', this.query({ module })));
     const marks = (this.analysis?.findings || []).filter((f) => f.module && (f.module === module || f.module.startsWith(`${module}.`))).map((f) => f.step);
     const width = Math.max(200, Math.floor((this.seriesBox.clientWidth - 40) / 2));  // two a row, room for a scrollbar
     const charts = doc.series.map((s) => {
@@ -1139,7 +1232,7 @@ class Page {
       return th;
     }));
     this.tableRows = rows.map((row) => chooseable(el('tr', { 'data-module': row.module, onclick: () => this.select(row.module, undefined) },
-      el('td', {}, row.module),
+      el('td', {}, row.module, this.chartLinks(row.module)),
       el('td', {}, ...row.findings.map((k) => el('span', { class: `kind ${k}` }, k))),
       ...table.stats.map((s) => {
         const v = row.values[s];
