@@ -143,6 +143,38 @@ def test_a_measure_a_source_cannot_take_is_refused_at_construction() -> None:
         HookLogger(model, measures={"activations": [KURTOSIS]})
 
 
+def _span(x: torch.Tensor, units: int, given: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"span": given["max"] - given["min"]}  # (the extremes the output's statistics took)
+
+
+#: The range of an output, from the extremes its statistics compute: ``uses`` shares them.
+SPAN = Measure(
+    name="span",
+    fields=(Field(name="span", pool=MAX),),
+    stats=("span",),
+    scalars=lambda v, n: {"span": float(v["span"][0])},
+    compute=_span,
+    uses=("min", "max"),
+)
+
+
+def test_a_measure_uses_what_the_measures_before_it_computed(tmp_path: Path) -> None:
+    """A measure's ``uses`` hands it the device values of the measures before it (computed once),
+    and a name none of them gives is refused at construction, naming it and those given."""
+    model = nn.Sequential(nn.Linear(6, 3))
+    x = torch.randn(16, 6)
+    with HookLogger(model, log_dir=tmp_path, every=1, measures={"output": [SPAN]}) as hooks:
+        model(x).sum().backward()
+        hooks.step()
+    out = model(x).detach()
+    assert read_run(tmp_path).scalar("activation/span/0", 0) == pytest.approx(float(out.max() - out.min()), rel=1e-6)
+    unknown = Measure(
+        name="lost", fields=(Field(name="l", pool=MAX),), scalars=lambda v, n: {}, compute=_span, uses=("amax",)
+    )
+    with pytest.raises(HookLoggerError, match=r"lost uses \['amax'\].*'max', 'mean', 'min'"):
+        HookLogger(model, measures={"output": [unknown]})
+
+
 def _batch(rank: int) -> torch.Tensor:
     return torch.randn(8, 6, generator=torch.Generator().manual_seed(rank)) * (1 + rank)
 

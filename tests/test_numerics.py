@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 import numpy as np
@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from tblog_hooks import HookLogger, HookLoggerError
 from tblog_hooks.diagnostics.numerics_rules import FORMATS as PICTURE_FORMATS
 from tblog_hooks.diagnostics.numerics_rules import PICTURE_TAGS
+from tblog_hooks.stats import numerics as numerics_module
 from tblog_hooks.stats.formats import NAMES, SPECS
 from tblog_hooks.stats.kinds import Kind
 from tblog_hooks.stats.numerics import AMAX_FLOOR, FORMATS
@@ -121,6 +122,19 @@ def test_every_fraction_equals_cast_and_count(name: str) -> None:
         want = magnitudes(x)
         for stat in ("amax", "rms", "kurtosis"):
             assert got[stat] == pytest.approx(want[stat], rel=1e-5, abs=1e-6), stat
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["side by side", "one by one"])
+def test_the_counts_side_by_side_or_one_by_one_are_the_casts(monkeypatch: pytest.MonkeyPatch, together: bool) -> None:
+    """A small tensor's comparisons written side by side and summed by one op, or a large one's each
+    summed as written (``numerics.Below``): both count every boundary as the cast does."""
+    monkeypatch.setattr(numerics_module, "_SIDE_BY_SIDE", 1 << 40 if together else 0)
+    for x in (_tensors()["wide"], _tensors()["finite"]):
+        got = measured(NUMERIC[Source.OUTPUT_GRADIENT], x)
+        for fmt in ALL:
+            if not (FORMATS[fmt].scaled and not torch.isfinite(x).all()):
+                for stat, want in reference(x, fmt).items():
+                    assert got[stat] == pytest.approx(want, abs=1e-9), (stat, got[stat], want)
 
 
 @needs_cuda
@@ -373,31 +387,57 @@ def test_bad_numerics_is_refused_at_construction(tmp_path, value: object, said: 
 
 
 #: Aten ops a logged step may add per watched tensor (output, output gradient, parameter
-#: gradient) with every format: a base for the magnitudes, and per format; and per fp8 cast of a
-#: Linear's input or weight.
-BASE_OPS, OPS_PER_FORMAT, OPS_PER_CAST = 12, 7, 12
+#: gradient) of a small model with every format: a base for |x|, the amax, the powers, the
+#: non-zero count (of an output: its median instead), the buffer the counts are written into
+#: side by side and their one sum; one a count (a comparison into the buffer: 4 per unscaled
+#: format, 2 per scaled one) and two a scaled format's scaling; and per fp8 cast of a Linear's
+#: input or weight.
+BASE_OPS, OPS_PER_COUNT, OPS_PER_SCALING, OPS_PER_CAST = 17, 1, 2, 13
+COUNTS = sum(2 if f.scaled else 4 for f in FORMATS.values())
+
+
+class _Overloads(OpCounter):
+    """:class:`OpCounter` by overload (``aten.le.Scalar_out``), in ``overloads``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.overloads: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.overloads[str(func)] += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def test_ops_are_bounded_per_tensor_and_format_and_none_when_not_logged(tmp_path) -> None:
+    """A bounded number of ops per watched tensor, and of the cheap kind: each count a comparison
+    written into a float buffer and a sum, never a bool tensor counted with ``count_nonzero``
+    (five times slower on a CPU, where a logged step with ``numerics=`` is to cost at most 1.5x
+    one without: ``docs/benchmark.md``)."""
     model = nn.Sequential(OrderedDict((f"l{i}", nn.Linear(32, 32)) for i in range(6)))
     x = torch.randn(8, 32)
 
-    def ops(hooks: HookLogger | None) -> int:
-        with OpCounter() as counter:
+    def ops(hooks: HookLogger | None) -> _Overloads:
+        with _Overloads() as counter:
             train(hooks, [model(x).square().mean()])
-        return sum(counter.ops.values())
+        return counter
 
-    baseline = ops(None)
+    baseline = sum(ops(None).ops.values())
     counts = {}
     for numerics in (False, ALL):
         with HookLogger(model, log_dir=tmp_path / str(bool(numerics)), every=2, numerics=numerics) as hooks:
             counts[numerics] = (ops(hooks), ops(hooks), ops(hooks))  # logged, not logged, logged
-        assert counts[numerics][1] == baseline
+        assert sum(counts[numerics][1].ops.values()) == baseline
     tensors = 6 * (1 + 1 + 2)  # per Linear: its output, its output gradient, its weight's and bias's gradients
     casts = 6 * 2  # per Linear: its input and weight, as fp8 training casts them
+    scaled = sum(f.scaled for f in FORMATS.values())
+    per_tensor = BASE_OPS + OPS_PER_COUNT * COUNTS + OPS_PER_SCALING * scaled
     for logged in (0, 2):
-        added = counts[ALL][logged] - counts[False][logged]
-        assert 0 < added <= tensors * (BASE_OPS + OPS_PER_FORMAT * len(ALL)) + casts * OPS_PER_CAST, added
+        added = counts[ALL][logged].overloads - counts[False][logged].overloads
+        assert 0 < sum(added.values()) <= tensors * per_tensor + casts * OPS_PER_CAST, added
+        compared = {op: n for op, n in added.items() if op.split(".")[1] in ("le", "lt", "ne", "eq", "gt", "ge")}
+        assert set(compared) <= {"aten.le.Scalar_out", "aten.lt.Scalar_out", "aten.ne.Scalar_out"}, compared
+        assert sum(compared.values()) == tensors * COUNTS + casts * 2 + (tensors - 6) + casts  # (+ non-zero counts)
+        assert "aten.count_nonzero.default" not in added
 
 
 # -- findings -----------------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ class Kernels:
                 self.fail(error)
         unfused = bool(out)
         for kind in kinds:
-            out.update(kind.compute(t, units, unfused=unfused))
+            out = kind.compute(t, units, unfused=unfused, given=out)
         return out
 
     def bucket_counts(

@@ -120,7 +120,11 @@ class Measure:
     scalars: Callable[[Values, int], Mapping[str, float]]
     #: The record's device values of a tensor, by name (call under ``no_grad``), given the dim that
     #: holds its units (``reductions.units_dim``); ``None`` for values recorded by their own hooks.
-    compute: Callable[[Tensor, int], Named] | None = None
+    #: With :attr:`uses`, called ``compute(t, units, given)``.
+    compute: Callable[..., Named] | None = None
+    #: Device values of the measures before it in its kind that ``compute`` takes rather than
+    #: computing them again (``given``, by name): the one computation of a tensor shared.
+    uses: tuple[str, ...] = ()
     #: Its scalars of gradients scale with the loss under a ``GradScaler`` (norms, extremes: they
     #: are divided by the scale on the host); ``False`` for counts, fractions and ratios.
     scaled: bool = False
@@ -164,8 +168,8 @@ class Kind:
         self.measures: tuple[Measure, ...] = measures
         self.fields: tuple[Field, ...] = tuple(f for m in measures for f in m.fields)
         self.stats: tuple[str, ...] = tuple(s for m in measures for s in m.stats)
-        self._computed = tuple(m.compute for m in measures if m.compute is not None)
-        self._unfused = tuple(m.compute for m in measures if m.compute is not None and not m.fused)
+        self._computed = tuple(m for m in measures if m.compute is not None)
+        self._unfused = tuple(m for m in measures if m.compute is not None and not m.fused)
 
     def __setattr__(self, key: str, value: object) -> None:
         if hasattr(self, key):
@@ -189,12 +193,14 @@ class Kind:
         """The statistics (whole-model totals included) that scale with the loss."""
         return tuple(s for m in self.measures if m.scaled for s in (*m.stats, *filter(None, [m.total])))
 
-    def compute(self, t: Tensor, units: int, *, unfused: bool = False) -> dict[str, Tensor]:
-        """Every measure's device values of ``t``, by name (call under ``no_grad``); with
-        ``unfused``, those of the measures the fused kernels do not give (``Measure.fused``)."""
-        out: dict[str, Tensor] = {}
-        for compute in self._unfused if unfused else self._computed:
-            out.update(compute(t, units))
+    def compute(self, t: Tensor, units: int, *, unfused: bool = False, given: Named | None = None) -> dict[str, Tensor]:
+        """Every measure's device values of ``t``, by name (call under ``no_grad``), after those
+        ``given`` (the fused kernels' or another kind's of ``t``); with ``unfused``, those of the
+        measures the fused kernels do not give (``Measure.fused``)."""
+        out: dict[str, Tensor] = dict(given or {})
+        for m in self._unfused if unfused else self._computed:
+            assert m.compute is not None  # (the computed measures)
+            out.update(m.compute(t, units, out) if m.uses else m.compute(t, units))
         return out
 
     def values(self, named: Named) -> tuple[Tensor, ...]:
@@ -218,11 +224,19 @@ def _check(kind: Kind, measures: tuple[Measure, ...]) -> None:
     """No name (field, device value or statistic) given by two measures; counted measures only
     where records know their element count."""
     owner: dict[str, tuple[int, Measure]] = {}
+    values: set[str] = set()  # the device values of the measures so far
     for i, measure in enumerate(measures):
         if measure.counted and not kind.counts:
             raise HookLoggerError(
                 f"{kind!r} records do not know their element count, which {describe(measure)} needs (counted=True)"
             )
+        missing = [n for n in measure.uses if n not in values]
+        if missing:
+            raise HookLoggerError(
+                f"{kind!r}: {describe(measure)} uses {missing}, which no measure before it gives; "
+                f"those before it give {sorted(values)}"
+            )
+        values.update(n for f in measure.fields for n in f.names)
         names = {n for f in measure.fields for n in (f.name, *f.names)} | set(measure.stats)
         for name in sorted(names):
             at, first = owner.setdefault(name, (i, measure))
@@ -420,31 +434,32 @@ MEDIAN_ABS = Measure(
 )
 
 
-def numeric_measures(*, zero_frac: bool, channels: bool, shared: bool = False) -> tuple[Measure, ...]:
-    """With ``numerics=``, a tensor's low-precision health (``stats/numerics.py``): the max |x|
-    and RMS, which scale with the loss under a ``GradScaler``, and the kurtosis and per-format
-    fractions, which do not (they are judged at the loss scale, as the format sees the gradients).
-    ``shared``: measures of a kind whose :data:`ZERO_FRAC` counts the non-zero elements already
-    (its field ``nonzero`` is theirs too)."""
+def numeric_measures(*, zero_frac: bool, channels: bool, base: tuple[Measure, ...] = ()) -> tuple[Measure, ...]:
+    """With ``numerics=``, a tensor's low-precision health (``stats/numerics.py``), as measures
+    of its kind after ``base`` (its source's own): the max |x| and RMS, which scale with the loss
+    under a ``GradScaler``, and the kurtosis and per-format fractions, which do not (they are
+    judged at the loss scale, as the format sees the gradients). What ``base`` computes of the
+    tensor (``numerics.SHARED``: the non-zero count, the extremes) they take
+    rather than compute again."""
     magnitude = (Stat.AMAX, Stat.RMS)
     every = numerics.stats(zero_frac=zero_frac, channels=channels)
-    own = ("nonzero",) * (not shared)
+    given = {n for m in base for f in m.fields for n in f.names}
+    uses = tuple(n for n in numerics.SHARED if n in given)
+    own = ("nonzero",) * ("nonzero" not in uses)
     counts = (*own, *(n for f in numerics.FORMATS.values() for n in numerics.names(f)))
     per_unit = (Field(name="unit_amax", pool=MAX, per_unit=True),) * channels
 
-    def compute(x: Tensor, units: int) -> Named:
-        return numerics.measure(x, units, channels=channels, nonzero=not shared)
-
-    def scalars(v: Values, n: int, keep: tuple[str, ...]) -> dict[str, float]:
-        found = numerics.statistics(v, n, zero_frac=zero_frac)
-        return {stat: found[stat] for stat in keep if stat in found}
+    def compute(x: Tensor, units: int, shared: Named | None = None) -> Named:
+        given = None if shared is None else {n: shared[n] for n in uses}
+        return numerics.measure(x, units, channels=channels, given=given)
 
     shape = Measure(
         name="numerics (counts)",
         fields=(*(Field(name=c, pool=SUM) for c in counts), *per_unit),
         stats=tuple(s for s in every if s not in magnitude),
-        scalars=lambda v, n: scalars(v, n, tuple(s for s in every if s not in magnitude)),
+        scalars=lambda v, n: numerics.statistics(v, n, zero_frac=zero_frac),
         compute=compute,
+        uses=uses,
         counted=True,
         fused=True,
     )
@@ -452,7 +467,7 @@ def numeric_measures(*, zero_frac: bool, channels: bool, shared: bool = False) -
         name="numerics (magnitudes)",
         fields=(Field(name="amax", pool=MAX), Field(name="powers", pool=POWERS, parts=("ref", "sum2", "sum4"))),
         stats=magnitude,
-        scalars=lambda v, n: scalars(v, n, magnitude),
+        scalars=numerics.sizes,
         scaled=True,
         counted=True,
         fused=True,

@@ -7,12 +7,15 @@ Transformer Engine's recipe, margin 0). What a cast does to an element is decide
 ``|x|`` (or ``|x| * scale``) with the format's rounding boundaries, which round-to-nearest-even
 fixes exactly: an element becomes 0 where ``|x| <= min_subnormal / 2`` (the tie goes to the even
 0), subnormal where ``|x| < tiny - min_subnormal / 2``, and non-finite past the midpoint between
-``max_F`` and the next step up. Comparisons are two ops a boundary and need no float8 kernel (the CPU has none to count
-with); ``tests/test_numerics.py`` checks them against ``x.to(dtype)`` and counting.
+``max_F`` and the next step up. A boundary's count is two ops, a comparison written as 0.0 / 1.0
+into one float buffer the tensor's boundaries share and its sum (:class:`Below`), and needs no
+float8 kernel (the CPU has none to count with); ``tests/test_numerics.py`` checks the counts
+against ``x.to(dtype)`` and counting.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import sampling
+from . import reductions, sampling
 from .formats import DEFAULT, SPECS, Spec
 from .reductions import acc_dtype
 from .tags import Lost, Stat, per_format
@@ -62,25 +65,25 @@ class Format:
     def _mantissa_bits(self) -> int:
         return self.spec.mantissa_bits
 
-    @property
+    @functools.cached_property
     def flushed(self) -> float:
         """Magnitudes up to this become 0 in the cast: half the smallest subnormal (the tie
         goes to the even 0)."""
         return self.tiny * 2.0**-self._mantissa_bits / 2
 
-    @property
+    @functools.cached_property
     def least(self) -> float:
         """Magnitudes above :attr:`flushed` and below this become the smallest subnormal: the tie
         at 1.5 of it goes to the even 2."""
         return 3 * self.flushed
 
-    @property
+    @functools.cached_property
     def normal(self) -> float:
         """Magnitudes from this on are normal after the cast (below it, subnormal or 0): the
         tie between the largest subnormal (odd) and ``tiny`` (even) goes to ``tiny``."""
         return self.tiny - self.flushed
 
-    @property
+    @functools.cached_property
     def finite(self) -> tuple[float, bool]:
         """Magnitudes that stay finite in the cast: up to halfway from ``max`` to the next
         representable step, and whether that tie itself stays (``max``'s last mantissa bit is
@@ -97,31 +100,35 @@ FORMATS: dict[str, Format] = {name: Format(spec) for name, spec in SPECS.items()
 OF_DTYPE = {f.dtype: f.name for f in FORMATS.values()}
 
 
+@functools.cache
 def names(fmt: Format) -> tuple[str, ...]:
     """A format's device counts (see :func:`measure`)."""
     counts = ("zero", "finite") if fmt.scaled else ("zero", "finite", "small", "least")
     return tuple(f"{count}_{fmt.name}" for count in counts)
 
 
-def measure(x: Tensor, units: int, *, channels: bool, nonzero: bool = True) -> dict[str, Tensor]:
+def measure(x: Tensor, units: int, *, channels: bool, given: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
     """The device values of ``x``: ``amax``; ``ref`` (``max(amax, 1e-12)``) with ``sum2`` and
     ``sum4``, the sums of ``(x / ref)²`` and ``(x / ref)⁴`` (in float32, or float64 for float64
     tensors: relative to the amax they neither overflow nor lose the largest terms);
-    ``nonzero`` (unless ``nonzero=False``: the kind counts it already) and per format the count
-    of elements the cast makes 0 (``zero_F``), keeps finite (``finite_F``) and, unscaled, makes
-    subnormal or 0 (``small_F``) or its smallest subnormal or 0 (``least_F``). With ``channels``,
-    also per unit (along dim ``units``) the amax, and the median of ``|x|`` (:func:`median`);
-    ``unit_amax`` is empty for a 0-d or 1-d ``x``."""
+    ``nonzero`` and per format the count of elements the cast makes 0 (``zero_F``), keeps finite
+    (``finite_F``) and, unscaled, makes subnormal or 0 (``small_F``) or its smallest subnormal or 0
+    (``least_F``). With ``channels``, also per unit (along dim ``units``) the amax; ``unit_amax``
+    is empty for a 0-d or 1-d ``x``.
+
+    ``given``: what the base statistics of ``x`` computed already (:data:`SHARED`), taken rather
+    than computed again: ``nonzero`` (not returned then) and the extremes ``min`` and ``max`` (the
+    amax, without per-unit ones, is the larger magnitude of the two)."""
+    given = given or {}
     wide = acc_dtype(x.dtype)
-    a = x.abs() if x.dtype == wide else x.to(wide).abs_()
+    a = absolute(x)
     out: dict[str, Tensor] = {}
-    if channels:
-        units %= max(x.dim(), 1)
-        if x.dim() >= 2:
-            out["unit_amax"] = a.amax(dim=tuple(d for d in range(x.dim()) if d != units))
-            out["amax"] = out["unit_amax"].amax()
-        else:
-            out["unit_amax"], out["amax"] = a.new_empty(0), a.amax()
+    if channels:  # (from the per-unit peaks it would take a per-unit minimum and two ops more)
+        out["unit_amax"] = reductions.per_unit(a, units, torch.amax)
+    if channels and x.dim() >= 2:
+        out["amax"] = out["unit_amax"].amax()
+    elif "max" in given:
+        out["amax"] = torch.maximum(given["max"], given["min"].neg()).to(wide)
     else:
         out["amax"] = a.amax()
     out["ref"] = out["amax"].clamp(min=AMAX_FLOOR)
@@ -129,24 +136,85 @@ def measure(x: Tensor, units: int, *, channels: bool, nonzero: bool = True) -> d
     square = a * scale
     square.square_()
     out["sum2"], out["sum4"] = square.sum(), square.square_().sum()
-    if nonzero:
-        out["nonzero"] = torch.count_nonzero(x)
+    own = "nonzero" not in given
+    below = Below(a, own + sum(len(names(fmt)) for fmt in FORMATS.values()))
+    if own:
+        below.nonzero("nonzero", a)
     for fmt in FORMATS.values():
-        out.update(_counts(a * (scale * fmt.max) if fmt.scaled else a, fmt))
+        if fmt.scaled:
+            torch.mul(a, scale * fmt.max, out=square)  # (the powers' buffer, free again)
+        below.counts(square if fmt.scaled else a, fmt)
+    out.update(below.totals())
     return out
 
 
-def _counts(seen: Tensor, fmt: Format) -> dict[str, Tensor]:
-    """:func:`measure`'s counts of one format, of the magnitudes ``seen`` as they are cast."""
-    bound, tie_stays = fmt.finite  # finite after the cast (NaN fails every comparison)
-    out = {
-        f"zero_{fmt.name}": torch.count_nonzero(seen <= fmt.flushed),
-        f"finite_{fmt.name}": torch.count_nonzero(seen <= bound if tie_stays else seen < bound),
-    }
-    if not fmt.scaled:
-        out[f"small_{fmt.name}"] = torch.count_nonzero(seen < fmt.normal)
-        out[f"least_{fmt.name}"] = torch.count_nonzero(seen < fmt.least)
-    return out
+#: The base statistics' device values :func:`measure` takes where its kind computes them.
+SHARED = ("nonzero", "min", "max")
+
+
+def absolute(x: Tensor) -> Tensor:
+    """``|x|`` in the accumulation dtype (float32, or float64 for float64 tensors): one op, or
+    two for a 16-bit ``x``."""
+    wide = acc_dtype(x.dtype)
+    return x.abs() if x.dtype == wide else x.to(wide).abs_()
+
+
+#: Up to this many elements, a float32 sum of ones is exact (every partial sum an integer it holds).
+_EXACT_FLOAT32_COUNT = 1 << 24
+#: The most elements :class:`Below` writes every count's comparison into side by side (1 MB: a
+#: larger buffer leaves the CPU's cache, and summing each comparison while it is there is faster).
+_SIDE_BY_SIDE = 1 << 18
+
+
+class Below:
+    """Exact counts of the magnitudes of one tensor at or below bounds: each a comparison written
+    as 0.0 / 1.0 into a float32 buffer, summed (in float32 up to 2**24 elements, else float64). On a
+    CPU a comparison into float32 takes a fifth of the time of ``count_nonzero(a <= bound)``,
+    whose bool tensor and branching count are slow. Up to :data:`_SIDE_BY_SIDE` elements in all
+    the ``bounds`` comparisons go side by side and one op sums them (the ops, not the passes, are
+    a small tensor's cost); a larger tensor's share one buffer, each summed as it is written."""
+
+    def __init__(self, like: Tensor, bounds: int) -> None:
+        self._together = like.numel() * bounds <= _SIDE_BY_SIDE
+        shape = (bounds if self._together else 1, *like.shape)
+        self._ones = torch.empty(shape, dtype=torch.float32, device=like.device)
+        self._rows = self._ones.unbind() if self._together else (self._ones[0],)
+        self._sum = torch.float32 if like.numel() <= _EXACT_FLOAT32_COUNT else torch.float64
+        self._names: list[str] = []
+        self._counted: dict[str, Tensor] = {}
+
+    def at_most(self, name: str, seen: Tensor, bound: float, *, tie: bool = True) -> None:
+        """Count ``seen <= bound`` (``tie=False``: ``< bound``) as ``name``; NaN is none."""
+        self._into(name, (torch.le if tie else torch.lt)(seen, bound, out=self._row()))
+
+    def nonzero(self, name: str, seen: Tensor) -> None:
+        """Count the elements of ``seen`` that are not 0 (NaN is), as ``torch.count_nonzero``."""
+        self._into(name, torch.ne(seen, 0, out=self._row()))
+
+    def counts(self, seen: Tensor, fmt: Format) -> None:
+        """:func:`measure`'s counts of one format, of the magnitudes ``seen`` as they are cast."""
+        bound, tie_stays = fmt.finite  # finite after the cast (NaN fails every comparison)
+        zero, finite, *small = names(fmt)
+        self.at_most(zero, seen, fmt.flushed)
+        self.at_most(finite, seen, bound, tie=tie_stays)
+        if small:
+            self.at_most(small[0], seen, fmt.normal, tie=False)
+            self.at_most(small[1], seen, fmt.least, tie=False)
+
+    def totals(self) -> dict[str, Tensor]:
+        """Every count, by name (0-d)."""
+        if self._together:
+            summed = self._ones.view(len(self._rows), -1).sum(dim=1, dtype=self._sum)
+            self._counted.update(zip(self._names, summed.unbind()))
+        return self._counted
+
+    def _row(self) -> Tensor:
+        return self._rows[len(self._names)] if self._together else self._rows[0]
+
+    def _into(self, name: str, ones: Tensor) -> None:
+        if not self._together:
+            self._counted[name] = ones.sum(dtype=self._sum)
+        self._names.append(name)
 
 
 #: The format fp8 training casts a Linear's input and weight to (torchao, Transformer Engine).
@@ -162,11 +230,12 @@ def fp8_cast(x: Tensor, *, rowwise: bool = False) -> dict[str, Tensor]:
     per-tensor scaling by ``max_F / amax``, or with ``rowwise`` as torchao's ``"rowwise"`` recipe
     (:func:`row_scales`): ``nonzero`` and the ``zero_e4m3`` and ``finite_e4m3`` counts of :func:`measure`."""
     fmt = FORMATS[FORWARD]
-    wide = acc_dtype(x.dtype)
-    a = x.abs() if x.dtype == wide else x.to(wide).abs_()
+    a = absolute(x)
     scale = row_scales(a, fmt) if rowwise else a.amax().clamp(min=AMAX_FLOOR).reciprocal() * fmt.max
-    seen = a.mul_(scale)
-    return {"nonzero": torch.count_nonzero(x), **_counts(seen, fmt)}
+    below = Below(a, 3)
+    below.nonzero("nonzero", a)
+    below.counts(a.mul_(scale), fmt)
+    return below.totals()
 
 
 def row_scales(a: Tensor, fmt: Format) -> Tensor:
@@ -196,17 +265,17 @@ _SAMPLES = sampling.IndexCache()
 def median_abs(x: Tensor, units: int) -> dict[str, Tensor]:
     """The median of ``|x|`` (``median``, :func:`median`): a selection, which no fused kernel
     computes (``kernels/fused.py``), so a measure of its own."""
-    wide = acc_dtype(x.dtype)
-    return {"median": median(x.abs() if x.dtype == wide else x.to(wide).abs_())}
+    return {"median": median(x)}
 
 
-def median(a: Tensor) -> Tensor:
-    """The median of the magnitudes ``a`` (the lower of the two middle values, as ``torch.median``):
-    of every element up to ``sampling.SAMPLE_CAP`` of them, else of the histograms' jittered
-    sample of that many (``sampling.sample``), so its cost is bounded whatever the tensor's size."""
-    if a.numel() > sampling.SAMPLE_CAP:
-        a = sampling.traced_sample(a) if torch.compiler.is_compiling() else sampling.sample(a, _SAMPLES)
-    return a.median()
+def median(x: Tensor) -> Tensor:
+    """The median of ``|x|`` (the lower of the two middle values, as ``torch.median``): of every
+    element up to ``sampling.SAMPLE_CAP`` of them, else of the histograms' jittered sample of that
+    many (``sampling.sample``, taken before the magnitudes), so its cost is bounded whatever the
+    tensor's size."""
+    if x.numel() > sampling.SAMPLE_CAP:
+        x = sampling.traced_sample(x) if torch.compiler.is_compiling() else sampling.sample(x, _SAMPLES)
+    return absolute(x).median()
 
 
 Values = Mapping[str, np.ndarray]
@@ -221,13 +290,30 @@ def pool_powers(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.array([top, (values[:, 1] * ratio**2).sum(), (values[:, 2] * ratio**4).sum()])
 
 
+def sizes(v: Values, count: int) -> dict[str, float]:
+    """The max |x| and RMS of a module's pooled values over ``count`` elements (they scale with
+    the loss under a ``GradScaler``)."""
+    ref, sum2, _ = (float(p) for p in v["powers"])
+    return {Stat.AMAX: float(v["amax"][0]), Stat.RMS: ref * math.sqrt(sum2 / count)}
+
+
+#: Per format, its count names (:func:`names`) and the statistics made of them.
+_PER_FORMAT = {
+    fmt.name: (
+        names(fmt),
+        tuple(per_format(lost, fmt.name) for lost in (Lost.UNDERFLOW, Lost.OVERFLOW, Lost.SUBNORMAL, Lost.FLOOR)),
+    )
+    for fmt in FORMATS.values()
+}
+
+
 def statistics(v: Values, count: int, *, zero_frac: bool) -> dict[str, float]:
-    """The scalars of a module's pooled values over ``count`` elements, every format's: the
-    caller keeps those it writes (:func:`written`)."""
+    """The other scalars of a module's pooled values over ``count`` elements (those that do not
+    scale with the loss), every format's: the caller keeps those it writes (:func:`written`)."""
     n = float(count)
-    ref, sum2, sum4 = (float(p) for p in v["powers"])
+    _, sum2, sum4 = (float(p) for p in v["powers"])
     zeros = n - float(v["nonzero"][0])
-    out: dict[str, float] = {Stat.AMAX: float(v["amax"][0]), Stat.RMS: ref * math.sqrt(sum2 / n)}
+    out: dict[str, float] = {}
     if sum2 > 0:  # non-centred, as torchtitan's: (E[x⁴] / E[x²]²) - 3 (ref cancels)
         out[Stat.KURTOSIS] = (sum4 / n) / (sum2 / n) ** 2 - 3
     if zero_frac:
@@ -238,12 +324,13 @@ def statistics(v: Values, count: int, *, zero_frac: bool) -> dict[str, float]:
         if peaks.size and np.isfinite(peaks).any():
             out[Stat.AMAX_CHANNEL] = float(np.nanargmax(peaks))
     for fmt in FORMATS.values():
-        made_zero = float(v[f"zero_{fmt.name}"][0])
-        out[per_format(Lost.UNDERFLOW, fmt.name)] = (made_zero - zeros) / n
-        out[per_format(Lost.OVERFLOW, fmt.name)] = (n - float(v[f"finite_{fmt.name}"][0])) / n
+        counts, (underflow, overflow, subnormal, floor) = _PER_FORMAT[fmt.name]
+        made_zero = float(v[counts[0]][0])
+        out[underflow] = (made_zero - zeros) / n
+        out[overflow] = (n - float(v[counts[1]][0])) / n
         if not fmt.scaled:
-            out[per_format(Lost.SUBNORMAL, fmt.name)] = (float(v[f"small_{fmt.name}"][0]) - made_zero) / n
-            out[per_format(Lost.FLOOR, fmt.name)] = (float(v[f"least_{fmt.name}"][0]) - made_zero) / n
+            out[subnormal] = (float(v[counts[2]][0]) - made_zero) / n
+            out[floor] = (float(v[counts[3]][0]) - made_zero) / n
     return out
 
 

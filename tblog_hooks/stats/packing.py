@@ -86,12 +86,16 @@ def pack(records: Sequence[Record], device: torch.device, recipe: Recipe) -> tup
     stacked with one op, vectors concatenated with one, so the op count does not grow with the
     number of records."""
     groups: dict[tuple[torch.device, torch.dtype, bool], list[Tensor]] = {}
-    where: list[tuple[tuple[torch.device, torch.dtype, bool], int]] = []  # per value: group, index
+    where: list[tuple[tuple[torch.device, torch.dtype, bool], int, int]] = []  # per value: group, index, length
     for record in records:
+        if not record.values:
+            continue
+        on = record.values[0].device  # (a record's values are of one tensor: on its device)
         for t in record.values:
-            key = (t.device, t.dtype, t.dim() == 0)
+            scalar = t.dim() == 0
+            key = (on, t.dtype, scalar)
             group = groups.setdefault(key, [])
-            where.append((key, len(group)))
+            where.append((key, len(group), 1 if scalar else t.numel()))
             group.append(t)
     starts: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
     parts = []
@@ -106,9 +110,9 @@ def pack(records: Sequence[Record], device: torch.device, recipe: Recipe) -> tup
     values = iter(where)
     for record in records:
         spans = []
-        for t in record.values:
-            key, index = next(values)
-            spans.append((starts[key][index], 1 if key[2] else t.numel()))
+        for _ in record.values:
+            key, index, length = next(values)
+            spans.append((starts[key][index], length))
         layout.entries.append(Entry(record.kind, record.name, record.numel, tuple(spans), record.shape, record.split))
     return torch.cat(parts) if len(parts) > 1 else parts[0], layout
 

@@ -87,8 +87,8 @@ NUMERIC_SOURCES = {
     Source.PARAM_GRAD: (False, False, False),
 }
 #: With ``numerics=``, the measures added to the output's kind: its per-unit peaks and median
-#: |x| too, sharing the non-zero count with its zero fraction (``activation/zero_frac``).
-NUMERIC_OUTPUT = numeric_measures(zero_frac=False, channels=True, shared=True)
+#: |x| too, sharing the non-zero count and the extremes of its statistics.
+NUMERIC_OUTPUT = numeric_measures(zero_frac=False, channels=True, base=TENSOR_MEASURES)
 #: The sources whose scaled statistics carry the ``GradScaler``'s loss scale (parameter
 #: gradients only where they are read before ``unscale_``, see ``output/scaling.py``).
 LOSS_SCALED = (Source.OUTPUT_GRADIENT, Source.PARAM_GRAD)

@@ -8,7 +8,7 @@ step.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -114,11 +114,18 @@ def extremes(x: Tensor, units: int) -> dict[str, Tensor]:
     return {"min": lo, "max": hi}
 
 
+def per_unit(x: Tensor, units: int, reduce: Callable[..., Tensor]) -> Tensor:
+    """``reduce`` (``torch.amax``, ``torch.amin``) of ``x`` per unit, along dim ``units`` (see
+    :func:`units_dim`); empty for a 0-d or 1-d ``x``."""
+    if x.dim() < 2:
+        return x.new_empty(0)
+    units %= x.dim()
+    return reduce(x, dim=tuple(d for d in range(x.dim()) if d != units))
+
+
 def unit_peaks(x: Tensor, units: int) -> dict[str, Tensor]:
-    """Per unit (along dim ``units``, see :func:`units_dim`) the largest value; none for a 0-d or 1-d ``x``."""
-    units %= max(x.dim(), 1)
-    peak = x.amax(dim=tuple(d for d in range(x.dim()) if d != units)) if x.dim() >= 2 else x.new_empty(0)
-    return {"peak": peak}
+    """Per unit the largest value (:func:`per_unit`)."""
+    return {"peak": per_unit(x, units, torch.amax)}
 
 
 #: Modules whose outputs hold their units along dim 1 (``N, C, ...``): convolutions and the
