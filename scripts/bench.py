@@ -486,7 +486,6 @@ def option_table(option: str, results: dict[str, dict[str, float]]) -> str:
         f"| workload | logged step | with {option}=True | ratio | aten ops added | per watched module |"
         + (" peak RSS added |" if peaks else ""),
         "|---|---|---|---|---|---|" + ("---|" if peaks else ""),
-        "|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         rows.append(
