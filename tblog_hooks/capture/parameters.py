@@ -26,6 +26,7 @@ from .._compat import (
     unscaled,
 )
 from ..stats.binning import Sample
+from ..stats.kinds import SUM
 from ..stats.packing import Record
 from ..stats.recipe import Source
 from ..stats.reductions import FLOAT_DTYPES, loggable, norms, sparse_values
@@ -123,9 +124,11 @@ class ParameterRecorder:
             return None
         compute = self.buffer.kernels.compute
         if not grad.numel():  # an empty shard (FSDP2 gives a rank none of a small parameter)
-            values = kind.values(compute((kind,), grad.new_zeros(1), -1))
             # (one zero's extremes and sums change nothing pooled; its counts are zeroed)
-            return Record(kind, key, 0, tuple(v if v.is_floating_point() else v.zero_() for v in values), split=split)
+            named = dict(compute((kind,), grad.new_zeros(1), -1))
+            for name in (n for f in kind.fields if f.pool is SUM for n in f.names):
+                named[name] = named[name].zero_()
+            return Record(kind, key, 0, kind.values(named), split=split)
         if unscaled is None:
             return Record(kind, key, grad.numel(), kind.values(compute((kind,), grad, -1)), split=split)
         factor = unscaled.to(grad.device).reshape(())
