@@ -38,6 +38,15 @@ if TYPE_CHECKING:
 _SWITCHES = ("activations", "gradients", "parameters", "eval_passes", "reduce_ranks", "inputs")
 
 
+#: The options that take selectors of watched modules, and what else each takes (an empty list
+#: of selectors would select nothing: refused).
+_SELECTING = {
+    "feature_maps": "None or False (none)",
+    "attention": "True, False or None (off)",
+    "logits": "True (the last watched module), False or None (off)",
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class WatchOptions:
     """The options that say what is watched and how: every option but those a training loop's
@@ -118,21 +127,13 @@ class WatchOptions:
                 f"prefix must be a non-empty str without a leading or trailing '/' (tags become "
                 f"'{{prefix}}/activation/...'; e.g. prefix='generator'), or None, got {prefix!r}"
             )
-        if isinstance(self.feature_maps, (list, tuple)) and not self.feature_maps:
-            raise HookLoggerError(
-                f"feature_maps must be one or more selectors (as for modules=) of watched modules, or None or False "
-                f"(none), got {self.feature_maps!r}"
-            )
-        if isinstance(self.attention, (list, tuple)) and not self.attention:
-            raise HookLoggerError(
-                f"attention must be True, False or None (off), or one or more selectors (as for modules=), "
-                f"got {self.attention!r}"
-            )
-        if isinstance(self.logits, (list, tuple)) and not self.logits:
-            raise HookLoggerError(
-                f"logits must be True (the last watched module), False or None (off), or one or more selectors "
-                f"(as for modules=) of watched modules, got {self.logits!r}"
-            )
+        for name, besides in _SELECTING.items():
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)) and not value:
+                raise HookLoggerError(
+                    f"{name} must be {besides}, or one or more selectors (as for modules=) of watched modules, "
+                    f"got {value!r}"
+                )
         self._check_fp8_scaling()
         _ = self.thresholds, self.spike_config, self.numerics_formats, self.recipe  # (checked)
         self._check_histogram_kinds()
