@@ -43,7 +43,7 @@ DEVICE = torch.device("cpu" if fused.INTERPRETED else "cuda")
 interpreted = pytest.mark.skipif(not fused.INTERPRETED, reason="CPU models through the kernels: TRITON_INTERPRET=1")
 
 #: Values a kernel must give exactly (the rest are sums, rounded in another order).
-EXACT = {*fused.COUNTS, "min", "max", "amax", "ref", "peak", "unit_amax"}
+EXACT = {*fused.COUNTS, numerics.COUNTS, "min", "max", "amax", "ref", "peak", "unit_amax"}
 
 
 def reference(x: Tensor, units: int, *, per_unit: bool, with_numerics: bool) -> dict[str, Tensor]:
@@ -59,7 +59,10 @@ def reference(x: Tensor, units: int, *, per_unit: bool, with_numerics: bool) -> 
     if per_unit:
         out.update(reductions.unit_peaks(x, units))
     if with_numerics:
-        out.update(numerics.measure(x, units, channels=per_unit))
+        measured = numerics.measure(x, units, channels=per_unit)
+        # (its own non-zero count is a vector of one, split from the counts it is summed with)
+        assert measured.pop("nonzero").reshape(()) == out["nonzero"]
+        out.update(measured)
     return out
 
 

@@ -16,7 +16,19 @@ import numpy as np
 
 from ..output.summary import Heads
 from ..stats.formats import NAMES, SPECS
-from ..stats.tags import NUMERICS_TABLE_TAG, SCALE_TAG, Lost, Root, Stat, by_name, escape, per_format, rows_tag, tag
+from ..stats.tags import (
+    NUMERICS_TABLE_TAG,
+    SCALE_TAG,
+    Indexed,
+    Lost,
+    Root,
+    Stat,
+    by_name,
+    escape,
+    per_format,
+    rows_tag,
+    tag,
+)
 from . import pictures
 from .findings import FP8_OVERFLOW, FP8_UNDERFLOW, FP16_UNDERFLOW, MASSIVE, Candidates, Finding, Thresholds
 
@@ -196,23 +208,16 @@ def numerics_pictures(order: Sequence[str], every: Mapping[str, float]) -> dict[
     not), one of the outputs and one of the output gradients: a row per watched module in
     forward order, a column per format, colour the fraction lost (underflow plus overflow) on
     a log scale, exact zeros black."""
+    rows, table, held = _grid(order, every)
+    lost = list(Lost)
+    underflow, overflow = lost.index(Lost.UNDERFLOW), lost.index(Lost.OVERFLOW)
     out = {}
-    for root, name in PICTURES.items():
-        rows = [m for m in order if tag(root, per_format(Lost.UNDERFLOW, FORMATS[0]), m) in every]
-        if not rows:
-            continue
-        table = np.array(
-            [
-                [
-                    every.get(tag(root, per_format(Lost.UNDERFLOW, fmt), m), math.nan)
-                    + every.get(tag(root, per_format(Lost.OVERFLOW, fmt), m), math.nan)
-                    for fmt in FORMATS
-                ]
-                for m in rows
-            ]
-        )
-        title = f"{name} lost to underflow + overflow, per module and format"
-        out[PICTURE_TAGS[root]] = pictures.fraction_grid(rows, table, FORMATS, title)
+    for r, (root, name) in enumerate(PICTURES.items()):
+        at = [i for i, m in enumerate(rows) if m in held[r]]
+        if at:
+            title = f"{name} lost to underflow + overflow, per module and format"
+            fractions = table[r, at, :, underflow] + table[r, at, :, overflow]
+            out[PICTURE_TAGS[root]] = pictures.fraction_grid([rows[i] for i in at], fractions, FORMATS, title)
     return out
 
 
@@ -221,18 +226,28 @@ def numerics_tensors(order: Sequence[str], every: Mapping[str, float]) -> dict[s
     (outputs then output gradients; per format the underflow, overflow, subnormal and floor fractions; NaN
     where a module has no value), rows the watched modules with any, in forward order, and their
     escaped names."""
-    roots = tuple(PICTURES)
-    rows = [m for m in order if any(tag(r, per_format(Lost.UNDERFLOW, FORMATS[0]), m) in every for r in roots)]
+    rows, table, _ = _grid(order, every)
     if not rows:
         return {}
+    names = np.array([escape(m) for m in rows], dtype=object)
+    return {NUMERICS_TABLE_TAG: table.astype(np.float32), rows_tag(NUMERICS_TABLE_TAG): names}
+
+
+def _grid(order: Sequence[str], every: Mapping[str, float]) -> tuple[list[str], np.ndarray, list[set[str]]]:
+    """The per-format fractions of a step as ``roots x modules x formats x Lost`` (float64, NaN
+    where a module has none), rows the watched modules with a value of either root in forward
+    order; and per root (:data:`PICTURES`) the modules that have its values."""
+    indexed = every if isinstance(every, Indexed) else Indexed(every)
+    columns = {
+        (r, f, lost): by_name(indexed, r, per_format(lost, f)) for r in PICTURES for f in FORMATS for lost in Lost
+    }
+    held = [set(columns[(r, FORMATS[0], Lost.UNDERFLOW)]) for r in PICTURES]
+    rows = [m for m in order if any(m in h for h in held)]
     table = np.array(
         [
-            [
-                [[every.get(tag(r, per_format(lost, fmt), m), math.nan) for lost in Lost] for fmt in FORMATS]
-                for m in rows
-            ]
-            for r in roots
+            [[[columns[(r, f, lost)].get(m, math.nan) for lost in Lost] for f in FORMATS] for m in rows]
+            for r in PICTURES
         ],
-        dtype=np.float32,
-    ).reshape(len(roots), len(rows), len(FORMATS), len(Lost))
-    return {NUMERICS_TABLE_TAG: table, rows_tag(NUMERICS_TABLE_TAG): np.array([escape(m) for m in rows], dtype=object)}
+        dtype=np.float64,
+    ).reshape(len(PICTURES), len(rows), len(FORMATS), len(Lost))
+    return rows, table, held

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..output.summary import StepSummary
-from ..stats.tags import ORDER_TAG, TABLE_PLUGIN, Root, Stat, by_name, order_markdown, tag, unescape
+from ..stats.tags import ORDER_TAG, TABLE_PLUGIN, Indexed, Root, Stat, by_name, order_markdown, tag, unescape
 from . import pictures
 from .attention_rules import heads_pictures, heads_tensors
 from .findings import Thresholds
@@ -70,10 +70,11 @@ class Diagnostics:
         """Add findings and the heatmap to ``summary``, write it, then the text summaries.
         A failure here is reported once and switches the diagnostics off, not the statistics."""
         order = self.order()
-        norms = gradient_norms(summary.scalars)
+        scalars = Indexed(summary.scalars)  # (each rule's look-up of a statistic costs its own tags)
+        norms = gradient_norms(scalars)
         if not self._failed:
             try:
-                self._annotate(summary, order, norms)
+                self._annotate(summary, scalars, order, norms)
             except Exception as error:
                 self._fail(error)
         writer.write(summary)
@@ -128,10 +129,11 @@ class Diagnostics:
             # Module names are user data: a lone surrogate could not be encoded as UTF-8.
             writer.add_text(FINDINGS_TAG, self._written_table.encode("utf-8", "backslashreplace").decode(), step)
 
-    def _annotate(self, summary: StepSummary, order: list[str], norms: dict[str, float]) -> None:
-        """Findings and ``health/*`` scalars, and the heatmap of the output-gradient ``norms``, into ``summary``."""
+    def _annotate(self, summary: StepSummary, scalars: Indexed, order: list[str], norms: dict[str, float]) -> None:
+        """Findings and ``health/*`` scalars (of ``scalars``, the summary's, indexed), and the
+        heatmap of the output-gradient ``norms``, into ``summary``."""
         if self.health is not None:
-            self.health.update(summary.step, summary.scalars, order, summary.heads)
+            self.health.update(summary.step, scalars, order, summary.heads)
             summary.scalars.update(self.health.counts())
         summary.images.update(heads_pictures(summary.heads))
         summary.tensors.update(heads_tensors(summary.heads))

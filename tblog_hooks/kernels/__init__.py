@@ -87,7 +87,7 @@ class Kernels:
             kernels = self.fused
             try:
                 out = kernels.statistics(
-                    t, units, per_unit=bool(fused & set(kernels.PER_UNIT)), numerics=bool(fused & kernels.FORMAT_COUNTS)
+                    t, units, per_unit=bool(fused & set(kernels.PER_UNIT)), numerics=kernels.FORMAT_COUNTS in fused
                 )
             except Exception as error:  # (Triton unusable here: a driver, a compiler)
                 self.fail(error)

@@ -33,16 +33,12 @@ from ..stats.reductions import acc_dtype
 SCALARS = ("mean", "centred_norm", "min", "max", "norm", "amax", "ref", "sum2", "sum4")
 _UNSCALED = tuple(f for f in numerics.FORMATS.values() if not f.scaled)
 _SCALED = tuple(f for f in numerics.FORMATS.values() if f.scaled)
-#: The counts, in this order (``Tensor`` int64): the per-format ones as ``numerics.names`` spells them.
-COUNTS = (
-    "nonzero",
-    "finite",
-    "nonfinite",
-    *(n for f in _UNSCALED for n in numerics.names(f)),
-    *(n for f in _SCALED for n in numerics.names(f)),
-)
-#: The per-format counts (a third launch: the float8 formats' need the per-tensor scale).
-FORMAT_COUNTS = frozenset(COUNTS[3:])
+#: The counts, in this order (``Tensor`` int64): the per-format ones as ``numerics.COUNTED`` (the
+#: unscaled formats' first).
+COUNTS = ("nonzero", "finite", "nonfinite", *numerics.COUNTED)
+#: The value of the per-format counts, side by side (a third launch: the float8 formats' need
+#: the per-tensor scale).
+FORMAT_COUNTS = numerics.COUNTS
 #: Per unit (along the units dim), the largest value and the largest magnitude.
 PER_UNIT = ("peak", "unit_amax")
 _FIRST_SCALED = len(COUNTS) - 2 * len(_SCALED)
@@ -391,7 +387,8 @@ def statistics(x: Tensor, units: int, *, per_unit: bool, numerics: bool) -> dict
     (:data:`SCALARS`, :data:`COUNTS`, and with ``per_unit`` :data:`PER_UNIT`)."""
     scalars, counts, peaks = tensor_statistics(x.contiguous(), units, per_unit, numerics)
     out = dict(zip(SCALARS, scalars.unbind()))
-    out.update(zip(COUNTS, counts.unbind()))
+    out.update(zip(COUNTS[:3], counts[:3].unbind()))
+    out[FORMAT_COUNTS] = counts[3:]
     if per_unit:
         out.update(zip(PER_UNIT, peaks.unbind()))
     return out

@@ -446,7 +446,7 @@ def numeric_measures(*, zero_frac: bool, channels: bool, base: tuple[Measure, ..
     given = {n for m in base for f in m.fields for n in f.names}
     uses = tuple(n for n in numerics.SHARED if n in given)
     own = ("nonzero",) * ("nonzero" not in uses)
-    counts = (*own, *(n for f in numerics.FORMATS.values() for n in numerics.names(f)))
+    counts = (*own, numerics.COUNTS)
     per_unit = (Field(name="unit_amax", pool=MAX, per_unit=True),) * channels
 
     def compute(x: Tensor, units: int, shared: Named | None = None) -> Named:

@@ -107,14 +107,24 @@ def names(fmt: Format) -> tuple[str, ...]:
     return tuple(f"{count}_{fmt.name}" for count in counts)
 
 
+#: The device value holding every format's counts side by side, one vector (one value of a
+#: record rather than a dozen), in the order of :data:`COUNTED`.
+COUNTS = "format_counts"
+#: The counts of :data:`COUNTS`, in order: each format's :func:`names`, the formats in
+#: :data:`FORMATS` order (the unscaled ones first, as the fused kernels count them).
+COUNTED: tuple[str, ...] = tuple(n for fmt in FORMATS.values() for n in names(fmt))
+#: Where each count is in :data:`COUNTS`.
+AT = {name: i for i, name in enumerate(COUNTED)}
+
+
 def measure(x: Tensor, units: int, *, channels: bool, given: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
     """The device values of ``x``: ``amax``; ``ref`` (``max(amax, 1e-12)``) with ``sum2`` and
     ``sum4``, the sums of ``(x / ref)²`` and ``(x / ref)⁴`` (in float32, or float64 for float64
     tensors: relative to the amax they neither overflow nor lose the largest terms);
-    ``nonzero`` and per format the count of elements the cast makes 0 (``zero_F``), keeps finite
-    (``finite_F``) and, unscaled, makes subnormal or 0 (``small_F``) or its smallest subnormal or 0
-    (``least_F``). With ``channels``, also per unit (along dim ``units``) the amax; ``unit_amax``
-    is empty for a 0-d or 1-d ``x``.
+    ``nonzero``; and :data:`COUNTS`, per format the count of elements the cast makes 0
+    (``zero_F``), keeps finite (``finite_F``) and, unscaled, makes subnormal or 0 (``small_F``) or
+    its smallest subnormal or 0 (``least_F``), side by side (:data:`COUNTED`). With ``channels``,
+    also per unit (along dim ``units``) the amax; ``unit_amax`` is empty for a 0-d or 1-d ``x``.
 
     ``given``: what the base statistics of ``x`` computed already (:data:`SHARED`), taken rather
     than computed again: ``nonzero`` (not returned then) and the extremes ``min`` and ``max`` (the
@@ -144,7 +154,7 @@ def measure(x: Tensor, units: int, *, channels: bool, given: Mapping[str, Tensor
         if fmt.scaled:
             torch.mul(a, scale * fmt.max, out=square)  # (the powers' buffer, free again)
         below.counts(square if fmt.scaled else a, fmt)
-    out.update(below.totals())
+    out.update(below.totals(first=int(own)))
     return out
 
 
@@ -201,12 +211,22 @@ class Below:
             self.at_most(small[0], seen, fmt.normal, tie=False)
             self.at_most(small[1], seen, fmt.least, tie=False)
 
-    def totals(self) -> dict[str, Tensor]:
-        """Every count, by name (0-d)."""
-        if self._together:
-            summed = self._ones.view(len(self._rows), -1).sum(dim=1, dtype=self._sum)
-            self._counted.update(zip(self._names, summed.unbind()))
-        return self._counted
+    def totals(self, first: int | None = None) -> dict[str, Tensor]:
+        """Every count, by name (0-d); with ``first``, the counts from the ``first``-th on as one
+        vector, :data:`COUNTS`, and those before it by name (each a vector of one where the
+        counts were summed together: one op splits them)."""
+        if not self._together:
+            if first is None:
+                return self._counted
+            counted = [self._counted[n] for n in self._names]
+            return {**dict(zip(self._names[:first], counted[:first])), COUNTS: torch.stack(counted[first:])}
+        summed = self._ones.view(len(self._rows), -1).sum(dim=1, dtype=self._sum)
+        if first is None:
+            return dict(zip(self._names, summed.unbind()))
+        if not first:
+            return {COUNTS: summed}
+        *heads, rest = summed.split([1] * first + [len(self._names) - first])
+        return {**dict(zip(self._names, heads)), COUNTS: rest}
 
     def _row(self) -> Tensor:
         return self._rows[len(self._names)] if self._together else self._rows[0]
@@ -297,10 +317,10 @@ def sizes(v: Values, count: int) -> dict[str, float]:
     return {Stat.AMAX: float(v["amax"][0]), Stat.RMS: ref * math.sqrt(sum2 / count)}
 
 
-#: Per format, its count names (:func:`names`) and the statistics made of them.
+#: Per format, where its counts are in :data:`COUNTS` and the statistics made of them.
 _PER_FORMAT = {
     fmt.name: (
-        names(fmt),
+        tuple(AT[n] for n in names(fmt)),
         tuple(per_format(lost, fmt.name) for lost in (Lost.UNDERFLOW, Lost.OVERFLOW, Lost.SUBNORMAL, Lost.FLOOR)),
     )
     for fmt in FORMATS.values()
@@ -323,14 +343,15 @@ def statistics(v: Values, count: int, *, zero_frac: bool) -> dict[str, float]:
         peaks = v["unit_amax"]
         if peaks.size and np.isfinite(peaks).any():
             out[Stat.AMAX_CHANNEL] = float(np.nanargmax(peaks))
+    counted = v[COUNTS].tolist()
     for fmt in FORMATS.values():
         counts, (underflow, overflow, subnormal, floor) = _PER_FORMAT[fmt.name]
-        made_zero = float(v[counts[0]][0])
+        made_zero = counted[counts[0]]
         out[underflow] = (made_zero - zeros) / n
-        out[overflow] = (n - float(v[counts[1]][0])) / n
+        out[overflow] = (n - counted[counts[1]]) / n
         if not fmt.scaled:
-            out[subnormal] = (float(v[counts[2]][0]) - made_zero) / n
-            out[floor] = (float(v[counts[3]][0]) - made_zero) / n
+            out[subnormal] = (counted[counts[2]] - made_zero) / n
+            out[floor] = (counted[counts[3]] - made_zero) / n
     return out
 
 

@@ -161,10 +161,17 @@ class Indexed(dict[str, float]):
         if not hasattr(self, "_named"):
             self._named = {}
             for t, v in self.items():
-                head, slash, name = t.rpartition("/")
-                if slash:
-                    self._named.setdefault(f"{head}/", {})[unescape(name)] = v
+                head, name = _head_and_name(t)
+                if head:
+                    self._named.setdefault(head, {})[name] = v
         return self._named.get(prefix, {})
+
+
+@functools.lru_cache(maxsize=1 << 16)  # the same tags recur every logged step
+def _head_and_name(t: str) -> tuple[str, str]:
+    """``("root/stat/", name)`` of a tag ``root/stat/{name}`` (``("", t)`` of one without ``/``)."""
+    head, slash, name = t.rpartition("/")
+    return (f"{head}/", unescape(name)) if slash else ("", t)
 
 
 def escape(name: str) -> str:
