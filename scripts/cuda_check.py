@@ -1,9 +1,11 @@
 """The CUDA check, one command (under 10 minutes on one GPU): every CUDA test of the suite (the
 tests marked ``cuda``: each one ``conftest.needs_cuda`` skips without a device); the two paths of
-the statistics (``TBLOG_HOOKS_KERNELS=torch`` and ``triton``) on W1, W2 and a small GPT-2: the CUDA
-kernels a logged step adds per watched tensor (torch.profiler's count) and the logged step's time
-over a step without the logger; then the overhead benchmark on CUDA with larger batches, printed
-as Markdown tables. Without a CUDA device it says so and exits 0: there is nothing to check.
+the statistics (``TBLOG_HOOKS_KERNELS=torch`` and ``triton``) on W1, W2 and a small GPT-2, each
+without and with ``numerics=True``: the CUDA kernels a logged step adds per watched tensor
+(torch.profiler's count) and the logged step's time over a step without the logger; then the
+overhead benchmark on CUDA with larger batches and the cost of ``numerics=True`` on a logged step
+(``bench.py --numerics``), printed as Markdown tables. Without a CUDA device it says so and
+exits 0: there is nothing to check.
 
     pip install --no-deps -e . && python scripts/cuda_check.py [--json cuda_bench.json]
     python scripts/cuda_check.py --paths-only      # the two paths' table alone (a few minutes)
@@ -52,6 +54,8 @@ def main() -> int:
         extra = ["--json", f"{Path(args.json).with_suffix('')}-{workload}.json"] if args.json else []
         failed |= run("scripts/bench.py", "--device", "cuda", "--workload", workload, "--batch", str(batch),
                       "--steps", "100", "--every", "5", "--rss-steps", "300", *extra)  # fmt: skip
+    extra = ["--json", f"{Path(args.json).with_suffix('')}-numerics.json"] if args.json else []
+    failed |= run("scripts/bench.py", "--device", "cuda", "--numerics", "--steps", "40", "--block", "10", *extra)
     return failed
 
 
@@ -123,17 +127,19 @@ def _path_rows(name: str, device: object, steps: int) -> list[str]:
     rows = []
     for path in ("torch", "triton"):
         os.environ[VARIABLE] = path
-        log_dir = tempfile.mkdtemp()
-        with HookLogger(model, log_dir=log_dir, every=1, histograms=False) as hooks:  # type: ignore[arg-type]
-            logged = functools.partial(_step, model, loss, opt, hooks)
-            for _ in range(3):  # the kernels compile, the caches fill
-                logged()
-            added = _kernels(logged) - bare_kernels
-            logged_time = _median_time(logged, steps, device)
-            tensors = 2 * len(hooks.module_names)
+        for numerics in (False, True):
+            log_dir = tempfile.mkdtemp()
+            with HookLogger(model, log_dir=log_dir, every=1, histograms=False, numerics=numerics) as hooks:  # type: ignore[arg-type]
+                logged = functools.partial(_step, model, loss, opt, hooks)
+                for _ in range(3):  # the kernels compile, the caches fill
+                    logged()
+                added = _kernels(logged) - bare_kernels
+                logged_time = _median_time(logged, steps, device)
+                tensors = 2 * len(hooks.module_names)
+            label = f"{path}, numerics=True" if numerics else path
+            rows.append(f"| {name} | {label} | {added} | {added / tensors:.1f} | {logged_time * 1e3:.2f} ms | "
+                        f"{logged_time / bare_time:.2f}x |")  # fmt: skip
         os.environ.pop(VARIABLE)
-        rows.append(f"| {name} | {path} | {added} | {added / tensors:.1f} | {logged_time * 1e3:.2f} ms | "
-                    f"{logged_time / bare_time:.2f}x |")  # fmt: skip
     return rows
 
 
