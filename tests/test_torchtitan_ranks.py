@@ -88,12 +88,18 @@ def test_torchtitan_logger_made_before_sharding_and_its_optimizers_container(tmp
     # plain AdamW: the container is an optimizer that steps the one it holds).
     model = titan.one_process()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=False)
-    _train(model, HookLogger(model, log_dir=str(tmp_path / "one"), every=STEPS, spikes=True), opt, slice(None))
+    one_logger = HookLogger(model, log_dir=str(tmp_path / "one"), optimizer=opt, every=STEPS, spikes=True)
+    _train(model, one_logger, opt, slice(None))
     run, one = read_run(tmp_path / "fsdp").scalars, read_run(tmp_path / "one").scalars
-    for tag in ("step/grad_norm", "step/loss"):
+    for tag in ("step/grad_norm", "step/loss", "step/samples"):
         assert sorted(run[tag]) == sorted(one[tag]) == list(range(STEPS)), tag
         for step in range(STEPS):
             assert run[tag][step] == pytest.approx(one[tag][step], rel=1e-9), (tag, step)
+    # The container's step moves each parameter once: its update ratio is one process's.
+    ratios = sorted(t for t in one if t.startswith("param/update_ratio/"))
+    assert ratios and sorted(t for t in run if t.startswith("param/update_ratio/")) == ratios
+    for tag in ratios:
+        assert run[tag][0] == pytest.approx(one[tag][0], rel=1e-6), tag
 
 
 #: What dp 2 x tp 2 runs watch and compare (the final norm's output is Replicate: its gradient is
@@ -103,8 +109,9 @@ OPTIONS: dict[str, object] = {
     "modules": ["*"],
     "inputs": True,
     "reduce_ranks": True,  # (the scalars: histograms are the writing rank's own)
+    "spikes": True,  # (step/samples: the step's batch, each replica's once)
 }
-ROOTS = ("activation/", "input/", "gradient/", "param_grad/", "param/")
+ROOTS = ("activation/", "input/", "gradient/", "param_grad/", "param/", "step/")
 
 
 def _pooled(model: torch.nn.Module, log_dir: str, dims: object, rows: slice | None) -> None:

@@ -369,7 +369,9 @@ class Ring:
 
 class Samples(_Hook):
     """The model's forward pre-hook: the samples of a step's training passes, the first dim of
-    each call's first tensor argument (shape metadata, nothing read from the device)."""
+    each call's first tensor argument (shape metadata, nothing read from the device); of a
+    ``DTensor`` (torchtitan's ``full_dtensor`` batch, split over the data-parallel ranks), this
+    rank's piece's, as a plain batch is this rank's."""
 
     __slots__ = ("count",)
 
@@ -382,7 +384,7 @@ class Samples(_Hook):
             return
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
         if first is not None and first.dim() > 0:
-            self.count += first.shape[0]
+            self.count += (first.to_local() if is_dtensor(first) else first).shape[0]
 
     def take(self) -> int | None:
         """The step's samples (``None``: no training pass of the model seen), and start again."""
