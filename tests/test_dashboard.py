@@ -320,6 +320,31 @@ def test_the_overview_counts_each_runs_findings_worst_first(server, logdir) -> N
     assert rows == sorted(rows, key=rank) and rows[0]["name"] == "net"  # type: ignore[arg-type, index]
 
 
+def test_a_run_that_cannot_be_judged_says_why_in_its_overview_row(tmp_path, monkeypatch) -> None:
+    """One run's analysis failing (here made to) leaves the overview of the others whole."""
+    health_runs.write_net(tmp_path / "net")
+    health_runs.write_gan(tmp_path / "gan")
+    real = analyses.findings
+
+    def findings(run):  # type: ignore[no-untyped-def]
+        if run.label == "net":
+            raise ValueError("a broken run")
+        return real(run)
+
+    monkeypatch.setattr(analyses, "findings", findings)
+    answer = _app(_plugin(tmp_path), "/overview").get("/overview")
+    assert answer.status_code == 200
+    rows = json.loads(answer.get_data())
+    assert rows[0] == {
+        "run": "net", "prefix": "", "name": "net", "findings": None, "kinds": {}, "worst": None,
+        "logged_steps": None, "sampled": False, "error": "ValueError: a broken run",
+    }  # fmt: skip
+    judged = {r["name"]: r for r in rows[1:]}
+    assert set(judged) == {"gan [D]", "gan [G]"} and all(r["error"] is None for r in judged.values())
+    for name, row in judged.items():
+        assert row["findings"] == len(_report(tmp_path)[name]["findings"])  # type: ignore[index]
+
+
 def test_a_download_is_the_routes_document_as_a_file(server) -> None:
     query = urllib.parse.urlencode({"run": "gan", "prefix": "G", "tag": "gradient/norm", "format": "csv"})
     with urllib.request.urlopen(f"{server}{ROUTE}/heatmap?{query}", timeout=30) as response:

@@ -121,29 +121,37 @@ def run_entry(model: Model) -> dict[str, Any]:
     }
 
 
-def overview(judged: Sequence[tuple[Model, Analysis]]) -> list[dict[str, Any]]:
+def overview(judged: Sequence[tuple[Model, Analysis | Exception]]) -> list[dict[str, Any]]:
     """The ``overview`` document: per model, how many findings of each kind its run holds
     (``kinds``, the most severe first), the most severe (``worst``, ``None`` without findings),
     and how many logged steps they were judged on; worst run first, by its most severe kind
-    (:data:`SEVERITY`), then the number of findings, then name."""
+    (:data:`SEVERITY`), then the number of findings, then name. A run whose analysis failed is
+    first, with ``error`` saying why (``None`` in every other row) and no counts."""
     rows = []
     for model, analysis in judged:
+        row: dict[str, Any] = {"run": model.run, "prefix": model.prefix, "name": model.name}
+        if isinstance(analysis, Exception):
+            error = f"{type(analysis).__name__}: {analysis}"
+            row.update(findings=None, kinds={}, worst=None, logged_steps=None, sampled=False, error=error)
+            rows.append(row)
+            continue
         counts = {str(k): 0 for k in SEVERITY}
         for f in analysis.findings:
             counts[f.kind] += 1
         kinds = {k: n for k, n in counts.items() if n}
-        rows.append({
-            "run": model.run,
-            "prefix": model.prefix,
-            "name": model.name,
-            "findings": len(analysis.findings),
-            "kinds": kinds,
-            "worst": next(iter(kinds), None),
-            "logged_steps": len(analysis.run.scalars),
-            "sampled": analysis.sampled,
-        })  # fmt: skip
+        row.update(
+            findings=len(analysis.findings),
+            kinds=kinds,
+            worst=next(iter(kinds), None),
+            logged_steps=len(analysis.run.scalars),
+            sampled=analysis.sampled,
+            error=None,
+        )
+        rows.append(row)
 
     def rank(row: dict[str, Any]) -> tuple[int, int, str]:
+        if row["error"] is not None:
+            return -1, 0, row["name"]
         worst = len(SEVERITY) if row["worst"] is None else SEVERITY.index(FindingKind(row["worst"]))
         return worst, -row["findings"], row["name"]
 

@@ -29,7 +29,7 @@ from ..diagnostics import compare
 from ..diagnostics.compare import Tolerance
 from ..stats.tags import HEADS_TABLE_TAG, NUMERICS_TABLE_TAG, TABLE_PLUGIN, split_prefix
 from . import documents, downloads
-from .analyses import Analyses
+from .analyses import Analyses, Analysis
 from .source import DEFAULT_SCALARS_KEPT, Model, Source, names_of
 
 PLUGIN_NAME = TABLE_PLUGIN
@@ -87,9 +87,15 @@ class HealthPlugin(base_plugin.TBPlugin):  # type: ignore[misc]
         return _respond(request, [documents.run_entry(model) for model in self._source.models(ctx, eid)])
 
     def _overview(self, request: wrappers.Request) -> wrappers.Response:
-        """Every run's findings counted, worst run first: each run judged (once per change of it)."""
+        """Every run's findings counted, worst run first: each run judged (once per change of it);
+        a run that cannot be judged gets its error in its row, the others their findings."""
         ctx, eid = _context(request)
-        judged = [(model, self._analyses.of(ctx, eid, model)) for model in self._source.models(ctx, eid)]
+        judged: list[tuple[Model, Analysis | Exception]] = []
+        for model in self._source.models(ctx, eid):
+            try:
+                judged.append((model, self._analyses.of(ctx, eid, model)))
+            except Exception as error:
+                judged.append((model, error))
         return _respond(request, documents.overview(judged))
 
     def _of_model(self, build: Build, request: wrappers.Request) -> wrappers.Response:

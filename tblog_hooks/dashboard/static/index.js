@@ -888,12 +888,14 @@ class Page {
     const rows = await fetchJson('overview');
     this.overviewVersion = version;
     this.overviewCard.style.display = '';
+    // A run the server could not judge says why in its row; the others' rows are whole.
     this.overviewRows = rows.map((r) => chooseable(el('tr', { 'data-name': r.name, onclick: () => this.openNamed(r.name) },
       el('td', {}, r.name),
-      el('td', { class: 'num' }, String(r.findings)),
-      el('td', {}, r.worst ? el('span', { class: `kind ${r.worst}` }, r.worst) : 'healthy'),
-      el('td', {}, ...Object.entries(r.kinds).map(([kind, n]) => el('span', { class: 'count' }, el('span', { class: `kind ${kind}` }, kind), ` ${n}`))),
-      el('td', { class: 'num' }, `${r.logged_steps.toLocaleString()}${r.sampled ? ' (sample)' : ''}`))));
+      ...(r.error ? [el('td', { class: 'message bad', colspan: 4 }, `could not be judged: ${r.error}`)] : [
+        el('td', { class: 'num' }, String(r.findings)),
+        el('td', {}, r.worst ? el('span', { class: `kind ${r.worst}` }, r.worst) : 'healthy'),
+        el('td', {}, ...Object.entries(r.kinds).map(([kind, n]) => el('span', { class: 'count' }, el('span', { class: `kind ${kind}` }, kind), ` ${n}`))),
+        el('td', { class: 'num' }, `${r.logged_steps.toLocaleString()}${r.sampled ? ' (sample)' : ''}`)]))));
     this.overviewBox.replaceChildren(el('table', {},
       el('thead', {}, el('tr', {}, ...['run', 'findings', 'worst', 'by kind', 'logged steps'].map((h) => el('th', { class: h === 'findings' || h === 'logged steps' ? 'num' : '' }, h)))),
       el('tbody', {}, ...this.overviewRows)));
