@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
 from tblog_hooks import Histograms, HookLogger, HookLoggerError
-from tblog_hooks.stats.kinds import HISTOGRAM_KINDS as KINDS
+from tblog_hooks.stats.tags import HISTOGRAM_KINDS as KINDS
 
 
 class _Block(nn.Module):

@@ -16,7 +16,7 @@ from torch import nn
 
 from tblog_hooks import Histograms, HookLogger
 from tblog_hooks.stats.attention import attention_statistics
-from tblog_hooks.stats.kinds import HISTOGRAM_KINDS
+from tblog_hooks.stats.tags import HISTOGRAM_KINDS
 
 pytestmark = needs_cuda
 #: Every histogram kind on every logged step.

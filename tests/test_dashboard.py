@@ -24,6 +24,7 @@ from typing import Any
 import health_runs
 import numpy as np
 import pytest
+import torch
 from conftest import (
     TENSORBOARD_READY_S,
     get,
@@ -40,6 +41,7 @@ from tensorboard.plugins import base_plugin
 from torch.utils.tensorboard import SummaryWriter
 from werkzeug.test import Client
 
+from tblog_hooks import HookLogger
 from tblog_hooks.cli import report
 from tblog_hooks.dashboard import analyses, documents
 from tblog_hooks.dashboard.documents import SEVERITY
@@ -48,6 +50,7 @@ from tblog_hooks.dashboard.source import Source
 from tblog_hooks.diagnostics import gradient_rules, replay
 from tblog_hooks.diagnostics.findings import FINDING_KINDS, MEASURES, Thresholds, log
 from tblog_hooks.diagnostics.health import default_health
+from tblog_hooks.diagnostics.replay import owner
 from tblog_hooks.stats.tags import (
     HEADS_TABLE_TAG,
     NUMERICS_TABLE_TAG,
@@ -343,6 +346,28 @@ def test_a_run_that_cannot_be_judged_says_why_in_its_overview_row(tmp_path, monk
     assert set(judged) == {"gan [D]", "gan [G]"} and all(r["error"] is None for r in judged.values())
     for name, row in judged.items():
         assert row["findings"] == len(_report(tmp_path)[name]["findings"])  # type: ignore[index]
+
+
+def test_a_module_row_says_whether_the_run_holds_its_histograms(tmp_path) -> None:
+    """``histograms``: a histogram of the module or of one of its own parameters is in the run (the
+    page's link to TensorBoard's Histograms tab is offered only then)."""
+    health_runs.write_net(tmp_path / "net")
+    model = health_runs.net()
+    with HookLogger(model, log_dir=tmp_path / "plain", every=1, histograms=False) as hooks:
+        model(torch.randn(4, 5, 6)).square().mean().backward()
+        hooks.step()
+    plugin = _plugin(tmp_path)
+    for run in ("net", "plain"):
+        rows = json.loads(_app(plugin, "/modules").get(f"/modules?run={run}").get_data())["rows"]
+        modules = [r["module"] for r in rows]
+        of: dict[str, set[str]] = {m: set() for m in modules}  # the module's own histograms and its parameters'
+        for t in read_tags(tmp_path / run)["histograms"]:
+            root, name = t.split("/")[0], unescape(t.rsplit("/", 1)[1])
+            held = owner(name, modules) if root in ("param", "param_grad") else name
+            if held in of:
+                of[held].add(t)
+        assert {r["module"]: r["histograms"] for r in rows} == {m: bool(of[m]) for m in modules}
+        assert any(r["histograms"] for r in rows) == (run == "net"), run
 
 
 def test_a_download_is_the_routes_document_as_a_file(server) -> None:

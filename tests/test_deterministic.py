@@ -18,7 +18,7 @@ from torch import nn
 
 from tblog_hooks import Histograms, HookLogger
 from tblog_hooks.stats import binning
-from tblog_hooks.stats.kinds import HISTOGRAM_KINDS
+from tblog_hooks.stats.tags import HISTOGRAM_KINDS
 
 STEPS = 3
 #: Every histogram kind on every logged step.

@@ -22,11 +22,11 @@ from tblog_hooks.diagnostics.numerics_rules import PICTURE_TAGS
 from tblog_hooks.diagnostics.per_step import FINDINGS_TAG, FLOW_TAG
 from tblog_hooks.options import NAMES
 from tblog_hooks.stats.formats import format_of
-from tblog_hooks.stats.kinds import HISTOGRAM_KINDS
 from tblog_hooks.stats.numerics import FORMATS
 from tblog_hooks.stats.recipe import Recipe, Source
 from tblog_hooks.stats.tags import (
     HEADS_TABLE_TAG,
+    HISTOGRAM_KINDS,
     NUMERICS_TABLE_TAG,
     ORDER_TAG,
     SCALE_TAG,

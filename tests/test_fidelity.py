@@ -15,7 +15,7 @@ from models import train
 from torch import nn
 
 from tblog_hooks import Histograms, HookLogger
-from tblog_hooks.stats.kinds import HISTOGRAM_KINDS
+from tblog_hooks.stats.tags import HISTOGRAM_KINDS
 
 RECORDED = [kind for kind in HISTOGRAM_KINDS if kind != "input"]  # every kind but inputs (inputs=False)
 

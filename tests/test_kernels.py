@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from tblog_hooks import Histograms, HookLogger, HookLoggerError
 from tblog_hooks.kernels import VARIABLE, Kernels
 from tblog_hooks.stats import numerics, reductions
-from tblog_hooks.stats.kinds import HISTOGRAM_KINDS
+from tblog_hooks.stats.tags import HISTOGRAM_KINDS
 
 fused = pytest.importorskip("tblog_hooks.kernels.fused", reason="Triton is not importable")
 pytestmark = [

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from tblog_hooks import Histograms, HookLogger, HookLoggerError
 from tblog_hooks.stats import sampling
-from tblog_hooks.stats.kinds import HISTOGRAM_KINDS as KINDS
+from tblog_hooks.stats.tags import HISTOGRAM_KINDS as KINDS
 
 #: The target with the defaults, every=1, 10 logged steps (README "Large models"): bytes of the
 #: event files per watched module per logged step.

@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 import tblog_hooks
 from tblog_hooks import Histograms, HookLogger
-from tblog_hooks.stats.kinds import HISTOGRAM_KINDS
+from tblog_hooks.stats.tags import HISTOGRAM_KINDS
 
 _PACKAGE = str(Path(tblog_hooks.__file__).parent)
 _HOST_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from tblog_hooks import Histograms, HookLogger
-from tblog_hooks.stats.kinds import HISTOGRAM_KINDS as KINDS
+from tblog_hooks.stats.tags import HISTOGRAM_KINDS as KINDS
 
 
 def _scalars(log_dir, step: int = 0) -> dict[str, float]:

@@ -219,9 +219,10 @@ def heatmap(
     return doc | {"sampled": sampled}
 
 
-def module_table(analysis: Analysis) -> dict[str, Any]:
-    """The ``modules`` document: per watched module, the latest value of each of its statistics
-    and the findings naming it (a parameter's findings count for its module), worst first:
+def module_table(analysis: Analysis, histograms: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The ``modules`` document: per watched module, the latest value of each of its statistics,
+    the findings naming it (a parameter's findings count for its module) and whether the run
+    holds histograms of it or its own parameters (of ``histograms``, the names it has them of), worst first:
     by the most severe finding kind, then the number of findings, then forward order; and how
     many logged steps the findings were judged on, and whether those are TensorBoard's sample."""
     run = analysis.run
@@ -258,6 +259,7 @@ def module_table(analysis: Analysis) -> dict[str, Any]:
             "findings": found[m],
             "values": values[m],
             "tag_filter": tag_filter(run.prefix, m, own.get(m, [])),
+            "histograms": m in histograms or any(f"{m}.{p}" in histograms for p in own.get(m, [])),
         }
         for m in sorted(modules, key=rank)
     ]

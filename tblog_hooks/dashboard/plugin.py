@@ -57,7 +57,9 @@ class HealthPlugin(base_plugin.TBPlugin):  # type: ignore[misc]
         documents_of: dict[str, Build] = {
             "/heatmap": self._heatmap,
             "/findings": lambda request, ctx, eid, model: documents.findings(self._analyses.of(ctx, eid, model)),
-            "/modules": lambda request, ctx, eid, model: documents.module_table(self._analyses.of(ctx, eid, model)),
+            "/modules": lambda request, ctx, eid, model: documents.module_table(
+                self._analyses.of(ctx, eid, model), model.histograms
+            ),
             "/series": self._series,
             "/spikes": lambda request, ctx, eid, model: documents.spikes(self._analyses.of(ctx, eid, model)),
             "/heads": functools.partial(self._table, HEADS_TABLE_TAG),

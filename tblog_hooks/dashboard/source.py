@@ -18,6 +18,7 @@ from .._tensorboard_compat import Column, read_scalar_columns
 from ..diagnostics.replay import forward_key, is_logged_step
 from ..stats.tags import (
     GRAD_NORM_TAG,
+    HISTOGRAM_KINDS,
     NAMED_ROOTS,
     ORDER_TAG,
     TABLE_PLUGIN,
@@ -27,7 +28,7 @@ from ..stats.tags import (
     unescape,
 )
 
-_SCALARS, _TEXT = "scalars", "text"
+_SCALARS, _TEXT, _HISTOGRAMS = "scalars", "text", "histograms"
 #: More values than any reservoir keeps: every kept value of a tag is read.
 ALL_VALUES = 1 << 30
 #: How many values of a scalar tag TensorBoard keeps without ``--samples_per_plugin scalars=N``.
@@ -47,6 +48,8 @@ class Model:
     #: The value tables it holds with their rows' names (``health/attention_heads``,
     #: ``health/numerics``), without the prefix.
     tables: frozenset[str] = frozenset()
+    #: The modules and parameters it holds histograms of (``activation/{name}``, ``param/{name}``, ...).
+    histograms: frozenset[str] = frozenset()
 
     @property
     def name(self) -> str:
@@ -87,9 +90,13 @@ class Source:
         tensors = self._provider.list_tensors(
             ctx, experiment_id=experiment_id, plugin_name=TABLE_PLUGIN, run_tag_filter=filter_
         )
+        histograms = self._provider.list_tensors(
+            ctx, experiment_id=experiment_id, plugin_name=_HISTOGRAMS, run_tag_filter=filter_
+        )
         found = []
         for name, series in sorted(listing.items()):
             tables = [split for full in tensors.get(name, {}) if (split := split_prefix(full))]
+            binned = [split for full in histograms.get(name, {}) if (split := _histogram_name(full))]
             by_prefix: dict[str, dict[str, provider.ScalarTimeSeries]] = {}
             for full, meta in series.items():
                 if split := split_prefix(full):
@@ -100,7 +107,8 @@ class Source:
                     version = (max(m.max_step for m in own.values()), max(m.max_wall_time for m in own.values()))
                     held = {t for p, t in tables if p == prefix}
                     with_rows = frozenset(t for t in held if rows_tag(t) in held)
-                    found.append(Model(name, prefix, full_tags, version, with_rows))
+                    of = frozenset(n for p, n in binned if p == prefix)
+                    found.append(Model(name, prefix, full_tags, version, with_rows, of))
         return found
 
     def read(self, ctx: Any, experiment_id: str, model: Model, tags: list[str]) -> dict[str, dict[int, float]]:
@@ -153,6 +161,14 @@ class Source:
             run_tag_filter=provider.RunTagFilter(runs=[model.run], tags=tags),
         )
         return data.get(model.run, {})  # type: ignore[no-any-return]
+
+
+def _histogram_name(full: str) -> tuple[str, str] | None:
+    """``(prefix, name)`` of a histogram tag ``[{prefix}/]{root}/{name}`` this package writes
+    (:data:`~tblog_hooks.stats.tags.HISTOGRAM_KINDS`; names are escaped, so hold no ``/``), else ``None``."""
+    head, slash, name = full.rpartition("/")
+    prefix, _, root = head.rpartition("/")
+    return (prefix, unescape(name)) if slash and root in HISTOGRAM_KINDS else None
 
 
 def in_forward_order(names: Iterable[str], order: list[str]) -> list[str]:

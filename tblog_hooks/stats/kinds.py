@@ -23,7 +23,8 @@ from torch import Tensor
 
 from ..errors import HookLoggerError
 from . import numerics, reductions
-from .tags import Lost, Root, Stat, per_format
+from .tags import HISTOGRAM_KINDS as HISTOGRAM_KINDS  # (its home is tags.py: the dashboard reads it without torch)
+from .tags import Lost, Stat, per_format
 
 Values = dict[str, np.ndarray]
 #: A record's device values, by name, as a measure's device function returns them.
@@ -490,12 +491,3 @@ def fp8_cast_measure(*, rowwise: bool) -> Measure:
         compute=lambda x, units: numerics.fp8_cast(x, rowwise=rowwise),
         counted=True,
     )
-
-
-#: Every histogram kind, by tag root: ``activation/{module}``, ``input/{module}`` (with
-#: ``inputs=True``), ``gradient/{module}`` (output gradient), ``gradient_log10/{module}`` (log10 of
-#: its magnitudes), ``param_grad/{module}.{param}``, ``param/{module}.{param}`` (weights).
-HISTOGRAM_KINDS: tuple[str, ...] = tuple(
-    root.value
-    for root in (Root.ACTIVATION, Root.INPUT, Root.GRADIENT, Root.GRADIENT_LOG10, Root.PARAM_GRAD, Root.PARAM)
-)

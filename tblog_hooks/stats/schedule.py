@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 from ..errors import HookLoggerError
 from ..keywords import Renamed, keywords
-from .kinds import HISTOGRAM_KINDS
-from .tags import Root
+from .tags import HISTOGRAM_KINDS, Root
 
 #: All but ``gradient``: the linear histogram of an output gradient is mostly one spike at zero
 #: whose width ``gradient/norm`` already charts; ``gradient_log10`` shows its spread over orders
@@ -48,7 +47,7 @@ class Histograms:
         weights_every_logged: weight histograms (``param/...``) on logged steps ``0,
             weights_every_logged, ...``; the other kinds follow ``every_logged``.
         kinds: the tag roots to write histograms of, among
-            :data:`~tblog_hooks.stats.kinds.HISTOGRAM_KINDS`; kept as a tuple in that order. A
+            :data:`~tblog_hooks.stats.tags.HISTOGRAM_KINDS`; kept as a tuple in that order. A
             kind is named as its histograms' tags are (``activation/{module}``), singular, where
             the options that produce them are plural: ``activations=`` produces ``activation``,
             ``inputs=`` ``input``, ``gradients=`` ``gradient`` and ``gradient_log10``,

@@ -107,6 +107,13 @@ def tag(root: str, *parts: str) -> str:
     return "/".join((str(root), *map(escape, parts)))
 
 
+#: Every histogram kind, by tag root: ``activation/{module}``, ``input/{module}`` (with
+#: ``inputs=True``), ``gradient/{module}`` (output gradient), ``gradient_log10/{module}`` (log10 of
+#: its magnitudes), ``param_grad/{module}.{param}``, ``param/{module}.{param}`` (weights).
+HISTOGRAM_KINDS: tuple[str, ...] = tuple(
+    root.value
+    for root in (Root.ACTIVATION, Root.INPUT, Root.GRADIENT, Root.GRADIENT_LOG10, Root.PARAM_GRAD, Root.PARAM)
+)
 #: Roots of scalars tagged ``root/stat/{name}`` (a module or parameter) and of those tagged
 #: ``root/stat`` (the whole model); ``param_grad`` has both.
 NAMED_ROOTS = (Root.ACTIVATION, Root.INPUT, Root.GRADIENT, Root.PARAM_GRAD, Root.PARAM, Root.ATTENTION, Root.SPIKE)

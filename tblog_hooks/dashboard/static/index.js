@@ -1038,8 +1038,9 @@ class Page {
     return url.href;
   }
 
-  // Links to the Scalars and Histograms charts of `name` (a module, or a parameter: its module's),
-  // or with '' to the Scalars of the whole model's every-step series; null where none is known.
+  // Links to the Scalars and Histograms charts of `name` (a module, or a parameter: its module's;
+  // Histograms where the run holds some of them), or with '' to the Scalars of the whole model's
+  // every-step series; null where none is known.
   chartLinks(name) {
     const table = this.analysis?.table;
     if (!table) return null;
@@ -1052,7 +1053,7 @@ class Page {
       title: `TensorBoard's ${text} tab, filtered to ${name ? (row.module === name ? 'this module' : `${row.module}, this parameter's module`) : 'the whole model\'s series'}`,
       onclick: (event) => event.stopPropagation(),
     }, `${text} ↗`);
-    return el('span', { class: 'tb-links' }, link('scalars', 'Scalars'), name ? link('histograms', 'Histograms') : null);
+    return el('span', { class: 'tb-links' }, link('scalars', 'Scalars'), row?.histograms ? link('histograms', 'Histograms') : null);
   }
 
   // Whether the run shown has a module (or parameter) of that name.
