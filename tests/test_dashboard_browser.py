@@ -388,7 +388,10 @@ def test_tensorboards_reload_shows_new_runs_and_steps(page, logdir) -> None:
     health_runs.write_gan(logdir / "late")  # a run started while the tab is open
     url = page.url.split("/#")[0]
     deadline = time.monotonic() + TENSORBOARD_READY_S
-    while not any(r["run"] == "late" for r in get(url, "/data/plugin/tblog_hooks/runs")):  # type: ignore[index, union-attr]
+    # Both loggers of the run: each writes an event file of its own, which TensorBoard may load
+    # in different passes.
+    late = {("late", "G"), ("late", "D")}
+    while not late <= {(r["run"], r["prefix"]) for r in get(url, "/data/plugin/tblog_hooks/runs")}:  # type: ignore[index, union-attr]
         assert time.monotonic() < deadline, "tensorboard did not load the later run"
         time.sleep(0.25)
     page.locator("app-header-reload button.reload-button").click()  # TensorBoard's own reload
