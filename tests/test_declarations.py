@@ -14,7 +14,7 @@ from conftest import read_run, spawn_ranks
 from torch import nn
 
 from tblog_hooks import HookLogger, HookLoggerError
-from tblog_hooks.stats.kinds import MAX, MOMENTS, NORM, Field, Measure
+from tblog_hooks.stats.kinds import MAX, MOMENTS, NORM, Field, Kind, Measure
 
 #: max|g| / ||g|| of an output gradient: does not scale with the loss.
 PEAK_RATIO = Measure(
@@ -38,7 +38,8 @@ def _kurtosis(v: dict, n: int) -> dict[str, float]:  # type: ignore[type-arg]
     return {"kurtosis": float(n * m4 / norm**4 - 3)}
 
 
-#: Excess kurtosis of an activation, from central moments up to the fourth pooled pairwise.
+#: Excess kurtosis of an activation or output gradient, from central moments up to the fourth
+#: pooled pairwise (over the records' element counts: an output gradient's carried on the device).
 KURTOSIS = Measure(
     name="kurtosis",
     fields=(Field(name="central", pool=MOMENTS, parts=("k_mean", "k_norm", "k_m3", "k_m4")),),
@@ -56,7 +57,7 @@ def _reference_kurtosis(x: torch.Tensor) -> float:
 
 
 #: Both statistics, added to a logger's recipe.
-MEASURES = {"output_gradient": [PEAK_RATIO], "output": [KURTOSIS]}
+MEASURES = {"output_gradient": [PEAK_RATIO, KURTOSIS], "output": [KURTOSIS]}
 
 
 class Twice(nn.Module):
@@ -100,6 +101,7 @@ def test_a_declared_statistic_is_logged_pooled_over_calls_and_left_alone_by_unsc
     assert run.scalar("activation/kurtosis/shared", 0) == pytest.approx(
         _reference_kurtosis(torch.cat(outputs)), rel=1e-6
     )
+    assert run.scalar("gradient/kurtosis/shared", 0) == pytest.approx(_reference_kurtosis(both), rel=1e-6)
 
 
 def test_a_second_logger_in_the_process_is_untouched(tmp_path: Path) -> None:
@@ -127,8 +129,8 @@ def test_a_second_logger_in_the_process_is_untouched(tmp_path: Path) -> None:
 
 def test_a_measure_a_source_cannot_take_is_refused_at_construction() -> None:
     model = Twice()
-    with pytest.raises(HookLoggerError, match="element count"):
-        HookLogger(model, measures={"output_gradient": [KURTOSIS]})
+    with pytest.raises(HookLoggerError, match="element count"):  # (the recipe puts ELEMENTS before it)
+        Kind(name="gradient", counts=False, measures=(KURTOSIS,))
     twice = Measure(name="my min", fields=(Field(name="min", pool=MAX),), scalars=lambda v, n: {}, compute=_central)
     with pytest.raises(HookLoggerError, match=r"my min.*extremes|extremes.*my min"):
         HookLogger(model, measures={"output": [twice]})

@@ -430,8 +430,8 @@ def test_compiled_hooks_trace_the_kernels_and_log_what_the_torch_path_logs(
     compiled, _ = train_compile_model(tmp_path / "compiled", backend="aot_eager", numerics=True)
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
     assert launches["_partials"] > 0
-    # (output gradients' numerics= are eager only: the probes carry the gradient kind's)
-    _assert_same_scalars(compiled, eager, ("activation/", "param_grad/", "input/", "gradient/norm", "gradient/nonf"))
+    del eager.scalars["gradient/amax/shared"]  # (two calls: a maximum does not add up in the probe)
+    _assert_same_scalars(compiled, eager, ("activation/", "param_grad/", "input/", "gradient/"))
 
 
 @interpreted

@@ -59,8 +59,10 @@ def magnitudes(x: Tensor) -> dict[str, float]:
     return {"amax": d.abs().max().item(), "rms": math.sqrt(m2), "kurtosis": m4 / m2**2 - 3}
 
 
-#: The numerics kinds, by the source they measure (an output's numerics are measures of its own kind).
-NUMERIC = {**Recipe.build(numerics=True).numerics, Source.OUTPUT: Recipe.build(numerics=True)[Source.OUTPUT]}
+#: The kinds of numerics, by the source they measure (an output's and an output gradient's numerics
+#: are measures of their own kinds).
+_RECIPE = Recipe.build(numerics=True)
+NUMERIC = {**_RECIPE.numerics, **{s: _RECIPE[s] for s in (Source.OUTPUT, Source.OUTPUT_GRADIENT)}}
 
 
 def measured(kind: Kind, x: Tensor, units: int = -1) -> dict[str, float]:

@@ -31,13 +31,10 @@ if TYPE_CHECKING:
 class OutputGradientRecorder:
     """Records ``gradient/*`` of the watched modules' outputs during a logged step's backward."""
 
-    def __init__(self, buffer: StepBuffer, *, histograms: bool, numerics: bool = False) -> None:
-        """``numerics``: also record ``numerics=``'s statistics (eagerly: a compiled probe sums the
-        output-gradient kind's only)."""
+    def __init__(self, buffer: StepBuffer, *, histograms: bool) -> None:
         self.buffer = buffer
         recipe = buffer.recipe
         self._output, self._kind = recipe[Source.OUTPUT], recipe[Source.OUTPUT_GRADIENT]
-        self._numerics = recipe.numerics.get(Source.OUTPUT_GRADIENT) if numerics else None
         self._width = sampling.SAMPLE_CAP if histograms else 0  # of a probe's histogram sample
         self._handles = Handles()  # this step's tensor hooks
         self._probe_handles = Handles()  # the probes' own hooks, live until release()
@@ -91,7 +88,7 @@ class OutputGradientRecorder:
                 if is_dtensor(grad):  # (its units are where its output's were)
                     grad, placed = local(grad)
                     split = placed and dataclasses.replace(placed, axis=split.axis if split else placed.axis)
-                self.buffer.eager.record(self._kind, name, grad, split=split, numerics=self._numerics)
+                self.buffer.eager.record(self._kind, name, grad, split=split)
         except Exception as error:
             self.buffer.fail(name, error)
 
@@ -107,7 +104,7 @@ class OutputGradientRecorder:
             with torch.no_grad():
                 buffer.keep_traced()
                 summed = summed.clone()
-                # Elements are on the device only; the kind's fields pool without them.
+                # Elements are on the device only: the kind's records carry them where needed.
                 buffer.eager.add(Record(self._kind, name, 0, probes.gradient(summed, self._kind)))
                 if buffer.eager.takes_histogram(Root.GRADIENT):
                     sample, lo, hi, weight = probes.histogram(summed, self._kind)
@@ -134,7 +131,7 @@ class OutputGradientRecorder:
         with torch.no_grad():
             for p, t in zip(waiting, reduced):
                 whole, split = p.whole(t)
-                self.buffer.eager.record(self._kind, p.key, whole, split=split, numerics=self._numerics)
+                self.buffer.eager.record(self._kind, p.key, whole, split=split)
         return self.buffer.drain()
 
     def end_step(self, records: list[Record]) -> list[Pending]:

@@ -28,8 +28,9 @@ from .watched import Handles
 
 #: Positions in a summary: the gradients summed into it (more than one when the module ran
 #: twice in one forward: autograd adds up the probe's gradients within a backward), elements; then
-#: the fields of the logger's output-gradient kind in the form that adds up (``Pool.summed``), the
-#: min and max, and the histogram sample, padded with NaN (:func:`summary`).
+#: the fields of the logger's output-gradient kind in the form that adds up (``Pool.summed``; its
+#: element count among them where its measures need it, ``kinds.ELEMENTS``), the min and max, and
+#: the histogram sample, padded with NaN (:func:`summary`).
 S_CALLS, S_NUMEL, S_FIELDS = range(3)
 
 
@@ -62,13 +63,9 @@ def summary(grad: Tensor, width: int, kind: Kind, kernels: Kernels) -> Tensor:
     ``width`` (0: no histogram)."""
     named = kernels.compute((kind,), grad, -1)
     wide = torch.float64
-    fields = [
-        f.pool.summed[0](named[n].to(wide)) if f.pool.summed else named[n].to(wide)
-        for f in kind.fields
-        for n in f.names
-    ]
+    values = torch.stack([named[n].to(wide) for f in kind.fields for n in f.names])
     lo, hi = (named["min"], named["max"]) if "min" in named else torch.aminmax(grad)  # (the kernels give them)
-    measured = torch.stack([*fields, lo.to(wide), hi.to(wide)])
+    measured = torch.cat([*_each_field(kind, values, forward=True), torch.stack([lo.to(wide), hi.to(wide)])])
     parts = [torch.tensor([1.0, grad.numel()], dtype=wide, device=grad.device), measured]
     if width:
         sample = traced_sample(grad).to(wide)
@@ -76,14 +73,25 @@ def summary(grad: Tensor, width: int, kind: Kind, kernels: Kernels) -> Tensor:
     return torch.cat(parts)
 
 
+def _each_field(kind: Kind, values: Tensor, *, forward: bool, calls: Tensor | None = None) -> list[Tensor]:
+    """``values`` (``kind``'s, in field order) field by field, each into the form that adds up
+    (``forward``) or back; a field that does not add up stays, or back is NaN where ``calls``
+    (summaries added up) is not 1."""
+    out, at = [], 0
+    for f in kind.fields:
+        v, at = values[at : at + len(f.names)], at + len(f.names)
+        if f.pool.summed is not None:
+            out.append(f.pool.summed[0 if forward else 1](v))
+        else:
+            out.append(v if calls is None else torch.where(calls == 1, v, math.nan))
+    return out
+
+
 def gradient(summed: Tensor, kind: Kind) -> tuple[Tensor, ...]:
     """``kind``'s values from a summary, or several added up: the summable fields stay right,
     the others are NaN (their sums mean nothing)."""
-    pools = [f.pool for f in kind.fields for _ in f.names]
-    return tuple(
-        pool.summed[1](v) if pool.summed else torch.where(summed[S_CALLS] == 1, v, math.nan)
-        for pool, v in zip(pools, (summed[S_FIELDS + i] for i in range(len(pools))))
-    )
+    values = summed[S_FIELDS : S_FIELDS + _fields(kind)]
+    return torch.cat(_each_field(kind, values, forward=False, calls=summed[S_CALLS])).unbind()
 
 
 def histogram(summed: Tensor, kind: Kind) -> tuple[Tensor, Tensor, Tensor, Tensor]:

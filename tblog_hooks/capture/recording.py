@@ -57,9 +57,7 @@ class Recording:
         self.numerics = None if formats is None else Written(formats)
         numerics = self.numerics is not None
         self.gradients = (
-            OutputGradientRecorder(self.buffer, histograms=histograms is not None, numerics=numerics)
-            if config.gradients
-            else None
+            OutputGradientRecorder(self.buffer, histograms=histograms is not None) if config.gradients else None
         )
         self.parallel = parallel
         self.activations = ActivationRecorder(

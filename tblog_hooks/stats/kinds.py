@@ -38,8 +38,9 @@ class Pool:
 
     #: (values per record, elements per record) -> pooled.
     combine: Callable[[np.ndarray, np.ndarray], np.ndarray]
-    #: A device value into a form whose sum over records is that of the pooled records, and back
-    #: (``None``: not summable; the probe keeps it of a single call only).
+    #: A field's device values (its parts, as one float64 vector) into a form whose sum over
+    #: records is that of the pooled records, and back (``None``: not summable, as a maximum is
+    #: not; the probe keeps it of a single call only).
     summed: tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]] | None = None
 
 
@@ -85,8 +86,9 @@ FIRST = Pool(lambda v, n: v[0])
 NORM = Pool(lambda v, n: np.sqrt(np.square(v).sum(axis=0)), (torch.square, torch.sqrt))
 #: ``[mean, centred L2 norm]``, optionally followed by the third and fourth central sums.
 MOMENTS = Pool(_moments)
-#: ``[ref, Σ(x/ref)², Σ(x/ref)⁴]`` (``numerics.pool_powers``).
-POWERS = Pool(numerics.pool_powers)
+#: ``[ref, Σ(x/ref)², Σ(x/ref)⁴]`` (``numerics.pool_powers``); summed on the device as
+#: ``[1, Σx², Σx⁴]`` in float64 (``numerics.absolute_powers``).
+POWERS = Pool(numerics.pool_powers, (numerics.absolute_powers, numerics.relative_to_one))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +165,9 @@ class Kind:
         #: Every field is an L2 norm: those of a tensor's pieces on several ranks combine as the root
         #: of their summed squares.
         self.norms = norms
-        #: Its records know their element count (an output gradient summed by a compiled probe does not).
+        #: The host knows its records' element count; else (an output gradient summed by a compiled
+        #: probe) a record carries it on the device, as the field of :data:`ELEMENTS`, where its
+        #: measures need it.
         self.counts = counts
         _check(self, measures)
         self.measures: tuple[Measure, ...] = measures
@@ -204,6 +208,11 @@ class Kind:
             out.update(m.compute(t, units, out) if m.uses else m.compute(t, units))
         return out
 
+    def numel(self, fields: Values, numel: int) -> int:
+        """The elements a record (its fields, read back) describes: ``numel`` where the host knows
+        it, else its :data:`ELEMENTS` field."""
+        return numel if self.counts or ELEMENTS_FIELD not in fields else int(fields[ELEMENTS_FIELD][0])
+
     def values(self, named: Named) -> tuple[Tensor, ...]:
         """A record's values in field order, from their names."""
         return tuple(named[n] for f in self.fields for n in f.names)
@@ -223,13 +232,14 @@ def describe(measure: Measure) -> str:
 
 def _check(kind: Kind, measures: tuple[Measure, ...]) -> None:
     """No name (field, device value or statistic) given by two measures; counted measures only
-    where records know their element count."""
+    where records know their element count (on the host, or by :data:`ELEMENTS` before them)."""
     owner: dict[str, tuple[int, Measure]] = {}
     values: set[str] = set()  # the device values of the measures so far
     for i, measure in enumerate(measures):
-        if measure.counted and not kind.counts:
+        if measure.counted and not kind.counts and ELEMENTS_FIELD not in values:
             raise HookLoggerError(
-                f"{kind!r} records do not know their element count, which {describe(measure)} needs (counted=True)"
+                f"{kind!r} records do not know their element count on the host, which {describe(measure)} needs "
+                f"(counted=True): put {describe(ELEMENTS)} before it"
             )
         missing = [n for n in measure.uses if n not in values]
         if missing:
@@ -335,8 +345,17 @@ GRADIENT_NORM = Measure(
     scaled=True,
     fused=True,
 )
-#: The NaN/Inf count of an output gradient, recorded as it is: a probe's summed records do not
-#: know their element count (``gradient/nonfinite``).
+#: The element count of a record, on the device, for kinds whose host does not know it
+#: (``Kind.counts``): a compiled probe sums it over a module's calls with the other fields.
+ELEMENTS_FIELD = "elements"
+ELEMENTS = Measure(
+    name="element count",
+    fields=(Field(name=ELEMENTS_FIELD, pool=SUM),),
+    scalars=lambda v, n: {},
+    compute=lambda t, units: {ELEMENTS_FIELD: reductions.elements(t)},
+)
+#: The NaN/Inf count of an output gradient, recorded as it is (``gradient/nonfinite``; a
+#: probe's records know their element count only where numerics need it, :data:`ELEMENTS`).
 GRADIENT_NONFINITE = Measure(
     name="gradient NaN/Inf count",
     fields=(Field(name="nonfinite", pool=SUM),),

@@ -310,11 +310,27 @@ def pool_powers(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.array([top, (values[:, 1] * ratio**2).sum(), (values[:, 2] * ratio**4).sum()])
 
 
+def absolute_powers(powers: Tensor) -> Tensor:
+    """``[ref, Σ(x/ref)², Σ(x/ref)⁴]`` (float64) as ``[1, Σx², Σx⁴]``, which add up over records
+    whatever their ``ref``: float64 holds the fourth power of every float32, bf16 and fp16
+    magnitude (a compiled probe sums a module's calls so, ``capture/probes.py``)."""
+    ref = powers[:1]
+    return torch.cat([torch.ones_like(ref), powers[1:2] * ref.square(), powers[2:] * ref.square().square()])
+
+
+def relative_to_one(powers: Tensor) -> Tensor:
+    """Summed :func:`absolute_powers` as powers: relative to a ``ref`` of 1 (the sum's first value
+    counts the records)."""
+    return torch.cat([torch.ones_like(powers[:1]), powers[1:]])
+
+
 def sizes(v: Values, count: int) -> dict[str, float]:
     """The max |x| and RMS of a module's pooled values over ``count`` elements (they scale with
-    the loss under a ``GradScaler``)."""
+    the loss under a ``GradScaler``); the max left out where NaN (a compiled probe's of a module
+    that ran more than once in a backward: a maximum does not add up, ``kinds.Pool.summed``)."""
     ref, sum2, _ = (float(p) for p in v["powers"])
-    return {Stat.AMAX: float(v["amax"][0]), Stat.RMS: ref * math.sqrt(sum2 / count)}
+    amax = float(v["amax"][0])
+    return {**({} if math.isnan(amax) else {Stat.AMAX: amax}), Stat.RMS: ref * math.sqrt(sum2 / count)}
 
 
 #: Per format, where its counts are in :data:`COUNTS` and the statistics made of them.

@@ -125,11 +125,11 @@ def pooled(entries: Iterable[Entry], values: np.ndarray) -> dict[tuple[Kind, str
         grouped.setdefault((entry.kind, entry.name), []).append(entry)
     out = {}
     for (kind, name), group in grouped.items():
-        if len(group) == 1:  # pooling one record changes nothing
-            out[(kind, name)] = (group[0].read(values), group[0].numel)
-            continue
-        counts = np.array([e.numel for e in group], dtype=np.float64)
         read = [e.read(values) for e in group]
+        if len(group) == 1:  # pooling one record changes nothing
+            out[(kind, name)] = (read[0], kind.numel(read[0], group[0].numel))
+            continue
+        counts = np.array([kind.numel(r, e.numel) for r, e in zip(read, group)], dtype=np.float64)
         fields = {}
         for f in kind.fields:
             rows = [r[f.name] for r in read]

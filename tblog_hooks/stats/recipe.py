@@ -20,6 +20,7 @@ from types import MappingProxyType
 from ..errors import HookLoggerError
 from .kinds import (
     ATTENTION_HEADS,
+    ELEMENTS,
     GRADIENT_NONFINITE,
     GRADIENT_NORM,
     HISTOGRAM_ROWS,
@@ -51,7 +52,7 @@ class Source(enum.StrEnum):
     NONFINITE_INPUT = "nonfinite_input"
     #: The gradient w.r.t. a watched module's output (``gradient/*``). Under ``torch.compile``
     #: its records are summed on the device by the module's probe, which knows the element count
-    #: only on the device: its measures pool without it.
+    #: only on the device: where its measures need it, the records carry it (``kinds.ELEMENTS``).
     OUTPUT_GRADIENT = "output_gradient"
     #: A watched parameter's final gradient (``param_grad/*``), recorded by ``capture/parameters.py``.
     PARAM_GRAD = "param_grad"
@@ -78,17 +79,20 @@ class Source(enum.StrEnum):
 #: function computes from the tensor (the others' records are built by hand).
 EXTENSIBLE = (Source.OUTPUT, Source.INPUT, Source.OUTPUT_GRADIENT)
 #: The sources whose tensors ``numerics=`` measures in a kind of their own: (zero fraction,
-#: per-unit peaks, pooled over ranks) of each (the gradient's zero fraction is for fp16
-#: underflow; an output gradient's numerics are measured eagerly, not through a probe; a
-#: parameter gradient's records are built by ``capture/parameters.py``). An output's numerics
-#: are measures of its own kind (:data:`NUMERIC_OUTPUT`), computed with its other statistics.
+#: per-unit peaks, pooled over ranks) of each (a parameter gradient's records are built by
+#: ``capture/parameters.py``, after its own). An output's and an output gradient's numerics are
+#: measures of their own kinds (:data:`NUMERIC_MEASURES`), computed with their other statistics.
 NUMERIC_SOURCES = {
-    Source.OUTPUT_GRADIENT: (True, False, True),
     Source.PARAM_GRAD: (False, False, False),
 }
-#: With ``numerics=``, the measures added to the output's kind: its per-unit peaks and median
-#: |x| too, sharing the non-zero count and the extremes of its statistics.
-NUMERIC_OUTPUT = numeric_measures(zero_frac=False, channels=True, base=TENSOR_MEASURES)
+#: With ``numerics=``, the measures added to a source's kind: an output's per-unit peaks and
+#: median |x| too, sharing the non-zero count and the extremes of its statistics; an output
+#: gradient's zero fraction (for fp16 underflow), with its element count on the device
+#: (``Kind.counts``).
+NUMERIC_MEASURES = {
+    Source.OUTPUT: numeric_measures(zero_frac=False, channels=True, base=TENSOR_MEASURES),
+    Source.OUTPUT_GRADIENT: numeric_measures(zero_frac=True, channels=False),
+}
 #: The sources whose scaled statistics carry the ``GradScaler``'s loss scale (parameter
 #: gradients only where they are read before ``unscale_``, see ``output/scaling.py``).
 LOSS_SCALED = (Source.OUTPUT_GRADIENT, Source.PARAM_GRAD)
@@ -143,7 +147,8 @@ class Recipe:
     #: :attr:`Source.NONFINITE_INPUT`).
     kinds: Mapping[Source, Kind]
     #: With ``numerics=``, the low-precision health of a source's tensors measured in a kind of
-    #: its own, by that source (:data:`NUMERIC_SOURCES`; an output's is in its own kind); empty without.
+    #: its own, by that source (:data:`NUMERIC_SOURCES`, :data:`FP8_SOURCES`; an output's and an
+    #: output gradient's are in their own kinds); empty without.
     numerics: Mapping[Source, Kind]
 
     @classmethod
@@ -157,9 +162,9 @@ class Recipe:
         extra = _extra(measures or {}, inputs=inputs)
         skipped = (Source.NONFINITE_INPUT if inputs else Source.INPUT, *FP8_SOURCES)
         wanted = [s for s in Source if s not in skipped]
-        numeric_output = {Source.OUTPUT: NUMERIC_OUTPUT} if numerics else {}
+        added = NUMERIC_MEASURES if numerics else {}
         kinds = {
-            s: Kind(**_TRAVEL[s], measures=(*_MEASURES[s], *numeric_output.get(s, ()), *extra.get(s, ())))  # type: ignore[arg-type]
+            s: Kind(**_TRAVEL[s], measures=_counted(s, (*_MEASURES[s], *added.get(s, ()), *extra.get(s, ()))))  # type: ignore[arg-type]
             for s in wanted
         }
         numeric = {}
@@ -210,6 +215,13 @@ class Recipe:
                             f"{describe(measure)} and {describe(first)} both write '{kind.name}/{stat}/...'; "
                             "give the new measure a statistic of its own"
                         )
+
+
+def _counted(source: Source, measures: tuple[Measure, ...]) -> tuple[Measure, ...]:
+    """``measures`` of ``source``, after :data:`~tblog_hooks.stats.kinds.ELEMENTS` where its
+    records do not tell the host their element count and a measure needs it."""
+    on_device = _TRAVEL[source].get("counts") is False and any(m.counted for m in measures)
+    return (ELEMENTS, *measures) if on_device else measures
 
 
 def _extra(measures: Extra, *, inputs: bool) -> dict[Source, tuple[Measure, ...]]:

@@ -49,6 +49,12 @@ def finite(x: Tensor) -> Tensor:
     return torch.rsub(x, 1, alpha=0).nansum(dtype=dtype)
 
 
+def elements(x: Tensor) -> Tensor:
+    """``x``'s element count as a float64 0-d tensor on its device (one fill; a symbolic size
+    under ``torch.compile``), for records whose element count the host does not know."""
+    return torch.full((), x.numel(), dtype=torch.float64, device=x.device)
+
+
 def nonfinite(x: Tensor) -> Tensor:
     """Count of NaN/Inf elements (a float, on the tensor's device). Output gradients record
     this rather than :func:`finite`: under ``torch.compile`` their records (``probes.summary``)

@@ -1,0 +1,119 @@
+"""``numerics=`` of output gradients under ``torch.compile`` (blocks compiled one by one, as
+torchtitan does): the compiled modules' probes carry the output gradient's numerics with its norm
+and NaN/Inf count, and write what an eager run writes and plain torch computes of the gradients,
+of a module called twice in one forward too, without another graph or a graph break."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Run, read_run
+from torch import Tensor, nn
+from torch._dynamo.utils import counters
+
+from tblog_hooks import HookLogger
+
+FORMATS = ("fp16", "e5m2")
+
+
+class _Net(nn.Module):
+    """``shared`` runs twice per forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.shared, self.out = nn.Linear(6, 32), nn.Linear(32, 32), nn.Linear(32, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.shared(torch.tanh(self.shared(self.inp(x))))))
+
+
+def _train(log_dir: Path, *, compiled: bool, numerics: object = FORMATS) -> tuple[Run, dict[str, list[Tensor]]]:
+    """Two logged steps; each block compiled on its own with ``compiled``. Returns the run and,
+    eagerly, every call's output gradient of each module by step, kept by a test tensor hook."""
+    torch.manual_seed(0)
+    model = _Net()
+    data = torch.randn(2, 64, 6)
+    # The loss's weights span 14 decades: so do the output gradients, past fp16's and e5m2's range.
+    weights = torch.randn(2, 64, 3) * 10 ** (torch.rand(2, 64, 3) * 14 - 12)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept: dict[str, list[Tensor]] = {}
+    with HookLogger(model, log_dir=log_dir, every=1, optimizer=opt, histograms=False, numerics=numerics) as hooks:
+        names = list(hooks.module_names)
+        for name in names:
+            module = model.get_submodule(name)
+            if compiled:
+                module.compile(backend="aot_eager")
+            else:
+                module.register_forward_hook(_keeper(kept, name))
+        for step, (x, w) in enumerate(zip(data, weights)):
+            (model(x) * w).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step()
+            for name in names if not compiled else ():
+                kept[f"{step}/{name}"] = kept.pop(name)
+    return read_run(log_dir), kept
+
+
+def _keeper(kept: dict[str, list[Tensor]], name: str):  # type: ignore[no-untyped-def]
+    def hook(module: nn.Module, args: object, out: Tensor) -> None:
+        out.register_hook(lambda g: kept.setdefault(name, []).append(g.detach().clone()))
+
+    return hook
+
+
+def _reference(calls: list[Tensor]) -> dict[str, float]:
+    """Plain torch of a module's output gradients (one per call): amax, RMS and kurtosis of all
+    of them; the fp16 fractions of casting each with ``x.to(torch.float16)``; e5m2's of casting
+    each after scaling it by ``max / amax`` (per tensor, its own amax)."""
+    d = torch.cat([g.double().reshape(-1) for g in calls])
+    n = d.numel()
+    m2, m4 = d.square().mean().item(), d.pow(4).mean().item()
+    out = {"amax": d.abs().max().item(), "rms": math.sqrt(m2), "kurtosis": m4 / m2**2 - 3}
+    out["zero_frac"] = int((d == 0).sum()) / n
+    lost = {"underflow_fp16": 0, "overflow_fp16": 0, "subnormal_fp16": 0, "underflow_e5m2": 0, "overflow_e5m2": 0}
+    fp16, e5m2 = torch.finfo(torch.float16), torch.finfo(torch.float8_e5m2)
+    for g in calls:
+        g = g.float()
+        half = g.to(torch.float16).float()
+        scaled = (g * (e5m2.max / g.abs().amax().clamp(min=1e-12))).to(torch.float8_e5m2).float()
+        lost["underflow_fp16"] += int(((g != 0) & (half == 0)).sum())
+        lost["overflow_fp16"] += int((~torch.isfinite(half)).sum())
+        lost["subnormal_fp16"] += int(((half != 0) & (half.abs() < fp16.smallest_normal)).sum())
+        lost["underflow_e5m2"] += int(((g != 0) & (scaled == 0)).sum())
+        lost["overflow_e5m2"] += int((~torch.isfinite(scaled)).sum())
+    return {**out, **{stat: count / n for stat, count in lost.items()}}
+
+
+def test_compiled_blocks_write_the_output_gradients_numerics_of_eager_and_of_plain_torch(tmp_path: Path) -> None:
+    eager, kept = _train(tmp_path / "eager", compiled=False)
+    torch._dynamo.reset()
+    counters.clear()
+    _train(tmp_path / "plain", compiled=True, numerics=False)
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, _ = _train(tmp_path / "compiled", compiled=True)
+    assert counters["stats"]["unique_graphs"] == graphs  # the probes' numerics add no graph
+    assert not counters["graph_break"]
+    checked, lost = 0, []
+    for key, calls in kept.items():
+        step, name = key.split("/")
+        want = _reference(calls)
+        lost.append((want["underflow_fp16"], want["underflow_e5m2"]))
+        for stat, value in want.items():
+            tag = f"gradient/{stat}/{name}"
+            if stat == "amax" and len(calls) > 1:
+                # Autograd adds up a module's calls' summaries in its probe: a maximum does not add up.
+                assert tag not in compiled.scalars or int(step) not in compiled.scalars[tag], tag
+                assert eager.scalar(tag, int(step)) == pytest.approx(value, rel=1e-6)
+                continue
+            for run in (eager, compiled):
+                assert run.scalar(tag, int(step)) == pytest.approx(value, rel=1e-5, abs=1e-9), (tag, step)
+            checked += 1
+    assert checked == 2 * (3 * len(want) - 1)
+    assert all(0 < fp16 < 1 and e5m2 > 0 for fp16, e5m2 in lost)  # (the fractions are exercised)
+    assert {t for t in eager.scalars if t.startswith("gradient/")} - set(compiled.scalars) == {"gradient/amax/shared"}
