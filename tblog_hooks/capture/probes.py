@@ -35,8 +35,8 @@ S_CALLS, S_NUMEL, S_FIELDS = range(3)
 
 
 def _fields(kind: Kind) -> int:
-    """How many values ``kind`` (the output gradient's) records (0-d each)."""
-    return sum(len(f.names) for f in kind.fields)
+    """How many elements ``kind``'s (the output gradient's) device values hold in all (``Field.size``)."""
+    return sum(f.size * len(f.names) for f in kind.fields)
 
 
 def head(kind: Kind) -> int:
@@ -63,7 +63,7 @@ def summary(grad: Tensor, width: int, kind: Kind, kernels: Kernels) -> Tensor:
     ``width`` (0: no histogram)."""
     named = kernels.compute((kind,), grad, -1)
     wide = torch.float64
-    values = torch.stack([named[n].to(wide) for f in kind.fields for n in f.names])
+    values = torch.cat([named[n].to(wide).reshape(f.size) for f in kind.fields for n in f.names])
     lo, hi = (named["min"], named["max"]) if "min" in named else torch.aminmax(grad)  # (the kernels give them)
     measured = torch.cat([*_each_field(kind, values, forward=True), torch.stack([lo.to(wide), hi.to(wide)])])
     parts = [torch.tensor([1.0, grad.numel()], dtype=wide, device=grad.device), measured]
@@ -79,7 +79,7 @@ def _each_field(kind: Kind, values: Tensor, *, forward: bool, calls: Tensor | No
     (summaries added up) is not 1."""
     out, at = [], 0
     for f in kind.fields:
-        v, at = values[at : at + len(f.names)], at + len(f.names)
+        v, at = values[at : at + f.size * len(f.names)], at + f.size * len(f.names)
         if f.pool.summed is not None:
             out.append(f.pool.summed[0 if forward else 1](v))
         else:
@@ -89,9 +89,15 @@ def _each_field(kind: Kind, values: Tensor, *, forward: bool, calls: Tensor | No
 
 def gradient(summed: Tensor, kind: Kind) -> tuple[Tensor, ...]:
     """``kind``'s values from a summary, or several added up: the summable fields stay right,
-    the others are NaN (their sums mean nothing)."""
+    the others are NaN (their sums mean nothing). A value of :attr:`~tblog_hooks.stats.kinds.Field.size`
+    1 is 0-d, a longer one a slice (one op for all the 0-d ones)."""
     values = summed[S_FIELDS : S_FIELDS + _fields(kind)]
-    return torch.cat(_each_field(kind, values, forward=False, calls=summed[S_CALLS])).unbind()
+    values = torch.cat(_each_field(kind, values, forward=False, calls=summed[S_CALLS]))
+    each, out, at = values.unbind(), [], 0
+    for size in (f.size for f in kind.fields for _ in f.names):
+        out.append(each[at] if size == 1 else values[at : at + size])
+        at += size
+    return tuple(out)
 
 
 def histogram(summed: Tensor, kind: Kind) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -93,8 +93,8 @@ POWERS = Pool(numerics.pool_powers, (numerics.absolute_powers, numerics.relative
 
 @dataclass(frozen=True, kw_only=True)
 class Field:
-    """One recorded value: 0-d or 1-d (one value per channel), or several device values pooled
-    together (``parts``, e.g. a mean and a centred norm)."""
+    """One recorded value: 0-d, a vector of fixed length (``size``) or one value per channel, or
+    several device values pooled together (``parts``, e.g. a mean and a centred norm)."""
 
     name: str
     pool: Pool
@@ -102,6 +102,9 @@ class Field:
     parts: tuple[str, ...] = ()
     #: One value per unit of the module (its pieces, where the units are split over ranks, go side by side).
     per_unit: bool = False
+    #: Elements of each of its device values, where that is fixed (the per-format counts side by
+    #: side; a compiled module's probe lays its record out by them): 1, a 0-d value or a vector of one.
+    size: int = 1
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -465,8 +468,7 @@ def numeric_measures(*, zero_frac: bool, channels: bool, base: tuple[Measure, ..
     every = numerics.stats(zero_frac=zero_frac, channels=channels)
     given = {n for m in base for f in m.fields for n in f.names}
     uses = tuple(n for n in numerics.SHARED if n in given)
-    own = ("nonzero",) * ("nonzero" not in uses)
-    counts = (*own, numerics.COUNTS)
+    own_field = (Field(name="nonzero", pool=SUM),) * ("nonzero" not in uses)
     per_unit = (Field(name="unit_amax", pool=MAX, per_unit=True),) * channels
 
     def compute(x: Tensor, units: int, shared: Named | None = None) -> Named:
@@ -475,7 +477,7 @@ def numeric_measures(*, zero_frac: bool, channels: bool, base: tuple[Measure, ..
 
     shape = Measure(
         name="numerics (counts)",
-        fields=(*(Field(name=c, pool=SUM) for c in counts), *per_unit),
+        fields=(*own_field, Field(name=numerics.COUNTS, pool=SUM, size=len(numerics.COUNTED)), *per_unit),
         stats=tuple(s for s in every if s not in magnitude),
         scalars=lambda v, n: numerics.statistics(v, n, zero_frac=zero_frac),
         compute=compute,
