@@ -132,7 +132,7 @@ def documented_tags() -> dict[str, set[str]]:
 
 def declared_tags() -> dict[str, set[str]]:
     """``{type: tag patterns}`` as the code declares them."""
-    full, counted = Recipe.build(inputs=True, numerics=True), Recipe.build()  # (inputs counted only)
+    full, counted = Recipe.build(inputs=True, numerics=True, rowwise=True), Recipe.build()  # (inputs counted only)
     on_params = (Source.PARAM_GRAD, Source.UPDATE)
     per_module = (
         *(k for s, k in full.kinds.items() if s not in on_params),
@@ -236,6 +236,7 @@ def test_every_written_tag_is_documented(tmp_path) -> None:
         attention=True,
         spikes=Spikes(warmup=3, window=3),
         numerics=tuple(FORMATS),
+        fp8_scaling="rowwise",
         logits=True,
     ) as hooks:
         for step in range(6):  # logged steps 0, 2, 4; a spike at 5 (spike/*)

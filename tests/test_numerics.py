@@ -771,7 +771,146 @@ def test_fp8_rowwise_counts_each_linears_input_and_weight_as_torchaos_rowwise_re
         assert scalars[f"param/underflow_e4m3/{name}.weight"] == pytest.approx(want_weight, abs=1e-9), name
     assert scalars["input/underflow_e4m3/l1"] > 0.1 and 0 < scalars["param/underflow_e4m3/l2.weight"] <= 1 / 32
     named = {f.module: f.message for f in hooks.findings if f.kind == "fp8_underflow"}
-    assert "of the input of l1" in named["l1"] and "per row" in named["l1"]
+    assert "of the input of l3" in named["l3"] and "(per row)" in named["l3"]  # (l2's outlier output, per token)
+
+
+def _torchao_rowwise_gradient(g: Tensor) -> dict[str, float]:
+    """The fractions of ``g``, a Linear's output gradient, that torchao's rowwise recipe loses to
+    zero and makes NaN/Inf in its two casts of it, cast by torchao itself: its
+    ``Float8LinearConfig.from_recipe_name("rowwise")``'s casts of the gradient for grad_input and
+    grad_weight, made as ``matmul_with_hp_or_float8_args.backward`` makes them (the 2-d view,
+    ``get_maybe_axiswise_dim(-1 | 0, ...)``, the recipe's power-of-two rounding)."""
+    scaling = pytest.importorskip("torchao.float8.float8_scaling_utils")
+    from torchao.float8.config import Float8LinearConfig
+    from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
+
+    config = Float8LinearConfig.from_recipe_name("rowwise")
+    reshaped = g.reshape(-1, g.shape[-1])
+    out = {}
+    for axis, dim, cast in (
+        ("rows", -1, config.cast_config_grad_output),
+        ("columns", 0, config.cast_config_grad_output_for_grad_weight),
+    ):
+        assert cast.target_dtype == torch.float8_e4m3fn
+        bits = scaling.hp_tensor_to_float8_dynamic(
+            reshaped, cast.target_dtype, LinearMMConfig(), gemm_input_role=GemmInputRole.GRAD_OUTPUT,
+            scaling_granularity=cast.scaling_granularity,
+            axiswise_dim=scaling.get_maybe_axiswise_dim(dim, cast.scaling_granularity),
+            round_scales_to_power_of_2=config.round_scales_to_power_of_2,
+        )._data.float()  # fmt: skip
+        out[f"underflow_e4m3_{axis}"] = float(((reshaped != 0) & (bits == 0)).sum()) / g.numel()
+        out[f"overflow_e4m3_{axis}"] = float((~bits.isfinite()).sum()) / g.numel()
+    return out
+
+
+def _rowwise_gradient_run(tmp_path, token: float | None = None, element: float | None = None):  # type: ignore[no-untyped-def]
+    """``_fp8_model`` trained one step on (batch, tokens, features) inputs with ``fp8_scaling="rowwise"``,
+    its loss weighted ``token`` on one token or ``element`` on one element of its output; the
+    scalars, the findings and each Linear's output gradient (kept by a tensor hook of the test)."""
+    model = _fp8_model()
+    options = dict(every=1, numerics=("e4m3",), fp8_scaling="rowwise", histograms=False)
+    with HookLogger(model, log_dir=tmp_path, **options) as hooks:  # type: ignore[arg-type]
+        kept, remove = _captured(model, list(hooks.module_names))
+        weight = torch.ones(4, 16, 32)
+        if token is not None:
+            weight[2, 5] = token
+        if element is not None:
+            weight[1, 3, 4] = element
+        train(hooks, [(model(torch.randn(4, 16, 32)).square() * weight).mean()])
+        remove()
+    scalars = {t: v[0] for t, v in read_run(tmp_path).scalars.items()}
+    return scalars, hooks.findings, {name: kept[f"gradient/{name}"] for name, _ in model.named_children()}
+
+
+@pytest.mark.parametrize("outlier", ["weight", "token", "inf"])
+def test_fp8_rowwise_counts_each_linears_output_gradient_as_torchaos_two_casts(tmp_path, outlier: str) -> None:
+    """With ``fp8_scaling="rowwise"``, every Linear's output gradient is counted as torchao's
+    rowwise recipe casts it, to e4m3 per row (for grad_input) and per column (for grad_weight),
+    every fraction equal to torchao's own casts of the same (3-d) gradient. ``l2``'s weight
+    outlier puts one large feature in every row of ``l1``'s gradient: the row cast loses the rest
+    of each row, the column cast nothing; a token weighted 1e7 in the loss is one large row in
+    every gradient: the column cast loses the rest of each column, the row cast nothing more; an
+    Inf spoils its own row in one cast and its own column in the other."""
+    runs = {"weight": {}, "token": {"token": 1e7}, "inf": {"element": math.inf}}
+    scalars, _, gradients = _rowwise_gradient_run(tmp_path, **runs[outlier])  # type: ignore[arg-type]
+    for name, g in gradients.items():
+        assert g.dim() == 3
+        for stat, want in _torchao_rowwise_gradient(g).items():
+            assert scalars[f"gradient/{stat}/{name}"] == pytest.approx(want, abs=1e-9), (name, stat)
+    rows, columns = (scalars[f"gradient/underflow_e4m3_{axis}/l1"] for axis in ("rows", "columns"))
+    if outlier == "weight":
+        assert rows == pytest.approx(31 / 32) and columns == 0
+    elif outlier == "token":
+        assert columns > 0.9 and scalars["gradient/underflow_e4m3_rows/l3"] == 0
+        assert scalars["gradient/underflow_e4m3_columns/l3"] == pytest.approx(63 / 64)
+    else:
+        n = 4 * 16 * 32
+        assert scalars["gradient/overflow_e4m3_rows/l3"] == scalars["gradient/overflow_e4m3_columns/l3"] == 1 / n
+        assert scalars["gradient/underflow_e4m3_rows/l3"] == 31 / n
+        assert scalars["gradient/underflow_e4m3_columns/l3"] == 63 / n
+
+
+def test_fp8_rowwise_findings_name_the_linear_and_the_cast_of_its_output_gradient(tmp_path) -> None:
+    """The rowwise gradient casts are judged instead of the per-tensor e5m2 one: ``l1``, whose
+    gradient's rows hold ``l2``'s outlier feature, is named for its grad_input cast; with one token
+    weighted 1e7, ``l0`` (whose input and weight lose nothing) for its grad_weight cast; an Inf in
+    the gradient is fp8_overflow in both."""
+    _, findings, _ = _rowwise_gradient_run(tmp_path / "weight")
+    named = {f.module: f for f in findings if f.kind == "fp8_underflow"}
+    assert named["l1"].value == pytest.approx(31 / 32)
+    assert "of the output gradient of l1 is lost to zero in e4m3" in named["l1"].message
+    assert "per row, for grad_input" in named["l1"].message and "l0" not in named
+    _, findings, _ = _rowwise_gradient_run(tmp_path / "token", token=1e7)
+    named = {f.module: f for f in findings if f.kind == "fp8_underflow"}
+    assert "of the output gradient of l0" in named["l0"].message and "per column" in named["l0"].message
+    assert "for grad_weight" in named["l0"].message
+    _, findings, _ = _rowwise_gradient_run(tmp_path / "inf", element=math.inf)
+    overflow = {f.module: f.message for f in findings if f.kind == "fp8_overflow"}
+    assert "of the output gradient of l3 is NaN/Inf in e4m3" in overflow["l3"]
+
+
+#: Aten ops a logged step may add per Linear with ``fp8_scaling="rowwise"`` over the tensorwise
+#: recipe: its output gradient's two casts (|g|, the buffer, its non-zero count, per cast the
+#: amaxes, their power-of-two scales, the scaled magnitudes and two comparisons, and the one sum),
+#: and the per-row scales of its input and weight (4 ops more each than one per tensor).
+OPS_PER_ROWWISE_LINEAR = 48
+
+
+def test_fp8_rowwise_gradient_casts_are_of_linears_on_logged_steps_only_and_bounded(tmp_path) -> None:
+    """The gradient casts add a bounded number of ops per Linear (five comparisons: the non-zero
+    count, and per cast what it makes zero and keeps finite), none on a step not logged, and
+    none for a module that is not a Linear (the recipe casts only those)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(l0=nn.Linear(32, 32), norm=nn.LayerNorm(32), l1=nn.Linear(32, 32)))
+    x = torch.randn(8, 32)
+
+    def ops(hooks: HookLogger | None) -> _Overloads:
+        with _Overloads() as counter:
+            train(hooks, [model(x).square().mean()])
+        return counter
+
+    counts = {}
+    for scaling in ("tensorwise", "rowwise"):
+        options = dict(every=2, numerics=("e4m3",), fp8_scaling=scaling, histograms=False)
+        with HookLogger(model, log_dir=tmp_path / scaling, **options) as hooks:  # type: ignore[arg-type]
+            counts[scaling] = (ops(hooks).overloads, ops(hooks).overloads)  # logged, not logged
+    assert counts["rowwise"][1] == counts["tensorwise"][1]  # (a step not logged adds nothing to either)
+    added = counts["rowwise"][0] - counts["tensorwise"][0]
+    compared = {op: n for op, n in added.items() if op.split(".")[1] in ("le", "lt", "ne", "eq", "gt", "ge")}
+    assert compared == {"aten.le.Scalar_out": 2 * 4, "aten.ne.Scalar_out": 2}, compared
+    assert sum(added.values()) <= 2 * OPS_PER_ROWWISE_LINEAR, added
+    written = {t for t in read_run(tmp_path / "rowwise").scalars if "_e4m3_rows/" in t or "_e4m3_columns/" in t}
+    assert {t.rsplit("/", 1)[1] for t in written} == {"l0", "l1"} and len(written) == 2 * 4
+
+
+def test_fp8_tensorwise_counts_no_rowwise_gradient_casts(tmp_path) -> None:
+    """With the default tensorwise recipe the output gradient is judged per tensor in e5m2 alone."""
+    model = _fp8_model()
+    with HookLogger(model, log_dir=tmp_path, every=1, numerics=("e4m3", "e5m2"), histograms=False) as hooks:
+        train(hooks, [model(torch.randn(64, 32)).square().mean()])
+    scalars = read_run(tmp_path).scalars
+    assert "gradient/underflow_e5m2/l1" in scalars
+    assert not [t for t in scalars if "_rows/" in t or "_columns/" in t]
 
 
 def test_fp8_scaling_needs_a_float8_format_and_a_recipe_name(tmp_path) -> None:

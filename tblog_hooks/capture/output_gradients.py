@@ -35,6 +35,9 @@ class OutputGradientRecorder:
         self.buffer = buffer
         recipe = buffer.recipe
         self._output, self._kind = recipe[Source.OUTPUT], recipe[Source.OUTPUT_GRADIENT]
+        # With fp8_scaling="rowwise": the watched Linears' gradients as that recipe casts them.
+        self._casts = recipe.numerics.get(Source.FP8_GRADIENT)
+        self._linears: frozenset[str] = frozenset()
         self._width = sampling.SAMPLE_CAP if histograms else 0  # of a probe's histogram sample
         self._handles = Handles()  # this step's tensor hooks
         self._probe_handles = Handles()  # the probes' own hooks, live until release()
@@ -44,9 +47,11 @@ class OutputGradientRecorder:
 
     def place_probes(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
         """A probe per watched module, on the device its outputs will be on: made now, before
-        ``torch.compile`` traces the hooks (one made later would be one more graph)."""
+        ``torch.compile`` traces the hooks (one made later would be one more graph); and which of
+        them are Linears, whose gradients fp8 training casts."""
         for name, module in modules.items():
             self._place_probe(name, probes.home_device(module, model))
+        self._linears = frozenset(name for name, module in modules.items() if isinstance(module, nn.Linear))
 
     def watch(
         self,
@@ -89,6 +94,7 @@ class OutputGradientRecorder:
                     grad, placed = local(grad)
                     split = placed and dataclasses.replace(placed, axis=split.axis if split else placed.axis)
                 self.buffer.eager.record(self._kind, name, grad, split=split)
+                self._fp8_casts(name, grad, split)
         except Exception as error:
             self.buffer.fail(name, error)
 
@@ -132,7 +138,14 @@ class OutputGradientRecorder:
             for p, t in zip(waiting, reduced):
                 whole, split = p.whole(t)
                 self.buffer.eager.record(self._kind, p.key, whole, split=split)
+                self._fp8_casts(p.key, whole, split)
         return self.buffer.drain()
+
+    def _fp8_casts(self, name: str, grad: Tensor, split: Split | None) -> None:
+        """With ``fp8_scaling="rowwise"``, a Linear's output gradient as that recipe casts it (a
+        whole gradient: not of a tensor-parallel piece, whose rows and columns are one rank's)."""
+        if self._casts is not None and name in self._linears and split is None:
+            self.buffer.eager.measure(self._casts, name, grad)
 
     def end_step(self, records: list[Record]) -> list[Pending]:
         """A logged step ended: remove its tensor hooks; probes of modules whose outputs turned

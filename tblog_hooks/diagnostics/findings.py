@@ -85,11 +85,12 @@ MEASURES: dict[FindingKind, Measure] = {
     FindingKind.FP8_UNDERFLOW: Measure(
         "fraction lost",
         "the largest fraction of what fp8 training casts in the Linear (input, weight, output gradient) lost to "
-        "zero after scaling (per tensor; the input and weight per row with fp8_scaling='rowwise')",
+        "zero after scaling (per tensor; with fp8_scaling='rowwise' per row, the output gradient per row and "
+        "per column)",
     ),
     FindingKind.FP8_OVERFLOW: Measure(
         "fraction NaN/Inf",
-        "the largest fraction of what fp8 training casts in the Linear that becomes NaN/Inf after per-tensor scaling",
+        "the largest fraction of what fp8 training casts in the Linear that becomes NaN/Inf after scaling",
     ),
     FindingKind.MASSIVE_ACTIVATION: Measure("max |output|", "the module's largest |output|"),
     FindingKind.LOGIT_DRIFT: Measure(
@@ -186,7 +187,8 @@ class Thresholds:
     fp16_gradient_underflow: float = 0.01
     #: ``fp8_underflow``: with e4m3 or e5m2 written, this fraction of what fp8 training casts of a
     #: watched Linear, its input or weight (e4m3) or its output gradient (e5m2), is lost to zero
-    #: after scaling to its max |x| (per tensor; per row with ``fp8_scaling="rowwise"``) ...
+    #: after scaling to its max |x| (per tensor; with ``fp8_scaling="rowwise"`` per row, the output
+    #: gradient in e4m3 per row and per column) ...
     fp8_underflow: float = 0.01
     #: ... ``fp8_overflow``: more than this fraction becomes NaN/Inf in that cast.
     fp8_overflow: float = 0.0

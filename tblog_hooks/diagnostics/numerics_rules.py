@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from ..stats.formats import NAMES, SPECS
 from ..stats.tags import (
     NUMERICS_TABLE_TAG,
     SCALE_TAG,
+    Axis,
     Indexed,
     Lost,
     Root,
@@ -42,13 +44,44 @@ PICTURE_TAGS = {
 FP16_MAX = SPECS["fp16"].max
 #: The formats of the picture's columns, in order.
 FORMATS = NAMES
-#: What fp8 training (torchao, Transformer Engine) casts of each Linear, to which format, and how
-#: the tensor is named: its input and weight to e4m3 (forward), its output gradient to e5m2 (backward).
+
+
+class Cast(NamedTuple):
+    """One cast fp8 training makes of each Linear: what the finding calls the tensor, its tag
+    root, its format, its tag's name after the Linear's, the axis its scales are taken along
+    (:class:`~tblog_hooks.stats.tags.Axis`; ``None``: per tensor, or per row for the input and
+    weight under ``fp8_scaling="rowwise"``) and how the finding says it is scaled."""
+
+    tensor: str
+    root: Root
+    fmt: str
+    suffix: str
+    axis: Axis | None
+    scaled: str
+
+    def stat(self, lost: Lost) -> str:
+        """The statistic of what this cast loses."""
+        return per_format(lost, self.fmt, self.axis)
+
+
+_AS_NAMED = "per tensor, or per row with fp8_scaling='rowwise'"
+#: What fp8 training (torchao, Transformer Engine) casts of each Linear: its input and weight to
+#: e4m3 (forward), its output gradient to e5m2 per tensor (backward).
 FP8 = (
-    ("input", Root.INPUT, "e4m3", ""),
-    ("weight", Root.PARAM, "e4m3", ".weight"),
-    ("output gradient", Root.GRADIENT, "e5m2", ""),
+    Cast("input", Root.INPUT, "e4m3", "", None, _AS_NAMED),
+    Cast("weight", Root.PARAM, "e4m3", ".weight", None, _AS_NAMED),
+    Cast("output gradient", Root.GRADIENT, "e5m2", "", None, "per tensor"),
 )
+#: Under torchao's rowwise recipe (judged where a step has its gradient casts' tags), the output
+#: gradient cast to e4m3 twice instead: per row for grad_input, per column for grad_weight.
+FP8_ROWWISE = (
+    *(c._replace(scaled="per row") for c in FP8[:2]),
+    Cast("output gradient", Root.GRADIENT, "e4m3", "", Axis.ROWS, "per row, for grad_input = grad_output @ W"),
+    Cast(
+        "output gradient", Root.GRADIENT, "e4m3", "", Axis.COLUMNS,
+        "per column over every token, for grad_weight = grad_output.T @ input",
+    ),
+)  # fmt: skip
 
 
 class NumericsRules:
@@ -148,28 +181,28 @@ class NumericsRules:
 
     def _fp8(self, step: int, scalars: Mapping[str, float], linears: Sequence[str]) -> Candidates:
         """Linears whose input, weight (e4m3) or output gradient (e5m2), scaled by ``max_F / amax``
-        (per tensor; the input and weight per row with ``fp8_scaling="rowwise"``), lose at least
-        ``fp8_underflow`` to zero or more than ``fp8_overflow`` to NaN/Inf: the module named is
-        the one that casts them."""
+        (per tensor; the input and weight per row with ``fp8_scaling="rowwise"``, and the output
+        gradient then in e4m3 per row and per column), lose at least ``fp8_underflow`` to zero or
+        more than ``fp8_overflow`` to NaN/Inf: the module named is the one that casts them."""
         t = self.thresholds
         found: Candidates = {}
-        root_of = {tensor: root for tensor, root, _, _ in FP8}
+        rowwise = bool(by_name(scalars, Root.GRADIENT, per_format(Lost.UNDERFLOW, "e4m3", Axis.ROWS)))
+        casts = FP8_ROWWISE if rowwise else FP8
         for kind, lost, limit, what in (
             (FP8_UNDERFLOW, Lost.UNDERFLOW, t.fp8_underflow, "lost to zero"),
             (FP8_OVERFLOW, Lost.OVERFLOW, t.fp8_overflow, "NaN/Inf"),
         ):
             for m in linears:
-                fraction, tensor, fmt = max(
-                    (scalars.get(tag(root, per_format(lost, fmt), m + suffix), 0.0), tensor, fmt)
-                    for tensor, root, fmt, suffix in FP8
+                fraction, cast = max(
+                    ((scalars.get(tag(c.root, c.stat(lost), m + c.suffix), 0.0), c) for c in casts),
+                    key=lambda pair: pair[0],
                 )
                 crossed = fraction >= limit if kind == FP8_UNDERFLOW else fraction > limit
                 if not crossed or not fraction > 0:
                     continue
-                rows = "" if root_of[tensor] == Root.GRADIENT else ", or per row with fp8_scaling='rowwise'"
                 message = (
-                    f"{fraction:.1%} of the {tensor} of {m} is {what} in {fmt} scaled to its max |x| "
-                    f"(per tensor{rows}), as fp8 training casts it in {m}: keep {m} in higher precision "
+                    f"{fraction:.1%} of the {cast.tensor} of {m} is {what} in {cast.fmt} scaled to its max |x| "
+                    f"({cast.scaled}), as fp8 training casts it in {m}: keep {m} in higher precision "
                     "(torchao's module_filter_fn), or find what sets its max (see massive_activation)"
                 )
                 _add(found, Finding(kind, m, step, fraction, message))

@@ -497,18 +497,21 @@ def numeric_measures(*, zero_frac: bool, channels: bool, base: tuple[Measure, ..
     return (shape, size, MEDIAN_ABS) if channels else (shape, size)
 
 
-def fp8_cast_measure(*, rowwise: bool) -> Measure:
+def fp8_cast_measure(casts: numerics.Casts) -> Measure:
     """With a float8 format in ``numerics=``, what fp8 training casts to e4m3 of a watched
-    ``nn.Linear``, its input or its weight, scaled per tensor by ``max_F / amax`` or, with
-    ``rowwise``, per row as torchao's ``"rowwise"`` recipe (``input/underflow_e4m3/{module}``,
-    ``param/underflow_e4m3/{module}.weight``)."""
+    ``nn.Linear`` (``numerics.fp8_cast``): its input or its weight, scaled per tensor by
+    ``max_F / amax`` or per row as torchao's ``"rowwise"`` recipe (``numerics.SCALINGS``:
+    ``input/underflow_e4m3/{module}``, ``param/underflow_e4m3/{module}.weight``); or, under that
+    recipe, its output gradient scaled per row and per column (``numerics.GRADIENT_CASTS``:
+    ``gradient/underflow_e4m3_rows/{module}``, ``gradient/underflow_e4m3_columns/{module}``)."""
+    counts = ("nonzero", *(c for axis in casts for c in numerics.cast_counts(axis)))
     return Measure(
         name="numerics (fp8 casts)",
-        fields=tuple(
-            Field(name=c, pool=SUM) for c in ("nonzero", f"zero_{numerics.FORWARD}", f"finite_{numerics.FORWARD}")
+        fields=tuple(Field(name=c, pool=SUM) for c in counts),
+        stats=tuple(
+            per_format(lost, numerics.FORWARD, axis) for axis in casts for lost in (Lost.UNDERFLOW, Lost.OVERFLOW)
         ),
-        stats=tuple(per_format(lost, numerics.FORWARD) for lost in (Lost.UNDERFLOW, Lost.OVERFLOW)),
-        scalars=numerics.fp8_statistics,
-        compute=lambda x, units: numerics.fp8_cast(x, rowwise=rowwise),
+        scalars=lambda v, n: numerics.fp8_statistics(v, n, tuple(casts)),
+        compute=lambda x, units: numerics.fp8_cast(x, casts),
         counted=True,
     )

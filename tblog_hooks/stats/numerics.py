@@ -27,7 +27,7 @@ from torch import Tensor
 from . import reductions, sampling
 from .formats import DEFAULT, SPECS, Spec
 from .reductions import acc_dtype
-from .tags import Lost, Stat, per_format
+from .tags import Axis, Lost, Stat, per_format
 
 #: The smallest amax a per-tensor scale divides by (torchao's ``EPS``): an all-zero tensor keeps scale ``max_F / EPS``.
 AMAX_FLOOR = 1e-12
@@ -201,10 +201,11 @@ class Below:
         """Count the elements of ``seen`` that are not 0 (NaN is), as ``torch.count_nonzero``."""
         self._into(name, torch.ne(seen, 0, out=self._row()))
 
-    def counts(self, seen: Tensor, fmt: Format) -> None:
-        """:func:`measure`'s counts of one format, of the magnitudes ``seen`` as they are cast."""
+    def counts(self, seen: Tensor, fmt: Format, axis: str | None = None) -> None:
+        """:func:`measure`'s counts of one format, of the magnitudes ``seen`` as they are cast
+        (``axis``: of one of :func:`fp8_cast`'s casts, :func:`cast_counts`)."""
         bound, tie_stays = fmt.finite  # finite after the cast (NaN fails every comparison)
-        zero, finite, *small = names(fmt)
+        zero, finite, *small = names(fmt) if axis is None else cast_counts(axis)
         self.at_most(zero, seen, fmt.flushed)
         self.at_most(finite, seen, bound, tie=tie_stays)
         if small:
@@ -237,44 +238,68 @@ class Below:
         self._names.append(name)
 
 
-#: The format fp8 training casts a Linear's input and weight to (torchao, Transformer Engine).
+#: The format fp8 training casts a Linear's input and weight to (torchao, Transformer Engine), and
+#: under torchao's rowwise recipe its output gradient.
 FORWARD = "e4m3"
+#: The e4m3 casts of one tensor (:func:`fp8_cast`): by the axis that suffixes its counts and
+#: statistics (``None``: none), the dim of its 2-d view that its scales are taken along (``None``: one per tensor).
+Casts = Mapping[Axis | None, int | None]
 
 
-#: torchao's float8 recipes a user can name (``fp8_scaling=``): one scale per tensor, or per row.
-SCALINGS = ("tensorwise", "rowwise")
+#: How fp8 training scales a Linear's input and weight for their e4m3 cast, by the name of torchao's
+#: recipe (``fp8_scaling=``): one cast (``None``: its counts and statistics unsuffixed), scaled per
+#: tensor (``None``) or per row (the dim of :func:`fp8_cast`'s 2-d view whose amax gives each scale).
+SCALINGS: dict[str, Casts] = {"tensorwise": {None: None}, "rowwise": {None: -1}}
+#: How torchao's ``"rowwise"`` recipe casts a Linear's output gradient (``float8_linear.py``,
+#: ``matmul_with_hp_or_float8_args.backward``): to e4m3 twice, its 2-d view scaled per row (dim -1)
+#: for grad_input and per column (dim 0, over every token) for grad_weight.
+GRADIENT_CASTS: Casts = {Axis.ROWS: -1, Axis.COLUMNS: 0}
 
 
-def fp8_cast(x: Tensor, *, rowwise: bool = False) -> dict[str, Tensor]:
-    """The device values of a Linear's input or weight as fp8 training casts it: to e4m3 after
-    per-tensor scaling by ``max_F / amax``, or with ``rowwise`` as torchao's ``"rowwise"`` recipe
-    (:func:`row_scales`): ``nonzero`` and the ``zero_e4m3`` and ``finite_e4m3`` counts of :func:`measure`."""
+def fp8_cast(x: Tensor, casts: Casts) -> dict[str, Tensor]:
+    """The device values of a Linear's input, weight or output gradient as fp8 training casts it to
+    e4m3, once per entry of ``casts`` (:data:`SCALINGS`, :data:`GRADIENT_CASTS`): of its 2-d view
+    ``x.reshape(-1, features)`` (torchao's ``grad_output_reshaped``; of an input, the per-token
+    amax is that of ``x``'s last dim), scaled per tensor by ``max_F / amax`` or along a dim
+    (:func:`axis_scales`). ``nonzero``, and per cast the ``zero_e4m3`` and ``finite_e4m3`` counts
+    of :func:`measure` (:func:`cast_counts`)."""
     fmt = FORMATS[FORWARD]
-    a = absolute(x)
-    scale = row_scales(a, fmt) if rowwise else a.amax().clamp(min=AMAX_FLOOR).reciprocal() * fmt.max
-    below = Below(a, 3)
+    a = absolute(x).reshape(-1, x.shape[-1])
+    below = Below(a, 1 + 2 * len(casts))
     below.nonzero("nonzero", a)
-    below.counts(a.mul_(scale), fmt)
+    scaled = a if len(casts) == 1 else torch.empty_like(a)  # (one cast scales |x| in place)
+    for axis, dim in casts.items():
+        scale = a.amax().clamp(min=AMAX_FLOOR).reciprocal() * fmt.max if dim is None else axis_scales(a, fmt, dim)
+        below.counts(torch.mul(a, scale, out=scaled), fmt, axis)
     return below.totals()
 
 
-def row_scales(a: Tensor, fmt: Format) -> Tensor:
-    """torchao's rowwise scales of the magnitudes ``a``: per row (one amax along the last dim, the
-    input's per token, the weight's per output feature) ``max_F / max(amax, 1e-12)``, taken in
-    float64 and then float32 and rounded down to a power of two, as ``amax_to_scale`` with
+def axis_scales(a: Tensor, fmt: Format, dim: int) -> Tensor:
+    """torchao's axiswise scales of the magnitudes ``a`` along ``dim``: per slice (one amax along
+    ``dim``: along the last, an input's per token, a weight's per output feature; along dim 0 of an
+    output gradient's 2-d view, per output feature over every token) ``max_F / max(amax, 1e-12)``,
+    taken in float64 and then float32 and rounded down to a power of two, as ``amax_to_scale`` with
     ``round_scales_to_power_of_2=True``; multiplying by a power of two rounds nothing."""
-    amax = a.amax(dim=-1, keepdim=True).double().clamp_(min=AMAX_FLOOR)
+    amax = a.amax(dim=dim, keepdim=True).double().clamp_(min=AMAX_FLOOR)
     return (fmt.max / amax).float().log2_().floor_().exp2_().to(a.dtype)
 
 
-def fp8_statistics(v: Values, count: int) -> dict[str, float]:
-    """The e4m3 underflow and overflow fractions of a Linear's pooled input or weight values."""
+def cast_counts(axis: str | None) -> tuple[str, str]:
+    """The device counts of one e4m3 cast of :func:`fp8_cast`: made zero, kept finite."""
+    return per_format("zero", FORWARD, axis), per_format("finite", FORWARD, axis)
+
+
+def fp8_statistics(v: Values, count: int, axes: Sequence[str | None]) -> dict[str, float]:
+    """The e4m3 underflow and overflow fractions of each cast (``axes``: :func:`fp8_cast`'s) of a
+    Linear's pooled input, weight or output gradient values."""
     n = float(count)
     zeros = n - float(v["nonzero"][0])
-    return {
-        per_format(Lost.UNDERFLOW, FORWARD): (float(v[f"zero_{FORWARD}"][0]) - zeros) / n,
-        per_format(Lost.OVERFLOW, FORWARD): (n - float(v[f"finite_{FORWARD}"][0])) / n,
-    }
+    out = {}
+    for axis in axes:
+        made_zero, finite = cast_counts(axis)
+        out[per_format(Lost.UNDERFLOW, FORWARD, axis)] = (float(v[made_zero][0]) - zeros) / n
+        out[per_format(Lost.OVERFLOW, FORWARD, axis)] = (n - float(v[finite][0])) / n
+    return out
 
 
 #: The sample indices :func:`median` takes, by size: made on the host once per size, as the

@@ -37,6 +37,7 @@ from .kinds import (
     fp8_cast_measure,
     numeric_measures,
 )
+from .numerics import GRADIENT_CASTS, SCALINGS
 from .tags import Root
 
 
@@ -70,6 +71,10 @@ class Source(enum.StrEnum):
     #: training casts them (``input/underflow_e4m3/*``, ``param/underflow_e4m3/*``): numerics only.
     FP8_INPUT = "fp8_input"
     FP8_WEIGHT = "fp8_weight"
+    #: With ``fp8_scaling="rowwise"`` too, a watched ``nn.Linear``'s output gradient as torchao's
+    #: rowwise recipe casts it, per row and per column (``gradient/underflow_e4m3_rows/*``,
+    #: ``gradient/underflow_e4m3_columns/*``): numerics only, of eager modules.
+    FP8_GRADIENT = "fp8_gradient"
     #: With ``logits=``, the output logits of the modules it names: their log-partition
     #: (``activation/log_z/*``, ``kinds.LOG_PARTITION``).
     LOGITS = "logits"
@@ -118,10 +123,12 @@ _TRAVEL: dict[Source, dict[str, object]] = {
     Source.BINNED: {"name": "histogram"},
     Source.FP8_INPUT: {"name": Root.INPUT, "per_call": True},
     Source.FP8_WEIGHT: {"name": Root.PARAM, "per_call": True},
+    Source.FP8_GRADIENT: {"name": Root.GRADIENT, "per_call": True},
     Source.LOGITS: {"name": Root.ACTIVATION, "per_call": True},
 }
-#: The sources of numerics alone (measured by ``kinds.fp8_cast_measure``).
-FP8_SOURCES = (Source.FP8_INPUT, Source.FP8_WEIGHT)
+#: The sources of numerics alone (measured by ``kinds.fp8_cast_measure``): a Linear's input and
+#: weight, and with ``fp8_scaling="rowwise"`` its output gradient.
+FP8_SOURCES = (Source.FP8_INPUT, Source.FP8_WEIGHT, Source.FP8_GRADIENT)
 _MEASURES: dict[Source, tuple[Measure, ...]] = {
     Source.OUTPUT: TENSOR_MEASURES,
     Source.INPUT: TENSOR_MEASURES,
@@ -157,7 +164,7 @@ class Recipe:
     ) -> Recipe:
         """The recipe of a logger with these options; ``measures``: its own, added after the
         built-in ones of their source (:data:`EXTENSIBLE`); ``rowwise``: the fp8 casts scaled per
-        row (``fp8_scaling="rowwise"``). Raises :class:`HookLoggerError` for a
+        row, the output gradient's too (``fp8_scaling="rowwise"``). Raises :class:`HookLoggerError` for a
         measure the source cannot compute and for a field or statistic two measures give."""
         extra = _extra(measures or {}, inputs=inputs)
         skipped = (Source.NONFINITE_INPUT if inputs else Source.INPUT, *FP8_SOURCES)
@@ -175,8 +182,11 @@ class Recipe:
                     per_call=per_call,
                     measures=numeric_measures(zero_frac=zero_frac, channels=channels),
                 )
-            cast = fp8_cast_measure(rowwise=rowwise)
-            for source in FP8_SOURCES:
+            cast = fp8_cast_measure(SCALINGS["rowwise" if rowwise else "tensorwise"])
+            casts = {Source.FP8_INPUT: cast, Source.FP8_WEIGHT: cast}
+            if rowwise:  # (the tensorwise recipe casts it per tensor to e5m2: the gradient's own numerics)
+                casts[Source.FP8_GRADIENT] = fp8_cast_measure(GRADIENT_CASTS)
+            for source, cast in casts.items():
                 numeric[source] = Kind(**_TRAVEL[source], measures=(cast,))  # type: ignore[arg-type]
         recipe = cls(MappingProxyType(kinds), MappingProxyType(numeric))
         recipe._check_tags()

@@ -68,6 +68,18 @@ class Lost(enum.StrEnum):
     FLOOR = "floor"
 
 
+class Axis(enum.StrEnum):
+    """The two casts of a Linear's output gradient under torchao's rowwise fp8 recipe
+    (``fp8_scaling="rowwise"``), each scaled along its own axis of the gradient's 2-d view
+    (tokens x output features): tagged ``gradient/{lost}_e4m3_{axis}/{module}`` (:func:`per_format`),
+    apart from the per-tensor ``gradient/{lost}_e4m3/{module}``."""
+
+    #: For grad_input (``grad_output @ W``): one scale per row (token), of its amax along the features.
+    ROWS = "rows"
+    #: For grad_weight (``grad_output.T @ input``): one scale per column (output feature), of its amax over the tokens.
+    COLUMNS = "columns"
+
+
 class Scale(enum.StrEnum):
     """How a statistic's values are drawn (the dashboard's colour scales and charts)."""
 
@@ -95,9 +107,10 @@ def scale_of(stat: str) -> Scale:
     return SCALES.get(stat, Scale.LOG)
 
 
-def per_format(lost: str, fmt: str) -> str:
-    """The statistic of ``lost`` in format ``fmt``: ``underflow_fp16``, ..."""
-    return f"{lost}_{fmt}"
+def per_format(lost: str, fmt: str, axis: str | None = None) -> str:
+    """The statistic of ``lost`` in format ``fmt``: ``underflow_fp16``, ...; of a cast scaled
+    along ``axis`` (an :class:`Axis`), ``underflow_e4m3_rows``, ..."""
+    return f"{lost}_{fmt}" if axis is None else f"{lost}_{fmt}_{axis}"
 
 
 @functools.lru_cache(maxsize=1 << 16)  # the same tags recur every logged step
