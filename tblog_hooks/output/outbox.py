@@ -66,7 +66,7 @@ class Outbox:
                 unscale(summary, param_grads_scaled=self._param_grads_scaled)
                 divide_output_gradients(summary, divisor)
                 if self._numerics is not None:
-                    summary.numerics = self._numerics.written(summary.scalars, summary.formats)
+                    summary.numerics = self._numerics.written(summary.scalars, summary.formats, summary.casts)
                 self._write(summary)
             except Exception as error:
                 raise WriteError(step, error) from error

@@ -455,14 +455,17 @@ class Written:
         """Whether a float8 format is named: then each Linear's casts are recorded."""
         return any(FORMATS[f].scaled for f in self._named)
 
-    def written(self, scalars: dict[str, float], formats: Mapping[str, str]) -> dict[str, float]:
+    def written(self, scalars: dict[str, float], formats: Mapping[str, str], casts: frozenset[str]) -> dict[str, float]:
         """Take every per-format scalar (``formats``: their format, by tag) of formats not
-        written out of ``scalars``; returns all per-format scalars (for the picture)."""
+        written out of ``scalars``, but for those of ``casts`` (what fp8 training casts, in the
+        format it casts to) with a float8 format named: a recipe that casts the inputs to e4m3
+        and the gradients to e5m2 is judged whichever of the two is named. Returns all
+        per-format scalars (for the picture)."""
         every: dict[str, float] = {}
         kept = self.formats
         for key, fmt in formats.items():
             if key in scalars:
                 every[key] = scalars[key]
-                if fmt not in kept:
+                if fmt not in kept and not (self.fp8 and key in casts):
                     del scalars[key]
         return every

@@ -38,7 +38,7 @@ from .kinds import (
     numeric_measures,
 )
 from .numerics import GRADIENT_CASTS, SCALINGS
-from .tags import Root
+from .tags import Lost, Root, per_format
 
 
 class Source(enum.StrEnum):
@@ -129,6 +129,8 @@ _TRAVEL: dict[Source, dict[str, object]] = {
 #: The sources of numerics alone (measured by ``kinds.fp8_cast_measure``): a Linear's input and
 #: weight, and with ``fp8_scaling="rowwise"`` its output gradient.
 FP8_SOURCES = (Source.FP8_INPUT, Source.FP8_WEIGHT, Source.FP8_GRADIENT)
+#: What the tensorwise fp8 recipe loses of an output gradient: its own numerics' e5m2 fractions.
+_TENSORWISE_GRADIENT = frozenset(per_format(lost, "e5m2") for lost in (Lost.UNDERFLOW, Lost.OVERFLOW))
 _MEASURES: dict[Source, tuple[Measure, ...]] = {
     Source.OUTPUT: TENSOR_MEASURES,
     Source.INPUT: TENSOR_MEASURES,
@@ -194,6 +196,16 @@ class Recipe:
 
     def __getitem__(self, source: Source) -> Kind:
         return self.kinds[source]
+
+    def cast(self, kind: Kind, stat: str) -> bool:
+        """Whether ``kind``'s statistic ``stat`` is of a tensor fp8 training casts, in the format it
+        casts it to: a Linear's input and weight (and with ``fp8_scaling="rowwise"`` its output
+        gradient) cast kinds', or without rowwise the output gradient's e5m2 (the tensorwise
+        recipe's backward cast). Written whichever float8 format ``numerics=`` names."""
+        if any(self.numerics.get(s) is kind for s in FP8_SOURCES):
+            return True
+        rowwise = Source.FP8_GRADIENT in self.numerics
+        return not rowwise and kind is self.kinds[Source.OUTPUT_GRADIENT] and stat in _TENSORWISE_GRADIENT
 
     @property
     def all(self) -> tuple[Kind, ...]:
