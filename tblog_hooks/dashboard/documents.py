@@ -219,7 +219,7 @@ def heatmap(
     return doc | {"sampled": sampled}
 
 
-def module_table(analysis: Analysis, histograms: frozenset[str] = frozenset()) -> dict[str, Any]:
+def module_table(analysis: Analysis, histograms: frozenset[str]) -> dict[str, Any]:
     """The ``modules`` document: per watched module, the latest value of each of its statistics,
     the findings naming it (a parameter's findings count for its module) and whether the run
     holds histograms of it or its own parameters (of ``histograms``, the names it has them of), worst first:

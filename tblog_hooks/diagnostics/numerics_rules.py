@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..output.summary import Heads
-from ..stats.formats import NAMES, SPECS
+from ..stats.formats import BACKWARD, FORWARD, NAMES, SPECS
 from ..stats.tags import (
     NUMERICS_TABLE_TAG,
     SCALE_TAG,
@@ -68,17 +68,17 @@ _AS_NAMED = "per tensor, or per row with fp8_scaling='rowwise'"
 #: What fp8 training (torchao, Transformer Engine) casts of each Linear: its input and weight to
 #: e4m3 (forward), its output gradient to e5m2 per tensor (backward).
 FP8 = (
-    Cast("input", Root.INPUT, "e4m3", "", None, _AS_NAMED),
-    Cast("weight", Root.PARAM, "e4m3", ".weight", None, _AS_NAMED),
-    Cast("output gradient", Root.GRADIENT, "e5m2", "", None, "per tensor"),
+    Cast("input", Root.INPUT, FORWARD, "", None, _AS_NAMED),
+    Cast("weight", Root.PARAM, FORWARD, ".weight", None, _AS_NAMED),
+    Cast("output gradient", Root.GRADIENT, BACKWARD, "", None, "per tensor"),
 )
 #: Under torchao's rowwise recipe (judged where a step has its gradient casts' tags), the output
 #: gradient cast to e4m3 twice instead: per row for grad_input, per column for grad_weight.
 FP8_ROWWISE = (
     *(c._replace(scaled="per row") for c in FP8[:2]),
-    Cast("output gradient", Root.GRADIENT, "e4m3", "", Axis.ROWS, "per row, for grad_input = grad_output @ W"),
+    Cast("output gradient", Root.GRADIENT, FORWARD, "", Axis.ROWS, "per row, for grad_input = grad_output @ W"),
     Cast(
-        "output gradient", Root.GRADIENT, "e4m3", "", Axis.COLUMNS,
+        "output gradient", Root.GRADIENT, FORWARD, "", Axis.COLUMNS,
         "per column over every token, for grad_weight = grad_output.T @ input",
     ),
 )  # fmt: skip
@@ -104,7 +104,7 @@ class NumericsRules:
         if underflow:
             judged.add(FP16_UNDERFLOW)
             found.update(self._fp16(step, scalars, order, underflow))
-        casting = by_name(scalars, Root.INPUT, per_format(Lost.UNDERFLOW, "e4m3"))  # the Linears
+        casting = by_name(scalars, Root.INPUT, per_format(Lost.UNDERFLOW, FORWARD))  # the Linears
         if casting:
             judged |= {FP8_UNDERFLOW, FP8_OVERFLOW}
             found.update(self._fp8(step, scalars, [m for m in order if m in casting]))
@@ -186,7 +186,7 @@ class NumericsRules:
         more than ``fp8_overflow`` to NaN/Inf: the module named is the one that casts them."""
         t = self.thresholds
         found: Candidates = {}
-        rowwise = bool(by_name(scalars, Root.GRADIENT, per_format(Lost.UNDERFLOW, "e4m3", Axis.ROWS)))
+        rowwise = bool(by_name(scalars, Root.GRADIENT, per_format(Lost.UNDERFLOW, FORWARD, Axis.ROWS)))
         casts = FP8_ROWWISE if rowwise else FP8
         for kind, lost, limit, what in (
             (FP8_UNDERFLOW, Lost.UNDERFLOW, t.fp8_underflow, "lost to zero"),
@@ -270,7 +270,7 @@ def _grid(order: Sequence[str], every: Mapping[str, float]) -> tuple[list[str], 
     """The per-format fractions of a step as ``roots x modules x formats x Lost`` (float64, NaN
     where a module has none), rows the watched modules with a value of either root in forward
     order; and per root (:data:`PICTURES`) the modules that have its values."""
-    indexed = every if isinstance(every, Indexed) else Indexed(every)
+    indexed = Indexed(every)
     columns = {
         (r, f, lost): by_name(indexed, r, per_format(lost, f)) for r in PICTURES for f in FORMATS for lost in Lost
     }

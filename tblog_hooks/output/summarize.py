@@ -38,7 +38,8 @@ def summarize(step: int, values: np.ndarray, layout: StepLayout) -> StepSummary:
     summary = StepSummary(step, scalars, histograms, images, heads)
     summary.scaled = {key: sources[k] for key, (k, m, _) in meaning.items() if m.scaled and k in sources}
     summary.formats = {key: fmt for key, (_, _, stat) in meaning.items() if (fmt := format_of(stat)) is not None}
-    summary.casts = frozenset(key for key in summary.formats if recipe.cast(meaning[key][0], meaning[key][2]))
+    casts = recipe.casts
+    summary.casts = frozenset(key for key in summary.formats if meaning[key][2] in casts.get(meaning[key][0], ()))
     summary.scaled_histograms = {
         tag(m.kind, m.name): HISTOGRAM_SOURCES[m.kind] for m in layout.rows if m.kind in HISTOGRAM_SOURCES
     }

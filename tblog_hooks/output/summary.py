@@ -48,6 +48,6 @@ class StepSummary:
     scaled_histograms: dict[str, tuple[str, bool]] = field(default_factory=dict)
     #: The per-format scalars (``numerics=``), by tag: their format.
     formats: dict[str, str] = field(default_factory=dict)
-    #: Of them, those of what fp8 training casts, in the format it casts to (``Recipe.cast``):
+    #: Of them, those of what fp8 training casts, in the format it casts to (``Recipe.casts``):
     #: written whichever float8 format is named.
     casts: frozenset[str] = frozenset()

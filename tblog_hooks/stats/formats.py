@@ -39,6 +39,10 @@ SPECS: dict[str, Spec] = {
 NAMES: tuple[str, ...] = tuple(SPECS)
 #: The format of a run that trains in no autocast dtype (``numerics=True``).
 DEFAULT = "bf16"
+#: The format fp8 training casts a Linear's input and weight to (torchao, Transformer Engine), and
+#: under torchao's rowwise recipe its output gradient; and the one the tensorwise recipe casts the
+#: output gradient to.
+FORWARD, BACKWARD = "e4m3", "e5m2"
 #: Every per-format statistic (``underflow_fp16``, ...) with its format.
 OF_STAT: dict[str, str] = {per_format(lost, name): name for name in NAMES for lost in Lost}
 

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..errors import HookLoggerError
 from . import numerics, reductions
+from .formats import FORWARD
 from .tags import HISTOGRAM_KINDS as HISTOGRAM_KINDS  # (its home is tags.py: the dashboard reads it without torch)
 from .tags import Lost, Stat, per_format
 
@@ -508,9 +509,7 @@ def fp8_cast_measure(casts: numerics.Casts) -> Measure:
     return Measure(
         name="numerics (fp8 casts)",
         fields=tuple(Field(name=c, pool=SUM) for c in counts),
-        stats=tuple(
-            per_format(lost, numerics.FORWARD, axis) for axis in casts for lost in (Lost.UNDERFLOW, Lost.OVERFLOW)
-        ),
+        stats=tuple(per_format(lost, FORWARD, axis) for axis in casts for lost in (Lost.UNDERFLOW, Lost.OVERFLOW)),
         scalars=lambda v, n: numerics.fp8_statistics(v, n, tuple(casts)),
         compute=lambda x, units: numerics.fp8_cast(x, casts),
         counted=True,

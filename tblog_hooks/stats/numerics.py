@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from . import reductions, sampling
-from .formats import DEFAULT, SPECS, Spec
+from .formats import DEFAULT, FORWARD, SPECS, Spec
 from .reductions import acc_dtype
 from .tags import Axis, Lost, Stat, per_format
 
@@ -238,9 +238,6 @@ class Below:
         self._names.append(name)
 
 
-#: The format fp8 training casts a Linear's input and weight to (torchao, Transformer Engine), and
-#: under torchao's rowwise recipe its output gradient.
-FORWARD = "e4m3"
 #: The e4m3 casts of one tensor (:func:`fp8_cast`): by the axis that suffixes its counts and
 #: statistics (``None``: none), the dim of its 2-d view that its scales are taken along (``None``: one per tensor).
 Casts = Mapping[Axis | None, int | None]

@@ -13,11 +13,13 @@ tag table read it; nothing reads a module-level registry, so extending one logge
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
 from ..errors import HookLoggerError
+from .formats import BACKWARD
 from .kinds import (
     ATTENTION_HEADS,
     ELEMENTS,
@@ -130,7 +132,7 @@ _TRAVEL: dict[Source, dict[str, object]] = {
 #: weight, and with ``fp8_scaling="rowwise"`` its output gradient.
 FP8_SOURCES = (Source.FP8_INPUT, Source.FP8_WEIGHT, Source.FP8_GRADIENT)
 #: What the tensorwise fp8 recipe loses of an output gradient: its own numerics' e5m2 fractions.
-_TENSORWISE_GRADIENT = frozenset(per_format(lost, "e5m2") for lost in (Lost.UNDERFLOW, Lost.OVERFLOW))
+_TENSORWISE_GRADIENT = frozenset(per_format(lost, BACKWARD) for lost in (Lost.UNDERFLOW, Lost.OVERFLOW))
 _MEASURES: dict[Source, tuple[Measure, ...]] = {
     Source.OUTPUT: TENSOR_MEASURES,
     Source.INPUT: TENSOR_MEASURES,
@@ -197,15 +199,16 @@ class Recipe:
     def __getitem__(self, source: Source) -> Kind:
         return self.kinds[source]
 
-    def cast(self, kind: Kind, stat: str) -> bool:
-        """Whether ``kind``'s statistic ``stat`` is of a tensor fp8 training casts, in the format it
-        casts it to: a Linear's input and weight (and with ``fp8_scaling="rowwise"`` its output
-        gradient) cast kinds', or without rowwise the output gradient's e5m2 (the tensorwise
-        recipe's backward cast). Written whichever float8 format ``numerics=`` names."""
-        if any(self.numerics.get(s) is kind for s in FP8_SOURCES):
-            return True
-        rowwise = Source.FP8_GRADIENT in self.numerics
-        return not rowwise and kind is self.kinds[Source.OUTPUT_GRADIENT] and stat in _TENSORWISE_GRADIENT
+    @functools.cached_property
+    def casts(self) -> Mapping[Kind, frozenset[str]]:
+        """By kind, its statistics of a tensor fp8 training casts, in the format it casts it to:
+        every statistic of a Linear's input and weight (and with ``fp8_scaling="rowwise"`` its
+        output gradient) cast kinds, or without rowwise the output gradient's e5m2 ones (the
+        tensorwise recipe's backward cast). Written whichever float8 format ``numerics=`` names."""
+        out = {k: frozenset(k.stats) for s in FP8_SOURCES if (k := self.numerics.get(s)) is not None}
+        if self.numerics and Source.FP8_GRADIENT not in self.numerics:
+            out[self.kinds[Source.OUTPUT_GRADIENT]] = _TENSORWISE_GRADIENT
+        return MappingProxyType(out)
 
     @property
     def all(self) -> tuple[Kind, ...]:
