@@ -407,10 +407,11 @@ def test_a_browser_reload_keeps_the_run_statistic_comparison_and_selection(page)
     frame(page).locator('#modules tbody tr[data-module="2"]').click()
     assert "p.tblog_hooks.run=gan%20%5BG%5D" in page.url
     drawn = (
-        "page.seriesTitle.textContent === 'Module 2' && !page.opening && page.compare.marks.length"
-        " && page.difference && !page.difference.pending"
+        "page.seriesTitle.textContent === 'Module 2' && !page.opening && page.heatmap.stat === 'activation/std'"
+        " && page.compare.stat === 'activation/std' && page.compare.marks.length && page.difference"
+        " && page.requests.pending === 0"
     )
-    _wait(page, drawn)  # nothing in flight that the reload would abort
+    _wait(page, drawn)  # drawn, and nothing in flight that the reload would abort
     page.reload()
     frame(page).locator("#modules table").wait_for(timeout=READY_MS)
     _wait(page, "page.analysis && page.selection")

@@ -77,7 +77,6 @@ class DifferenceView {
       el('div', { class: 'hint', id: 'difference-first' }, this.title), this.map.node);
     this.documents = new Map();  // the compare documents read, by query
     this.latest = 0;  // the number of the latest show(): an earlier one that ends later draws nothing
-    this.pending = 0;  // shows waiting for their compare document (the browser tests wait for none)
   }
 
   async show(other, stat, doc, otherDoc) {
@@ -86,8 +85,7 @@ class DifferenceView {
     const key = JSON.stringify([query, model.max_step, other.max_step]);
     if (!this.documents.has(key)) this.documents.set(key, fetchJson('compare', query));
     const call = ++this.latest;
-    this.pending += 1;
-    const compared = await this.documents.get(key).finally(() => { this.pending -= 1; });
+    const compared = await this.documents.get(key);
     if (call !== this.latest) return;
     this.compared = compared;
     const [rows, steps] = [doc.modules.filter((m) => otherDoc.modules.includes(m)), doc.steps.filter((s) => otherDoc.steps.includes(s))];

@@ -8,10 +8,19 @@ const route = (name, query = {}) => {
   return url;
 };
 
+// The plugin's requests in flight (for scripts and the browser tests: a browser reload while none is
+// aborts nothing).
+const requests = { pending: 0 };
+
 async function fetchJson(name, query) {
-  const response = await fetch(route(name, query));
-  if (!response.ok) throw new Error(`${name}: ${response.status} ${await response.text()}`);
-  return response.json();
+  requests.pending += 1;
+  try {
+    const response = await fetch(route(name, query));
+    if (!response.ok) throw new Error(`${name}: ${response.status} ${await response.text()}`);
+    return await response.json();
+  } finally {
+    requests.pending -= 1;
+  }
 }
 
 const isValue = (v) => v !== null && v !== undefined;
@@ -793,6 +802,7 @@ class Page {
     this.analysis = null;
     this.selection = null;
     this.queue = Promise.resolve();
+    this.requests = requests;  // what is in flight
   }
 
   async start() {
