@@ -14,7 +14,14 @@ from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
 from tblog_hooks import Histograms, HookLogger, HookLoggerError
+from tblog_hooks.capture.step import COMPILE_VERIFIED, TORCH_VERSION
 from tblog_hooks.stats.tags import HISTOGRAM_KINDS as KINDS
+
+#: Below the version the compiled hooks are verified on, the logger says so (tests/test_torch_versions.py)
+#: and these tests do not hold (a GPU's torch 2.11 recompiled each step): what they check is not claimed there.
+pytestmark = pytest.mark.skipif(
+    TORCH_VERSION < COMPILE_VERIFIED, reason=f"compiled hooks are verified on torch >= {COMPILE_VERIFIED} only"
+)
 
 
 class _Block(nn.Module):

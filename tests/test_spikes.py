@@ -735,7 +735,7 @@ def test_cuda_ring_is_pinned_when_the_first_step_has_no_optimizer_step(tmp_path)
             opt.step()
             opt.zero_grad()
             hooks.step(loss=loss)
-        assert hooks._spikes.norms._host.is_pinned()  # type: ignore[union-attr]
+        assert hooks._spikes.norms._ring._host.is_pinned()  # type: ignore[union-attr]
     assert sorted(read_run(tmp_path).scalars["step/grad_norm"]) == [1, 2, 3]
 
 
