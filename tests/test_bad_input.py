@@ -31,8 +31,8 @@ def _error(*args: object, **kwargs: object) -> str:
         ({"every": 2.5}, ["every must be a positive int", "2.5"]),
         ({"every": True}, ["every must be a positive int", "True"]),
         ({"modules": "encodr"}, ["'encodr' (closest names: encoder, decoder)"]),
-        ({"modules": ["decoder", "lyaer*"]}, ["'lyaer*'", "no similar name", "fnmatch"]),
-        ({"modules": nn.Conv2d}, ["Conv2d (no module of this type)"]),
+        ({"modules": ["decoder", "lyaer*"]}, ["'lyaer*' (no similar name; the model's names: encoder, act, decoder)"]),
+        ({"modules": nn.Conv2d}, ["Conv2d (no module of this type; the model's types: Sequential, Linear, ReLU)"]),
         ({"modules": []}, ["selected no module", "glob patterns"]),
         ({"modules": lambda name, m: False}, ["selected no module", "predicates"]),
         ({"modules": 3}, ["modules= got 3", "nn.Module subclass"]),
@@ -130,3 +130,9 @@ def test_step_and_with_after_close_are_errors_and_hooks_are_inert(tmp_path) -> N
     model(torch.randn(3, 4)).sum().backward()
     assert sorted(p.stat().st_size for p in tmp_path.iterdir()) == files
     assert hooks.global_step == 1 and hooks.closed
+
+
+def test_a_selector_like_no_name_shows_the_first_names_of_a_large_model(tmp_path) -> None:
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(12)))
+    message = _error(model, log_dir=tmp_path, modules=["qqq"])
+    assert "'qqq' (no similar name; the model's names: 0, 1, 2, 3, 4 (+7 more))" in message

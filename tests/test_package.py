@@ -9,6 +9,7 @@ import pkgutil
 import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,17 @@ def test_the_read_side_imports_without_torch() -> None:
     code = f"import sys; import {', '.join(_READ_SIDE)}; print({heavy})"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_the_wheel_holds_every_file_of_the_package_and_the_license(tmp_path) -> None:
+    """What a user installs: every tracked file under ``tblog_hooks/`` (the tab's frontend too) and
+    the license pyproject names."""
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path]
+    subprocess.run([*build, str(ROOT.parent)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    tracked = subprocess.run(
+        ["git", "ls-files", "tblog_hooks"], cwd=ROOT.parent, check=True, capture_output=True, text=True
+    ).stdout.split()
+    assert {path for path in tracked if "__pycache__" not in path} - shipped == set()
+    assert any(name.endswith(".dist-info/licenses/LICENSE") for name in shipped)

@@ -67,7 +67,7 @@ def select_modules(
             unmatched.append(rule)
         matched |= hits
     if unmatched:
-        raise HookLoggerError(_unmatched_message(unmatched, [name for name, _, _ in named], option))
+        raise HookLoggerError(_unmatched_message(unmatched, named, option))
     if not matched:
         raise HookLoggerError(
             f"{option}= selected no module of the model; pass names from "
@@ -156,16 +156,32 @@ def _closest_names(rule: str, names: list[str], n: int = 5) -> list[str]:
     return list(dict.fromkeys([name for *_, name in sorted(by_leaf)] + whole))[:n]
 
 
-def _unmatched_message(unmatched: list[Selector], names: list[str], option: str) -> str:
+def _unmatched_message(
+    unmatched: list[Selector], named: list[tuple[str, str, nn.Module]], option: str, shown: int = 5
+) -> str:
+    """What matched nothing, each with the closest real names (or types); where nothing is close,
+    the model's first ``shown`` names (or types), so that the message always shows real ones."""
+    names = [n for n in dict.fromkeys(name for name, _, _ in named) if n]
+    types = list(dict.fromkeys(type(module).__name__ for _, _, module in named))
     lines = [f"{option}= has selectors that match no module of the model:"]
     for rule in unmatched:
         if isinstance(rule, str):
-            close = _closest_names(rule, [n for n in dict.fromkeys(names) if n])
-            hint = f"closest names: {', '.join(close)}" if close else "no similar name"
+            close = _closest_names(rule, names)
+            hint = (
+                f"closest names: {', '.join(close)}" if close else f"no similar name; {_first('names', names, shown)}"
+            )
             lines.append(f"  {rule!r} ({hint})")
         elif isinstance(rule, nn.Module):
             lines.append(f"  a {type(rule).__name__} that is not part of the model (not in model.named_modules())")
         else:
-            lines.append(f"  {getattr(rule, '__name__', rule)} (no module of this type)")
+            lines.append(
+                f"  {getattr(rule, '__name__', rule)} (no module of this type; {_first('types', types, shown)})"
+            )
     lines.append("Names come from model.named_modules(); patterns use fnmatch ('layer1.*', '*.conv2').")
     return "\n".join(lines)
+
+
+def _first(what: str, items: list[str], shown: int) -> str:
+    """``the model's names: a, b, c (+4 more)``."""
+    more = f" (+{len(items) - shown} more)" if len(items) > shown else ""
+    return f"the model's {what}: {', '.join(items[:shown])}{more}"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,8 +69,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .demo import pick_device, run_demo
 
     run_dir = run_demo(args.logdir, args.scenario, args.steps, args.every, pick_device(args.device))
-    print(f"wrote {run_dir}\nopen it with:  tensorboard --logdir {args.logdir}\nor:  tblog-hooks report {run_dir}")
+    print(f"wrote {run_dir}\nopen it with:  {runnable('tensorboard')} --logdir {args.logdir}")
+    print(f"or:  {runnable('tblog-hooks')} report {run_dir}")
     return 0
+
+
+def runnable(script: str) -> str:
+    """How to run ``script``, a command installed beside this Python, as printed: its bare name
+    where the shell finds that one (an active virtual environment), else its path (relative to
+    the working directory where it is under it: ``.venv/bin/tensorboard``)."""
+    path = Path(sys.executable).parent / script
+    if not path.exists():
+        return script
+    found = shutil.which(script)
+    if found is not None and Path(found).resolve() == path.resolve():
+        return script
+    return os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def _add_compare(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
