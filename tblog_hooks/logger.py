@@ -190,6 +190,10 @@ class HookLogger:
         """Write everything pending, remove every hook, close the writer if the logger made it.
         Safe to call twice; afterwards the logger holds no reference to the model.
 
+        The logged step begun by the last :meth:`step` is written only if it saw training work
+        (a backward pass or an optimizer step), or if no earlier step recorded anything: forward
+        passes after training (a ``predict()`` in training mode) are no step.
+
         Called while an exception propagates (a ``with`` block left by one, or ``close()`` in
         an ``except``/``finally``), it enters no collective: the other ranks may never reach
         theirs. A logged step that needs the other ranks is then dropped."""
@@ -224,7 +228,8 @@ class HookLogger:
         if self._amp is not None:
             self._amp.begin()
 
-    def _end_logged_step(self) -> None:
+    def _end_logged_step(self, *, written: bool = True) -> None:
+        """``written``: write what the step recorded (else drop it; the ranks still meet)."""
         late = self._ranks.sharded_late(self._recording.parallel)
         if late is not None:
             self._switch_off(f"logged step {self._step}", late)
@@ -234,6 +239,8 @@ class HookLogger:
             if self._amp is not None and not self._recording.empty:
                 self._amp.finish(self._recording.buffer)
             drained = self._recording.drain()
+            if not written:
+                drained = ([], [], [])
             if not self._ranks.packs_together(drained):
                 packed = self._recording.pack(*drained[:2])
         except Exception as error:  # e.g. histc under deterministic CUDA
@@ -287,7 +294,9 @@ class HookLogger:
                 self._recording.stop()  # dropped, see close()
                 self._state = _State.OFF if self._state.off else _State.IDLE
             elif self._state.in_step:
-                self._end_logged_step()
+                # Forward passes after the last step() (a prediction) are no training step; a run whose
+                # only step this is (step() never called) keeps it.
+                self._end_logged_step(written=self._recording.trained or not self._recorded_steps)
             self._write(wait=True)
             self._spikes.close()
             if self._destination is not None and not self._state.off:

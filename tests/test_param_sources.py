@@ -266,7 +266,7 @@ def test_optimizer_hooks_are_removed_on_close(tmp_path) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)
     with HookLogger(model, log_dir=tmp_path, every=1, optimizer=[opt]) as hooks:
-        assert len(_global_optimizer_pre_hooks) == before[0] + 1
+        assert len(_global_optimizer_pre_hooks) == before[0] + 2  # steps counted (every logger), gradients read
         hooks.step()
     assert (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)) == before
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks

@@ -171,6 +171,14 @@ class ActivationRecorder:
         enabled (and none was recorded for it, without ``eval_passes=True``)."""
         return self._evaluated and not self._trained and not self.passes.eval_passes
 
+    def mark(self) -> frozenset[str]:
+        """The feature maps taken so far this step, for :meth:`rewind`."""
+        return frozenset(self._mapped)
+
+    def rewind(self, mark: frozenset[str]) -> None:
+        """The records made after ``mark`` were dropped: the feature maps they held are to be taken again."""
+        self._mapped = set(mark)
+
     def end_step(self) -> None:
         """A logged step ended: forget its passes, its feature maps and the last output."""
         self.passes.reset()

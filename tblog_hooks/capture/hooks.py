@@ -74,7 +74,8 @@ class ParamGradHook(_Hook):
 class KeepTraced(_Hook):
     """``register_post_accumulate_grad_hook`` callable on one trained parameter, for a logged step
     whose backward runs no other hook of ours: copies compiled hooks' records out of CUDA graph
-    memory (``StepBuffer.keep_traced``) before the next micro-batch's forward."""
+    memory (``StepBuffer.keep_traced``) before the next micro-batch's forward, and tells that the
+    step trained (``StepBuffer.trained``)."""
 
     __slots__ = ("buffer",)
 
@@ -83,6 +84,7 @@ class KeepTraced(_Hook):
         self.buffer = buffer
 
     def __call__(self, param: Tensor) -> None:
+        self.buffer.trained = True
         self.buffer.keep_traced()
 
 

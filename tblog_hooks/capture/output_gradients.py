@@ -78,6 +78,7 @@ class OutputGradientRecorder:
         One placed ``Partial`` (a ``Replicate`` output's, whose consumers each hold a term of it),
         or a plain term of a sum over ``summed_over``, is copied and recorded once reduced over
         the ranks at the end of the step (:meth:`resolve`)."""
+        self.buffer.trained = True
         if name in self.buffer.disabled:
             return
         try:
@@ -104,7 +105,10 @@ class OutputGradientRecorder:
         forward records are the forward graph's, which the next micro-batch overwrites: both
         are copied out here (``StepBuffer.keep_traced``)."""
         buffer = self.buffer
-        if name in buffer.disabled or not buffer.active:  # a backward after its logged step ended
+        if not buffer.active:  # a backward after its logged step ended
+            return
+        buffer.trained = True
+        if name in buffer.disabled:
             return
         try:
             with torch.no_grad():
@@ -146,6 +150,14 @@ class OutputGradientRecorder:
         whole gradient: not of a tensor-parallel piece, whose rows and columns are one rank's)."""
         if self._casts is not None and name in self._linears and split is None:
             self.buffer.eager.measure(self._casts, name, grad)
+
+    def mark(self) -> int:
+        """How many gradients placed ``Partial`` this step holds now, for :meth:`rewind`."""
+        return len(self._pending)
+
+    def rewind(self, mark: int) -> None:
+        """Drop the gradients placed ``Partial`` that came after ``mark``."""
+        del self._pending[mark:]
 
     def end_step(self, records: list[Record]) -> list[Pending]:
         """A logged step ended: remove its tensor hooks; probes of modules whose outputs turned

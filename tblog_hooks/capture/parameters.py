@@ -8,6 +8,7 @@ after gradient accumulation, DDP averaging and ``GradScaler.unscale_``).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from .._compat import (
     loss_scale,
     step_closure,
     unscaled,
+    version,
 )
 from ..stats.binning import Sample
 from ..stats.kinds import SUM
@@ -64,6 +66,7 @@ class ParameterRecorder:
         first would be lost with a backward that raises, and the next backward's with it. Also
         where the records of a compiled forward are copied out of its graph's memory (see
         ``StepBuffer.keep_traced``), should the model have no probe."""
+        self.buffer.trained = True
         self.buffer.keep_traced()
         self._ready.append((name, param))
         if not at_end_of_backward(self._read_ready):  # not run by the autograd engine: read it now
@@ -260,7 +263,7 @@ class OptimizerHooks:
     replaced the optimizer given), and one no optimizer steps is not read. The weights are
     copied before the step to measure the update."""
 
-    __slots__ = ("_params", "_scaler", "_stepped", "_stepping", "parameters", "watched")
+    __slots__ = ("_held", "_params", "_scaler", "_stepped", "_stepping", "parameters", "watched")
 
     def __init__(
         self, parameters: ParameterRecorder, watched: Watched, scaler: torch.amp.GradScaler | None = None
@@ -274,6 +277,8 @@ class OptimizerHooks:
         self._stepped: set[str] = set()  # keys an optimizer stepped this logged step
         # id(optimizer) -> (its watched parameters, whether to read them after its step), during its step.
         self._stepping: dict[int, tuple[Named, bool]] = {}
+        # The watched parameters' gradients when this logged step began, each with its version, by key.
+        self._held: dict[str, tuple[weakref.ref[Tensor], int]] = {}
 
     def pre(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         buffer = self.parameters.buffer
@@ -320,15 +325,30 @@ class OptimizerHooks:
         self.parameters.read(named, scale=scale, unscaled=unscaled)
         self._stepped.update(key for key, _ in named)
 
+    def begin(self) -> None:
+        """A logged step begins: note which gradient each watched parameter holds, and its version
+        (for :meth:`unstepped`; one Python look per parameter, nothing read on the device)."""
+        params = self.watched.params()
+        self._held = {key: (weakref.ref(g), version(g)) for key, p in params if (g := p.grad) is not None}
+
     def unstepped(self) -> list[str]:
-        """Watched parameters holding a gradient that no optimizer stepped this logged step
-        (none when these hooks failed: nothing was read then)."""
+        """Watched parameters holding a gradient written this logged step (another gradient than
+        at :meth:`begin`, or the same one changed since) that no optimizer stepped; none when
+        these hooks failed (nothing was read then). A gradient left from an earlier phase of
+        training (a branch no backward reaches now) is not this step's."""
         if Part.PARAMETERS in self.parameters.buffer.disabled:
             return []
-        params = self.watched.params()
-        return [key for key, p in params if key not in self._stepped and p.requires_grad and p.grad is not None]
+        missed = []
+        for key, p in self.watched.params():
+            grad = p.grad
+            if key in self._stepped or not p.requires_grad or grad is None:
+                continue
+            held = self._held.get(key)
+            if held is None or held[0]() is not grad or held[1] != version(grad):
+                missed.append(key)
+        return missed
 
     def clear(self) -> None:
-        """End of a logged step: hold no parameter until the next one."""
-        self._params, self._stepped = None, set()
+        """End of a logged step: hold no parameter or gradient until the next one."""
+        self._params, self._stepped, self._held = None, set(), {}
         self._stepping.clear()

@@ -24,6 +24,7 @@ from ..topology.sharding import Pending
 from .activations import ActivationRecorder
 from .attention import AttentionRecorder
 from .hooks import ForwardHook, ForwardPreHook, KeepTraced, ParamGradHook, PlacementHook
+from .optimizer_steps import OptimizerSteps, Rewind
 from .output_gradients import OutputGradientRecorder
 from .parameters import OptimizerHooks, ParameterRecorder
 from .step import Part, StepBuffer
@@ -82,6 +83,7 @@ class Recording:
         #: With ``optimizer=``, parameters are read when an optimizer steps them; else during backward.
         wanted = config.optimizer is not None and config.parameters
         self.optimizer_hooks = OptimizerHooks(self.parameters, watched, config.scaler) if wanted else None
+        self.optimizer_steps = OptimizerSteps(self.buffer, watched, self.rewinder)
         self.handles = Handles()  # live until release()
         self._step_handles = Handles()  # live during one logged step
         self._unstepped_warned = self._eval_warned = False
@@ -111,6 +113,7 @@ class Recording:
             for entry in self.attention.entries(model):
                 self.handles.add(entry.register_forward_pre_hook(enter))
                 self.handles.add(entry.register_forward_hook(leave, always_call=True))
+        self.handles.add(register_optimizer_step_pre_hook(self.optimizer_steps.pre))
         if self.optimizer_hooks is not None:
             self.handles.add(register_optimizer_step_pre_hook(self.optimizer_hooks.pre))
             self.handles.add(register_optimizer_step_post_hook(self.optimizer_hooks.post))
@@ -129,6 +132,8 @@ class Recording:
         self.buffer.active = True
         self.buffer.begin(index)
         self.parallel.begin()
+        if self.optimizer_hooks is not None and not self._unstepped_warned:
+            self.optimizer_hooks.begin()
         if self.optimizer_hooks is None:  # else parameters are read when an optimizer steps them
             for key, p in self.params():
                 if p.requires_grad:  # a frozen parameter has no gradient (and takes no hook)
@@ -141,6 +146,25 @@ class Recording:
     def stop(self) -> None:
         """Hooks record nothing from now on, until the next :meth:`begin`."""
         self.buffer.active = False
+
+    def rewinder(self) -> Rewind:
+        """What drops every record this logged step's hooks make after now (each evaluation of a
+        closure optimizer's closure starts with it, see ``optimizer_steps.py``)."""
+        buffer, activations, gradients = self.buffer, self.activations, self.gradients
+        at, mapped, pending = buffer.mark(), activations.mark(), 0 if gradients is None else gradients.mark()
+
+        def rewind() -> None:
+            buffer.rewind(at)
+            activations.rewind(mapped)
+            if gradients is not None:
+                gradients.rewind(pending)
+
+        return rewind
+
+    @property
+    def trained(self) -> bool:
+        """Whether this logged step saw a backward reach the watched modules or an optimizer step."""
+        return self.buffer.trained
 
     @property
     def empty(self) -> bool:
@@ -165,6 +189,7 @@ class Recording:
         if self.attention is not None:
             self.attention.end_step()
         self._step_handles.remove_all()
+        self.optimizer_steps.end_step()
         if self.optimizer_hooks is not None:
             self.optimizer_hooks.clear()
         self.parameters.weights(self.params)
@@ -208,7 +233,8 @@ class Recording:
 
     def check_stepped(self, step: int) -> None:
         """Warn once when, at the end of logged step ``step``, a watched parameter holds a gradient
-        that no optimizer stepped (one outside ``torch.optim``, or none), so it was not read."""
+        written in that step that no optimizer stepped (one outside ``torch.optim``, or none), so
+        it was not read."""
         if self.optimizer_hooks is None or self._unstepped_warned:
             return
         missed = self.optimizer_hooks.unstepped()

@@ -13,7 +13,7 @@ import enum
 import threading
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Generic, TypeVar, Union
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar, Union
 
 import torch
 from torch import Tensor
@@ -67,6 +67,9 @@ class StepBuffer:
         self._scalar = recipe[Source.SCALAR]
         #: Whether hooks record now: during a logged step of a logger that is logging.
         self.active = False
+        #: Whether this logged step saw training work: a backward that reached the watched modules'
+        #: outputs or parameters, or an optimizer step (``close()`` writes a pending step only then).
+        self.trained = False
         #: Modules (by name) and parts whose logging failed or ended.
         self.disabled: set[str | Part] = set()
         self._old_compile_warned = False
@@ -95,6 +98,7 @@ class StepBuffer:
         no binning; none either once binning failed)."""
         off = self._schedule is None or Part.HISTOGRAMS in self.disabled
         self.kinds = _NO_KINDS if off else self._schedule.kinds_at(index)  # type: ignore[union-attr]
+        self.trained = False
 
     @property
     def empty(self) -> bool:
@@ -104,6 +108,17 @@ class StepBuffer:
     def record_scalar(self, key: str, value: Tensor) -> None:
         """A device value logged under the tag ``key`` as it is (the first, if recorded twice)."""
         self._records.append(Record(self._scalar, key, 1, (value,)))
+
+    def mark(self) -> Mark:
+        """Where the records of this step end now, for :meth:`rewind`."""
+        return Mark(len(self._records), len(self._samples), self.traced.sink.mark())
+
+    def rewind(self, mark: Mark) -> None:
+        """Drop what the hooks recorded after ``mark`` (a closure optimizer's earlier evaluations);
+        nothing is read, no op runs."""
+        del self._records[mark.records :]
+        del self._samples[mark.samples :]
+        self.traced.sink.rewind(mark.traced)
 
     def keep_traced(self) -> None:
         """Copy what compiled hooks recorded since the last call out of the memory of the graph
@@ -163,6 +178,14 @@ def _warn_failed(key: str | Part, error: BaseException) -> None:
         RuntimeWarning,
         stacklevel=3,
     )
+
+
+class Mark(NamedTuple):
+    """Where a step's records ended at one moment (:meth:`StepBuffer.mark`)."""
+
+    records: int
+    samples: int
+    traced: object  # (the compiled hooks' sink's newest link)
 
 
 class Mode(abc.ABC):
@@ -323,6 +346,22 @@ class _Sink(Generic[Item]):
 
     def append(self, item: Item) -> None:
         self._head = _Link(item, self._head)
+
+    def mark(self) -> _Link[Item]:
+        """The newest link, for :meth:`rewind`."""
+        return self._head
+
+    def rewind(self, mark: object) -> None:
+        """Unlink what was appended after ``mark`` (a link :meth:`mark` returned since the last
+        :meth:`drain`; any other leaves the sink as it is)."""
+        link, kept = self._head, False
+        while link is not mark and link.prev is not None:
+            kept |= link is self._kept
+            link = link.prev
+        if link is mark:
+            self._head = link
+            if kept:  # keep() had copied past the mark: every link up to it is kept
+                self._kept = link
 
     def keep(self, copy: Callable[[list[Item]], list[Item]]) -> list[Item]:
         """Replace the items appended since the last call by their ``copy``; returns the copies."""
