@@ -117,6 +117,8 @@ class HookLogger:
         _warn_if_shared(model, self._destination)
         spiking = (self._recording.handles, self._diagnostics, self._destination, self._ranks, model, divisor)
         self._spikes = SpikeLog.of(config, self._watched, self._module_names, *spiking)
+        if isinstance(self._spikes, SpikeLog):
+            self._recording.optimizer_steps.every_step.append(self._spikes.samples.rewinder)
         # A rank that neither writes nor takes part in collectives is off from the start.
         self._state = _State.OFF if self._writer is None and not self._ranks.needed else _State.IDLE
         self._recording.attach(model, selected)

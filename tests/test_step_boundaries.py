@@ -59,6 +59,30 @@ def test_closure_optimizer_step_logs_its_last_evaluation(tmp_path, with_optimize
     assert run.histograms["activation/0"][0].num == expected[0][0].numel()  # (the first logged step has them)
 
 
+@pytest.mark.parametrize("every", [1, 4], ids=["logged", "not-logged"])
+def test_closure_optimizer_steps_count_one_evaluation_s_samples(tmp_path, every: int) -> None:
+    """``spikes=``' ``step/samples`` of an LBFGS step is its batch, not the batch times the number
+    of evaluations, on every step (``spikes=`` judges each one, logged or not)."""
+    model = mlp(6, 16, 3, seed=0)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
+    x, y = torch.randn(32, 6, generator=torch.Generator().manual_seed(1)), torch.zeros(32, 3)
+    evaluations: list[int] = []
+
+    def closure() -> torch.Tensor:
+        evaluations.append(1)
+        opt.zero_grad()
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        return loss
+
+    with HookLogger(model, log_dir=tmp_path, every=every, optimizer=opt, spikes=True) as hooks:
+        for _ in range(3):
+            loss = opt.step(closure)
+            hooks.step(loss=loss)
+    assert len(evaluations) > 3  # the scenario: several evaluations a step
+    assert read_run(tmp_path).scalars["step/samples"] == {0: 32, 1: 32, 2: 32}
+
+
 def _lbfgs_run(log_dir, *, compiled: bool) -> tuple[dict[str, dict[int, float]], dict[int, float]]:
     """The scalars an LBFGS run logs, and (eager) module 0's mean output in each step's last evaluation."""
     model = mlp(6, 16, 3, seed=0)

@@ -39,14 +39,37 @@ class OptimizerSteps:
         self._steps: dict[int, int] = {}  # id(optimizer) -> its steps this logged step
         self._closure: Rewind | None = None  # of the closure step under way, if any
         self._warned = False
+        #: What else a closure's evaluation starts again, on every step, logged or not (each makes
+        #: a :data:`Rewind` of its state as the step begins): ``spikes=``' sample count.
+        self.every_step: list[Callable[[], Rewind]] = []
 
     def pre(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Optimizer step pre-hook: count the step; given a closure, return the step's arguments
         with the closure wrapped (see the module's docstring), else ``None`` (arguments unchanged)."""
         buffer = self.buffer
-        if not buffer.active:
+        if buffer.active:
+            buffer.trained = True
+            self._count(optimizer)
+        given = step_closure(args, kwargs)
+        if given is None or not (buffer.active or self.every_step):
             return None
-        buffer.trained = True
+        closure = cast(Callable[..., Any], given)
+        rewinds = [make() for make in self.every_step]
+        if buffer.active:
+            rewind = self._closure = self._rewinder()
+            rewinds.append(lambda: rewind() if self._closure is rewind else None)  # (not once the logged step ended)
+
+        def evaluation(*a: Any, **k: Any) -> Any:
+            for start_again in rewinds:
+                start_again()
+            return closure(*a, **k)
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": evaluation}
+        return (*args[:1], evaluation, *args[2:]), kwargs
+
+    def _count(self, optimizer: Optimizer) -> None:
+        """One more step of ``optimizer`` in this logged step; its second is said (once)."""
         steps = self._steps[id(optimizer)] = self._steps.get(id(optimizer), 0) + 1
         if steps == 2 and not self._warned and self._trains_watched(optimizer):
             self._warned = True
@@ -55,22 +78,8 @@ class OptimizerSteps:
                 "step pools the statistics of every optimizer step since the last hooks.step(); call hooks.step() "
                 "once after each optimizer step (after all of the step's micro-batches, with gradient accumulation)",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-        given = step_closure(args, kwargs)
-        if given is None:
-            return None
-        closure = cast(Callable[..., Any], given)
-        rewind = self._closure = self._rewinder()
-
-        def evaluation(*a: Any, **k: Any) -> Any:
-            if self._closure is rewind:  # (not once the logged step ended)
-                rewind()
-            return closure(*a, **k)
-
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": evaluation}
-        return (*args[:1], evaluation, *args[2:]), kwargs
 
     def end_step(self) -> None:
         """The logged step ended: forget its optimizer steps."""

@@ -386,6 +386,16 @@ class Samples(_Hook):
         if first is not None and first.dim() > 0:
             self.count += (first.to_local() if is_dtensor(first) else first).shape[0]
 
+    def rewinder(self) -> Callable[[], None]:
+        """Sets the count back to what it is now: a closure optimizer's evaluations of one step
+        (LBFGS's) are one batch, not micro-batches (``OptimizerSteps.every_step``)."""
+        start = self.count
+
+        def rewind() -> None:
+            self.count = start
+
+        return rewind
+
     def take(self) -> int | None:
         """The step's samples (``None``: no training pass of the model seen), and start again."""
         count, self.count = self.count, 0
