@@ -1,11 +1,17 @@
-"""``numerics=`` of output gradients under ``torch.compile`` (blocks compiled one by one, as
-torchtitan does): the compiled modules' probes carry the output gradient's numerics with its norm
-and NaN/Inf count, and write what an eager run writes and plain torch computes of the gradients,
-of a module called twice in one forward too, without another graph or a graph break."""
+"""``numerics=`` under ``torch.compile``: a whole model compiled makes no graph break on either
+path (the torch reductions, the fused kernels); of blocks compiled one by one (as torchtitan
+does), the compiled modules' probes carry the output gradient's numerics with its norm and
+NaN/Inf count, and write what an eager run writes and plain torch computes of the gradients, of a
+module called twice in one forward too, without another graph or a graph break."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +21,7 @@ from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
 from tblog_hooks import HookLogger
+from tblog_hooks.kernels import VARIABLE
 
 FORMATS = ("fp16", "e5m2")
 
@@ -117,3 +124,66 @@ def test_compiled_blocks_write_the_output_gradients_numerics_of_eager_and_of_pla
     assert checked == 2 * (3 * len(want) - 1)
     assert all(0 < fp16 < 1 and e5m2 > 0 for fp16, e5m2 in lost)  # (the fractions are exercised)
     assert {t for t in eager.scalars if t.startswith("gradient/")} - set(compiled.scalars) == {"gradient/amax/shared"}
+
+
+ROOT = Path(__file__).resolve().parents[1]
+#: A 4-layer MLP, every module watched, compiled whole with ``aot_eager``, two logged steps with
+#: every format's numerics; prints the graph breaks and the kernels' first-pass launches.
+_COMPILED_MLP = """
+import json, sys
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+from tblog_hooks import HookLogger
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+launches = []
+if sys.argv[2] == "kernels":
+    from tblog_hooks.kernels import fused
+    launch = fused._partials.run
+    fused._partials.run = lambda *args, **kwargs: launches.append(1) or launch(*args, **kwargs)
+torch.manual_seed(0)
+layers = [nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)]
+model = nn.Sequential(*layers).to(device)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+numerics = ("fp16", "bf16", "e4m3", "e5m2")
+with HookLogger(model, log_dir=sys.argv[1], every=1, modules="*", optimizer=opt, numerics=numerics) as hooks:
+    compiled = torch.compile(model, backend="aot_eager")
+    for x in torch.randn(2, 8, 16, device=device):
+        compiled(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        hooks.step()
+print(json.dumps({"graph_breaks": dict(counters["graph_break"]), "launches": len(launches)}))
+"""
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "torch",
+        pytest.param(
+            "kernels",
+            marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not importable"),
+        ),
+    ],
+)
+def test_a_compiled_model_with_numerics_makes_no_graph_break_on_either_path(tmp_path: Path, path: str) -> None:
+    """In a process of its own, as a training run is (nothing the numerics read was worked out
+    before the first trace): no graph break (``torch._dynamo.utils.counters``) and every
+    format's numerics written, on the torch path and on the kernels' (in Triton's interpreter
+    without a GPU)."""
+    kernels = {"torch": "torch", "kernels": "auto" if torch.cuda.is_available() else "triton"}[path]
+    env = {**os.environ, VARIABLE: kernels}
+    out = subprocess.run(
+        [sys.executable, "-c", _COMPILED_MLP, str(tmp_path), path],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = json.loads(out.stdout.splitlines()[-1])
+    assert said["graph_breaks"] == {}
+    assert (said["launches"] > 0) == (path == "kernels")
+    scalars = read_run(tmp_path).scalars
+    for fmt in ("fp16", "bf16", "e4m3", "e5m2"):
+        assert set(scalars[f"activation/underflow_{fmt}/2"]) == {0, 1}, fmt
+        assert set(scalars[f"gradient/underflow_{fmt}/2"]) == {0, 1}, fmt

@@ -6,6 +6,7 @@ calls of a module and over two ranks, and, when it does not scale with the loss,
 from __future__ import annotations
 
 import datetime
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ from conftest import read_run, spawn_ranks
 from torch import nn
 
 from tblog_hooks import HookLogger, HookLoggerError
-from tblog_hooks.stats.kinds import MAX, MOMENTS, NORM, Field, Kind, Measure
+from tblog_hooks.kernels import outputs
+from tblog_hooks.stats.kinds import MAX, MOMENTS, NORM, SUM, Field, Kind, Measure
 
 #: max|g| / ||g|| of an output gradient: does not scale with the loss.
 PEAK_RATIO = Measure(
@@ -143,6 +145,32 @@ def test_a_measure_a_source_cannot_take_is_refused_at_construction() -> None:
         HookLogger(model, measures={"input": [KURTOSIS]})
     with pytest.raises(HookLoggerError, match=r"'activations'.*none"):
         HookLogger(model, measures={"activations": [KURTOSIS]})
+
+
+def test_a_fused_measure_of_a_value_the_kernels_do_not_give_is_refused_where_declared(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``fused=True`` says the Triton kernels give a measure's values on their path (CUDA): one of
+    a value they do not give (an outlier fraction) would switch every module's logging off there
+    alone. It is refused where it is declared, naming it and what the kernels give, without
+    Triton (as on a machine without a GPU, which never runs them)."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # (an import of Triton fails)
+    monkeypatch.delitem(sys.modules, "tblog_hooks.kernels.fused", raising=False)
+    given = ", ".join(outputs.OUTPUTS)
+    with pytest.raises(HookLoggerError) as refused:
+        Measure(
+            name="outlier fraction",
+            fields=(Field(name="outliers", pool=SUM),),
+            stats=("outlier_frac",),
+            scalars=lambda v, n: {"outlier_frac": float(v["outliers"][0]) / n},
+            compute=lambda x, units: {"outliers": (x.abs() > 6 * x.std()).sum()},
+            counted=True,
+            fused=True,
+        )
+    said = str(refused.value)
+    assert said.startswith("outlier fraction is declared fused=True, but the fused kernels do not give ['outliers']")
+    assert f"they give {given} (tblog_hooks/kernels/outputs.py)" in said
+    assert {"mean", "min", "max", "norm", "format_counts", "peak"} <= set(outputs.OUTPUTS)
 
 
 def _span(x: torch.Tensor, units: int, given: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

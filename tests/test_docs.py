@@ -69,7 +69,8 @@ def test_adding_a_statistic_section_runs(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     _run_block(DOCS / "architecture.md", "## Adding a statistic")
     run = read_run(tmp_path / "runs" / "peak")
-    assert {"gradient/peak_ratio/0", "gradient/peak_ratio/2"} <= set(run.scalars)
+    written = {f"{kind}/{module}" for kind in ("gradient/peak_ratio", "activation/norm") for module in ("0", "2")}
+    assert written <= set(run.scalars)
 
 
 def test_lightning_section_runs(tmp_path, monkeypatch) -> None:

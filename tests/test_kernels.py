@@ -11,6 +11,7 @@ as Python.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -25,8 +26,9 @@ from test_numerics import _tensors
 from torch import Tensor, nn
 
 from tblog_hooks import Histograms, HookLogger, HookLoggerError
-from tblog_hooks.kernels import VARIABLE, Kernels
+from tblog_hooks.kernels import VARIABLE, Kernels, outputs
 from tblog_hooks.stats import numerics, reductions
+from tblog_hooks.stats.kinds import NORM, SUM, Field, Measure
 from tblog_hooks.stats.tags import HISTOGRAM_KINDS
 
 fused = pytest.importorskip("tblog_hooks.kernels.fused", reason="Triton is not importable")
@@ -43,7 +45,7 @@ DEVICE = torch.device("cpu" if fused.INTERPRETED else "cuda")
 interpreted = pytest.mark.skipif(not fused.INTERPRETED, reason="CPU models through the kernels: TRITON_INTERPRET=1")
 
 #: Values a kernel must give exactly (the rest are sums, rounded in another order).
-EXACT = {*fused.COUNTS, numerics.COUNTS, "min", "max", "amax", "ref", "peak", "unit_amax"}
+EXACT = {*outputs.COUNTS, numerics.COUNTS, "min", "max", "amax", "ref", "peak", "unit_amax"}
 
 
 def reference(x: Tensor, units: int, *, per_unit: bool, with_numerics: bool) -> dict[str, Tensor]:
@@ -84,6 +86,19 @@ def _check(x: Tensor, units: int = -1) -> None:
     for per_unit, with_numerics in ((False, False), (True, True)):
         got = fused.statistics(x, units, per_unit=per_unit, numerics=with_numerics)
         assert_same(got, x, reference(x, units, per_unit=per_unit, with_numerics=with_numerics))
+
+
+def test_the_kernels_give_every_value_they_name_and_no_other() -> None:
+    """``outputs.OUTPUTS`` (what a ``fused=True`` measure may have, checked where it is declared)
+    is what a call of the kernels gives, each value equal to the torch reductions' of that name
+    (:func:`reference`: every name of it but the per-format counts' own)."""
+    x = torch.randn(6, 10, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    got = fused.statistics(x, -1, per_unit=True, numerics=True)
+    assert tuple(got) == outputs.OUTPUTS
+    want = reference(x, -1, per_unit=True, with_numerics=True)
+    assert set(got) <= set(want)
+    assert_same(got, x, want)
+    assert set(fused.statistics(x, -1, per_unit=False, numerics=False)) == set(outputs.OUTPUTS) - set(outputs.PER_UNIT)
 
 
 SHAPES = {"one": ((1,), -1), "vector": ((1000,), -1), "rows": ((16, 300), -1), "channels first": ((4, 70, 5, 3), 1)}
@@ -245,15 +260,16 @@ def compile(fn, signature, constants):
 
 for x, acc in (("*bf16", tl.float32), ("*fp64", tl.float64)):
     a = "*fp64" if acc == tl.float64 else "*fp32"
-    common = dict(ACC=acc, UNITS=True, NUMERICS=True, NF=f._NF, NC=f._NC, N_UNSCALED=len(f._UNSCALED))
     sizes = {"R": "i64", "U": "i32", "INNER": "i32", "PU": "i32", "PR": "i32"}
-    compile(f._partials, {"x_ptr": x, "part_ptr": a, "count_ptr": "*i32", "unit_ptr": a, "const_ptr": a, **sizes},
-            dict(BR=64, BU=64, **common))
-    compile(f._combine, {"part_ptr": a, "count_ptr": "*i32", "unit_ptr": a, "out_ptr": "*fp64", "cnt_ptr": "*i64",
-                         "per_unit_ptr": "*fp64", "P": "i32", "PR": "i32", "U": "i32", "NUMEL": "i64"},
-            dict(C=1024, CR=32, CU=32, N_COUNTS=len(f.COUNTS), **common))
+    for numerics in (True, False):
+        common = dict(ACC=acc, UNITS=numerics, NUMERICS=numerics)
+        compile(f._partials, {"x_ptr": x, "part_ptr": a, "count_ptr": "*i32", "unit_ptr": a, "const_ptr": a,
+                              **sizes}, dict(BR=64, BU=64, **common))
+        compile(f._combine, {"part_ptr": a, "count_ptr": "*i32", "unit_ptr": a, "out_ptr": "*fp64",
+                             "cnt_ptr": "*i64", "per_unit_ptr": "*fp64", "P": "i32", "PR": "i32", "U": "i32",
+                             "NUMEL": "i64"}, dict(C=1024, CR=32, CU=32, **common))
     compile(f._scaled_counts, {"x_ptr": x, "out_ptr": "*fp64", "cnt_ptr": "*i64", "const_ptr": a, "NUMEL": "i64"},
-            dict(BLOCK=4096, ACC=acc, N_UNSCALED=len(f._UNSCALED), N_SCALED=len(f._SCALED), FIRST=f._FIRST_SCALED))
+            dict(BLOCK=4096, ACC=acc))
     compile(f._buckets, {"v_ptr": a, "row_ptr": "*i64", "half_start_ptr": a, "scale_ptr": a, "count_ptr": "*i32",
                          "N": "i64"}, dict(BINS=32, BLOCK=4096))
 print("compiled")
@@ -453,3 +469,67 @@ def test_zoo_models_log_the_same_on_both_paths(
         runs[path] = read_run(tmp_path / path)
     assert launches["_partials"] > 0
     assert_same_runs(runs["triton"], runs["torch"])
+
+
+def _toy_statistics(calls: Counter[str]) -> tuple[Measure, Measure]:
+    """Two statistics of an output, each declared once (``docs/architecture.md``, adding a
+    statistic): the RMS from the L2 norm, a value the kernels give (``fused=True``: on their
+    path they give it, its ``compute`` is torch's), and the mean |x|, which they do not (its
+    ``compute`` on both paths); ``calls`` counts each ``compute``'s calls."""
+
+    def norm(x: Tensor, units: int) -> dict[str, Tensor]:
+        calls["toy rms"] += 1
+        return {"norm": reductions.norm(x)}
+
+    def absolute_sum(x: Tensor, units: int) -> dict[str, Tensor]:
+        calls["toy mean |x|"] += 1
+        return {"absolute_sum": x.abs().sum(dtype=torch.float64)}
+
+    rms = Measure(
+        name="toy rms",
+        fields=(Field(name="norm", pool=NORM),),
+        stats=("toy_rms",),
+        scalars=lambda v, n: {"toy_rms": float(v["norm"][0]) / math.sqrt(n)},
+        compute=norm,
+        counted=True,
+        fused=True,
+    )
+    mean_abs = Measure(
+        name="toy mean |x|",
+        fields=(Field(name="absolute_sum", pool=SUM),),
+        stats=("toy_mean_abs",),
+        scalars=lambda v, n: {"toy_mean_abs": float(v["absolute_sum"][0]) / n},
+        compute=absolute_sum,
+        counted=True,
+    )
+    return rms, mean_abs
+
+
+@interpreted
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_a_statistic_declared_once_is_written_on_both_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str], path: str
+) -> None:
+    """A statistic with a field the kernels give and one without, each declared once, are both
+    written, as plain torch computes them of the outputs, on the torch path and on the kernels'
+    (where the kernels give the first one's field: its ``compute`` is not called); declaring
+    ``fused=True`` a field the kernels do not give is refused where it is declared."""
+    monkeypatch.setenv(VARIABLE, path)
+    calls: Counter[str] = Counter()
+    rms, mean_abs = _toy_statistics(calls)
+    model = mlp(6, 16, 3, seed=0)
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(9))
+    seen: dict[str, Tensor] = {}
+    for name in ("0", "2"):
+        model.get_submodule(name).register_forward_hook(lambda m, a, out, name=name: seen.update({name: out.detach()}))
+    with HookLogger(model, log_dir=tmp_path, every=1, histograms=False, measures={"output": [rms, mean_abs]}) as hooks:
+        train(hooks, [model(x).square().mean()])
+    run = read_run(tmp_path)
+    for name, out in seen.items():
+        d = out.double()
+        assert run.scalar(f"activation/toy_rms/{name}", 0) == pytest.approx(d.square().mean().sqrt().item(), rel=1e-6)
+        assert run.scalar(f"activation/toy_mean_abs/{name}", 0) == pytest.approx(d.abs().mean().item(), rel=1e-6)
+    assert (launches["_partials"] > 0) == (path == "triton")
+    assert calls == {"toy mean |x|": 2, **({"toy rms": 2} if path == "torch" else {})}
+    with pytest.raises(HookLoggerError, match=r"toy mean \|x\| is declared fused=True.*\['absolute_sum'\].*they give"):
+        dataclasses.replace(mean_abs, fused=True)

@@ -6,7 +6,8 @@ reductions (``stats/``), as the ``TBLOG_HOOKS_KERNELS`` environment variable say
 (Triton's interpreter; Triton has no CPU backend, so without it CPU tensors stay on torch); an
 error at construction where Triton is not importable. ``torch``: the torch reductions only.
 The variable is read once per logger, when it is made. ``fused.py`` is imported only when a
-tensor is first sent to the kernels (or at construction, with ``triton``).
+tensor is first sent to the kernels (or at construction, with ``triton``); what it gives is named
+in ``outputs.py``, which imports without Triton.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..errors import HookLoggerError
+from . import outputs
 
 if TYPE_CHECKING:
     from ..stats.kinds import Kind
@@ -84,10 +86,9 @@ class Kernels:
         fused = {n for kind in kinds for m in kind.measures if m.fused for f in m.fields for n in f.names}
         out: dict[str, Tensor] = {}
         if fused and self.takes(t):
-            kernels = self.fused
             try:
-                out = kernels.statistics(
-                    t, units, per_unit=bool(fused & set(kernels.PER_UNIT)), numerics=kernels.FORMAT_COUNTS in fused
+                out = self.fused.statistics(
+                    t, units, per_unit=bool(fused & set(outputs.PER_UNIT)), numerics=outputs.FORMAT_COUNTS in fused
                 )
             except Exception as error:  # (Triton unusable here: a driver, a compiler)
                 self.fail(error)

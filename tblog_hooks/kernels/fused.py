@@ -28,20 +28,10 @@ from torch import Tensor
 
 from ..stats import numerics
 from ..stats.reductions import acc_dtype
+from .outputs import COUNTS, FORMAT_COUNTS, PER_UNIT, SCALARS, TOTALS
 
-#: The float values a tensor's statistics give, in this order (``Tensor`` float64).
-SCALARS = ("mean", "centred_norm", "min", "max", "norm", "amax", "ref", "sum2", "sum4")
 _UNSCALED = tuple(f for f in numerics.FORMATS.values() if not f.scaled)
 _SCALED = tuple(f for f in numerics.FORMATS.values() if f.scaled)
-#: The counts, in this order (``Tensor`` int64): the per-format ones as ``numerics.COUNTED`` (the
-#: unscaled formats' first).
-COUNTS = ("nonzero", "finite", "nonfinite", *numerics.COUNTED)
-#: The value of the per-format counts, side by side (a third launch: the float8 formats' need
-#: the per-tensor scale).
-FORMAT_COUNTS = numerics.COUNTS
-#: Per unit (along the units dim), the largest value and the largest magnitude.
-PER_UNIT = ("peak", "unit_amax")
-_FIRST_SCALED = len(COUNTS) - 2 * len(_SCALED)
 #: Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when this was imported).
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 #: Elements a program of the first pass reduces, partials a combining program takes at once, and
@@ -51,19 +41,47 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 BLOCK, CHUNK, UNIT_CHUNK = (1 << 20, 1 << 14, 1 << 12) if INTERPRETED else (4096, 1024, 32)
 #: Units a first-pass tile spans at most (the rest of the tile is rows: elements of the same units).
 TILE_UNITS = 1 << 12 if INTERPRETED else 64
-# A partial's float fields, and its int32 counts (then 4 per unscaled format).
-_P_N, _P_SUM, _P_M2, _P_SQ, _P_MIN, _P_MAX, _P_AMAX, _P_REF, _P_S2, _P_S4 = range(10)
-_NF = 10
-_C_NAN, _C_NONZERO, _C_FINITE = range(3)
-_NC = 3 + 4 * len(_UNSCALED)  # (``numerics.names``: zero, finite, small, least; tests/test_kernels.py checks)
+
+
+def _slots(names: tuple[str, ...], *which: str) -> tuple[tl.constexpr, ...]:
+    """Where each of ``which`` is in a buffer laid out as ``names``, as the kernels index it."""
+    return tuple(tl.constexpr(names.index(name)) for name in which)
+
+
+# Every buffer's slots, by name (module-level constexprs, which the kernels read as constants).
+# The outputs (``outputs.py``): the scalars, and the counts, each format's side by side from
+# ``_UNSCALED_AT`` and ``_SCALED_AT``, in the order of its ``names`` (``numerics.UNSCALED_COUNTS``).
+_MEAN, _CENTRED_NORM, _MIN, _MAX, _NORM, _AMAX, _REF, _SUM2, _SUM4 = _slots(SCALARS, *SCALARS)
+_NONZERO, _FINITE, _NONFINITE, _UNSCALED_AT, _SCALED_AT = _slots(
+    COUNTS, *TOTALS, _UNSCALED[0].names[0], _SCALED[0].names[0]
+)
+_ZERO, _KEPT, _SMALL, _LEAST = _slots(numerics.UNSCALED_COUNTS, *numerics.UNSCALED_COUNTS)
+_N_UNSCALED, _N_SCALED = tl.constexpr(len(_UNSCALED)), tl.constexpr(len(_SCALED))
+_PEAK, _UNIT_AMAX = _slots(PER_UNIT, *PER_UNIT)
+_N_PER_UNIT = tl.constexpr(len(PER_UNIT))
+_PER_UNSCALED, _PER_SCALED = tl.constexpr(len(numerics.UNSCALED_COUNTS)), tl.constexpr(len(numerics.SCALED_COUNTS))
+# A first-pass partial's float fields, and its int32 counts (the NaN count, then the unscaled
+# formats' counts as in the outputs).
+_PARTIAL = ("n", "sum", "m2", "sq", "min", "max", "amax", "ref", "s2", "s4")
+_P_N, _P_SUM, _P_M2, _P_SQ, _P_MIN, _P_MAX, _P_AMAX, _P_REF, _P_S2, _P_S4 = _slots(_PARTIAL, *_PARTIAL)
+_PARTIAL_COUNTS = ("nan", "nonzero", "finite", *(n for f in _UNSCALED for n in f.names))
+_C_NAN, _C_NONZERO, _C_FINITE, _C_UNSCALED = _slots(_PARTIAL_COUNTS, "nan", "nonzero", "finite", _UNSCALED[0].names[0])
+_NF, _NC = tl.constexpr(len(_PARTIAL)), tl.constexpr(len(_PARTIAL_COUNTS))
+# The boundaries the kernels compare with (:func:`_constants`), each named as the count that
+# compares with it: the amax floor, every format's bounds, then each scaled format's max.
+_BOUNDS = ("amax_floor", *numerics.COUNTED, *(f"max_{f.name}" for f in _SCALED))
+_K_FLOOR, _K_UNSCALED, _K_SCALED, _K_MAXIMA = _slots(
+    _BOUNDS, "amax_floor", _UNSCALED[0].names[0], _SCALED[0].names[0], f"max_{_SCALED[0].name}"
+)
 
 
 @functools.cache
 def _constants(device: torch.device, dtype: torch.dtype) -> Tensor:
-    """The boundaries the kernels compare with, in the accumulation dtype, as ``numerics.measure``
-    compares: the amax floor; per unscaled format its flush-to-zero bound, largest magnitude that
-    stays finite, smallest normal and the bound below which a cast gives at most the least
-    subnormal; per scaled format its max, flush bound and largest magnitude that stays finite."""
+    """The boundaries the kernels compare with (``_BOUNDS``), in the accumulation dtype, as
+    ``numerics.measure`` compares: the amax floor; per format, for each count, the bound it
+    compares with (flushed to zero, the largest magnitude that stays finite, and unscaled the
+    smallest normal and the bound below which a cast gives at most the least subnormal); per
+    scaled format its max."""
     np_dtype = np.float64 if dtype == torch.float64 else np.float32
 
     def finite(fmt: numerics.Format) -> float:
@@ -71,12 +89,12 @@ def _constants(device: torch.device, dtype: torch.dtype) -> Tensor:
         bound, tie_stays = fmt.finite
         return float(np_dtype(bound) if tie_stays else np.nextafter(np_dtype(bound), np_dtype(0)))
 
-    values: list[float] = [numerics.AMAX_FLOOR]
-    for fmt in _UNSCALED:
-        values += [fmt.flushed, finite(fmt), fmt.normal, fmt.least]
-    for fmt in _SCALED:
-        values += [fmt.max, fmt.flushed, finite(fmt)]
-    return torch.tensor(np.array(values, dtype=np_dtype), device=device)
+    values: dict[str, float] = {"amax_floor": numerics.AMAX_FLOOR}
+    for fmt in numerics.FORMATS.values():
+        values.update(zip(fmt.names, (fmt.flushed, finite(fmt), fmt.normal, fmt.least)))  # (as UNSCALED_COUNTS)
+        if fmt.scaled:
+            values[f"max_{fmt.name}"] = fmt.max
+    return torch.tensor(np.array([values[name] for name in _BOUNDS], dtype=np_dtype), device=device)
 
 
 @triton.jit
@@ -113,7 +131,6 @@ def _nan_max(x, ok, nan, fill, axis: tl.constexpr):  # type: ignore[no-untyped-d
 def _partials(  # type: ignore[no-untyped-def]
     x_ptr, part_ptr, count_ptr, unit_ptr, const_ptr, R, U, INNER, PU, PR,
     BR: tl.constexpr, BU: tl.constexpr, ACC: tl.constexpr, UNITS: tl.constexpr, NUMERICS: tl.constexpr,
-    NF: tl.constexpr, NC: tl.constexpr, N_UNSCALED: tl.constexpr,
 ):  # fmt: skip
     """One tile's partial state: ``BR`` rest indices (the tensor seen as ``outer x U x INNER``,
     rest = outer and inner together) by ``BU`` units."""
@@ -133,42 +150,43 @@ def _partials(  # type: ignore[no-untyped-def]
     d = tl.where(valid, x - mean, 0.0)
     a = tl.abs(xs)
     amax = tl.max(tl.where(ok, a, 0.0))
-    ref = tl.maximum(amax, tl.load(const_ptr))
+    ref = tl.maximum(amax, tl.load(const_ptr + _K_FLOOR))
     q = a * _reciprocal(ref, ACC)
     q = q * q
-    base = part_ptr + pid * NF
-    tl.store(base + 0, n)
-    tl.store(base + 1, total)
-    tl.store(base + 2, tl.sum(d * d))
-    tl.store(base + 3, tl.sum(xs * xs))
-    tl.store(base + 4, tl.min(tl.where(ok, x, float("inf"))))
-    tl.store(base + 5, tl.max(tl.where(ok, x, -float("inf"))))
-    tl.store(base + 6, amax)
-    tl.store(base + 7, ref)
-    tl.store(base + 8, tl.sum(q))
-    tl.store(base + 9, tl.sum(q * q))
-    counts = count_ptr + pid * NC
-    tl.store(counts + 0, tl.sum(nan.to(tl.int32)))
-    tl.store(counts + 1, tl.sum((valid & (x != 0)).to(tl.int32)))
-    tl.store(counts + 2, tl.sum((valid & (x - x == 0)).to(tl.int32)))
+    base = part_ptr + pid * _NF
+    tl.store(base + _P_N, n)
+    tl.store(base + _P_SUM, total)
+    tl.store(base + _P_M2, tl.sum(d * d))
+    tl.store(base + _P_SQ, tl.sum(xs * xs))
+    tl.store(base + _P_MIN, tl.min(tl.where(ok, x, float("inf"))))
+    tl.store(base + _P_MAX, tl.max(tl.where(ok, x, -float("inf"))))
+    tl.store(base + _P_AMAX, amax)
+    tl.store(base + _P_REF, ref)
+    tl.store(base + _P_S2, tl.sum(q))
+    tl.store(base + _P_S4, tl.sum(q * q))
+    counts = count_ptr + pid * _NC
+    tl.store(counts + _C_NAN, tl.sum(nan.to(tl.int32)))
+    tl.store(counts + _C_NONZERO, tl.sum((valid & (x != 0)).to(tl.int32)))
+    tl.store(counts + _C_FINITE, tl.sum((valid & (x - x == 0)).to(tl.int32)))
     if NUMERICS:
-        for i in tl.static_range(N_UNSCALED):
-            bounds = const_ptr + 1 + 4 * i  # flush to zero, finite, smallest normal, past the least subnormal
-            tl.store(counts + 3 + 4 * i, tl.sum((valid & (a <= tl.load(bounds))).to(tl.int32)))
-            tl.store(counts + 4 + 4 * i, tl.sum((valid & (a <= tl.load(bounds + 1))).to(tl.int32)))
-            tl.store(counts + 5 + 4 * i, tl.sum((valid & (a < tl.load(bounds + 2))).to(tl.int32)))
-            tl.store(counts + 6 + 4 * i, tl.sum((valid & (a < tl.load(bounds + 3))).to(tl.int32)))
+        for i in tl.static_range(_N_UNSCALED):
+            bounds = const_ptr + _K_UNSCALED + _PER_UNSCALED * i
+            own = counts + _C_UNSCALED + _PER_UNSCALED * i
+            tl.store(own + _ZERO, tl.sum((valid & (a <= tl.load(bounds + _ZERO))).to(tl.int32)))
+            tl.store(own + _KEPT, tl.sum((valid & (a <= tl.load(bounds + _KEPT))).to(tl.int32)))
+            tl.store(own + _SMALL, tl.sum((valid & (a < tl.load(bounds + _SMALL))).to(tl.int32)))
+            tl.store(own + _LEAST, tl.sum((valid & (a < tl.load(bounds + _LEAST))).to(tl.int32)))
     if UNITS:
         cols = pu * BU + tl.arange(0, BU)
-        tl.store(unit_ptr + pr * U + cols, _nan_max(x, ok, nan, -float("inf"), 0), mask=cols < U)
-        tl.store(unit_ptr + (PR + pr) * U + cols, _nan_max(a, ok, nan, 0.0, 0), mask=cols < U)
+        tl.store(unit_ptr + (_PEAK * PR + pr) * U + cols, _nan_max(x, ok, nan, -float("inf"), 0), mask=cols < U)
+        tl.store(unit_ptr + (_UNIT_AMAX * PR + pr) * U + cols, _nan_max(a, ok, nan, 0.0, 0), mask=cols < U)
 
 
 @triton.jit
 def _combine(  # type: ignore[no-untyped-def]
     part_ptr, count_ptr, unit_ptr, out_ptr, cnt_ptr, per_unit_ptr, P, PR, U, NUMEL,
     C: tl.constexpr, CR: tl.constexpr, CU: tl.constexpr, ACC: tl.constexpr, UNITS: tl.constexpr,
-    NUMERICS: tl.constexpr, NF: tl.constexpr, NC: tl.constexpr, N_UNSCALED: tl.constexpr, N_COUNTS: tl.constexpr,
+    NUMERICS: tl.constexpr,
 ):  # fmt: skip
     """The partials as the tensor's values, in a fixed order: program 0 the scalars and counts
     (``C`` partials at a time), every program ``CU`` units' peaks and amax (``CR`` rows of
@@ -176,7 +194,7 @@ def _combine(  # type: ignore[no-untyped-def]
     pid = tl.program_id(0)
     if UNITS:
         cols = pid * CU + tl.arange(0, CU)[None, :]
-        for which in tl.static_range(2):
+        for which in tl.static_range(_N_PER_UNIT):  # (their partials and outputs laid out as PER_UNIT)
             best = tl.full([CR, CU], -float("inf"), ACC)
             seen_nan = tl.zeros([CR, CU], tl.int32)
             for start in range(0, PR, CR):
@@ -201,16 +219,17 @@ def _combine(  # type: ignore[no-untyped-def]
         for start in range(0, P, C):
             at = start + lanes
             m = at < P
-            row = part_ptr + at * NF
-            pn = tl.load(row + 0, mask=m, other=0.0)
-            psum = tl.load(row + 1, mask=m, other=0.0)
-            n, mean, m2 = _chan(n, mean, m2, pn, psum / tl.where(pn > 0, pn, 1.0), tl.load(row + 2, mask=m, other=0.0))
+            row = part_ptr + at * _NF
+            pn = tl.load(row + _P_N, mask=m, other=0.0)
+            psum = tl.load(row + _P_SUM, mask=m, other=0.0)
+            pm2 = tl.load(row + _P_M2, mask=m, other=0.0)
+            n, mean, m2 = _chan(n, mean, m2, pn, psum / tl.where(pn > 0, pn, 1.0), pm2)
             total += psum.to(tl.float64)
-            sq += tl.load(row + 3, mask=m, other=0.0).to(tl.float64)
-            lo = tl.minimum(lo, tl.load(row + 4, mask=m, other=float("inf")))
-            hi = tl.maximum(hi, tl.load(row + 5, mask=m, other=-float("inf")))
-            amax = tl.maximum(amax, tl.load(row + 6, mask=m, other=0.0))
-            ref = tl.maximum(ref, tl.load(row + 7, mask=m, other=0.0))
+            sq += tl.load(row + _P_SQ, mask=m, other=0.0).to(tl.float64)
+            lo = tl.minimum(lo, tl.load(row + _P_MIN, mask=m, other=float("inf")))
+            hi = tl.maximum(hi, tl.load(row + _P_MAX, mask=m, other=-float("inf")))
+            amax = tl.maximum(amax, tl.load(row + _P_AMAX, mask=m, other=0.0))
+            ref = tl.maximum(ref, tl.load(row + _P_REF, mask=m, other=0.0))
         # The lanes' states as one (the pairwise update of many groups at once, about the overall mean).
         centre = tl.sum(n * mean) / tl.sum(n)
         m2_all = tl.sum(m2) + tl.sum(tl.where(n > 0, n * (mean - centre) * (mean - centre), 0.0))
@@ -220,68 +239,70 @@ def _combine(  # type: ignore[no-untyped-def]
         for start in range(0, P, C):  # the powers rescaled to the largest tile amax
             at = start + lanes
             m = at < P
-            ratio = tl.load(part_ptr + at * NF + 7, mask=m, other=0.0) / top
+            row = part_ptr + at * _NF
+            ratio = tl.load(row + _P_REF, mask=m, other=0.0) / top
             ratio = ratio * ratio
-            s2 += tl.where(m, tl.load(part_ptr + at * NF + 8, mask=m, other=0.0) * ratio, 0.0)
-            s4 += tl.where(m, tl.load(part_ptr + at * NF + 9, mask=m, other=0.0) * (ratio * ratio), 0.0)
-        nans = tl.zeros([C], tl.int64)
-        for start in range(0, P, C):
-            at = start + lanes
-            nans += tl.load(count_ptr + at * NC, mask=at < P, other=0).to(tl.int64)
-        any_nan = tl.sum(nans) > 0
+            s2 += tl.where(m, tl.load(row + _P_S2, mask=m, other=0.0) * ratio, 0.0)
+            s4 += tl.where(m, tl.load(row + _P_S4, mask=m, other=0.0) * (ratio * ratio), 0.0)
+        any_nan = _summed(count_ptr, P, C, _C_NAN) > 0
         nan = float("nan")
-        tl.store(out_ptr + 0, tl.sum(total) / NUMEL)
-        tl.store(out_ptr + 1, tl.sqrt(m2_all.to(tl.float64)))
-        tl.store(out_ptr + 2, tl.where(any_nan, nan, tl.min(lo).to(tl.float64)))
-        tl.store(out_ptr + 3, tl.where(any_nan, nan, tl.max(hi).to(tl.float64)))
-        tl.store(out_ptr + 4, tl.sqrt(tl.sum(sq)))
-        tl.store(out_ptr + 5, tl.where(any_nan, nan, tl.max(amax).to(tl.float64)))
-        tl.store(out_ptr + 6, tl.where(any_nan, nan, top.to(tl.float64)))
-        tl.store(out_ptr + 7, tl.sum(s2).to(tl.float64))
-        tl.store(out_ptr + 8, tl.sum(s4).to(tl.float64))
-        _sum_counts(count_ptr, cnt_ptr, P, NUMEL, C, NUMERICS, NC, N_UNSCALED, N_COUNTS)
+        tl.store(out_ptr + _MEAN, tl.sum(total) / NUMEL)
+        tl.store(out_ptr + _CENTRED_NORM, tl.sqrt(m2_all.to(tl.float64)))
+        tl.store(out_ptr + _MIN, tl.where(any_nan, nan, tl.min(lo).to(tl.float64)))
+        tl.store(out_ptr + _MAX, tl.where(any_nan, nan, tl.max(hi).to(tl.float64)))
+        tl.store(out_ptr + _NORM, tl.sqrt(tl.sum(sq)))
+        tl.store(out_ptr + _AMAX, tl.where(any_nan, nan, tl.max(amax).to(tl.float64)))
+        tl.store(out_ptr + _REF, tl.where(any_nan, nan, top.to(tl.float64)))
+        tl.store(out_ptr + _SUM2, tl.sum(s2).to(tl.float64))
+        tl.store(out_ptr + _SUM4, tl.sum(s4).to(tl.float64))
+        _sum_counts(count_ptr, cnt_ptr, P, NUMEL, C, NUMERICS)
 
 
 @triton.jit
-def _sum_counts(  # type: ignore[no-untyped-def]
-    count_ptr, cnt_ptr, P, NUMEL, C: tl.constexpr, NUMERICS: tl.constexpr, NC: tl.constexpr,
-    N_UNSCALED: tl.constexpr, N_COUNTS: tl.constexpr,
-):  # fmt: skip
-    """The counts of every partial added up (in int64); the scaled formats' start at 0."""
+def _summed(count_ptr, P, C: tl.constexpr, SLOT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The count ``SLOT`` of every partial added up, in int64 (``C`` partials at a time)."""
     lanes = tl.arange(0, C)
-    for slot in tl.static_range(1, 3 + 4 * N_UNSCALED):  # (the partials' slot 0 is the NaN count)
-        acc = tl.zeros([C], tl.int64)
-        if slot < 3 or NUMERICS:
-            for start in range(0, P, C):
-                at = start + lanes
-                acc += tl.load(count_ptr + at * NC + slot, mask=at < P, other=0).to(tl.int64)
-        if slot == 1:
-            tl.store(cnt_ptr + 0, tl.sum(acc))
-        elif slot == 2:
-            tl.store(cnt_ptr + 1, tl.sum(acc))
-            tl.store(cnt_ptr + 2, NUMEL - tl.sum(acc))
-        else:  # (the counts' slot 2 is the non-finite count: the formats' are the partials')
-            tl.store(cnt_ptr + slot, tl.sum(acc))
-    for slot in tl.static_range(3 + 4 * N_UNSCALED, N_COUNTS):
-        tl.store(cnt_ptr + slot, tl.full([], 0, tl.int64))
+    acc = tl.zeros([C], tl.int64)
+    for start in range(0, P, C):
+        at = start + lanes
+        acc += tl.load(count_ptr + at * _NC + SLOT, mask=at < P, other=0).to(tl.int64)
+    return tl.sum(acc)
+
+
+@triton.jit
+def _sum_counts(count_ptr, cnt_ptr, P, NUMEL, C: tl.constexpr, NUMERICS: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The counts of every partial added up: the non-finite count is the elements not finite;
+    the unscaled formats' are 0 without ``NUMERICS``, the scaled formats' start at 0
+    (:func:`_scaled_counts` adds to them)."""
+    tl.store(cnt_ptr + _NONZERO, _summed(count_ptr, P, C, _C_NONZERO))
+    finite = _summed(count_ptr, P, C, _C_FINITE)
+    tl.store(cnt_ptr + _FINITE, finite)
+    tl.store(cnt_ptr + _NONFINITE, NUMEL - finite)
+    for k in tl.static_range(_PER_UNSCALED * _N_UNSCALED):
+        if NUMERICS:
+            tl.store(cnt_ptr + _UNSCALED_AT + k, _summed(count_ptr, P, C, _C_UNSCALED + k))
+        else:
+            tl.store(cnt_ptr + _UNSCALED_AT + k, tl.full([], 0, tl.int64))
+    for k in tl.static_range(_PER_SCALED * _N_SCALED):
+        tl.store(cnt_ptr + _SCALED_AT + k, tl.full([], 0, tl.int64))
 
 
 @triton.jit
 def _scaled_counts(  # type: ignore[no-untyped-def]
-    x_ptr, out_ptr, cnt_ptr, const_ptr, NUMEL,
-    BLOCK: tl.constexpr, ACC: tl.constexpr, N_UNSCALED: tl.constexpr, N_SCALED: tl.constexpr, FIRST: tl.constexpr,
+    x_ptr, out_ptr, cnt_ptr, const_ptr, NUMEL, BLOCK: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Per scaled format, the elements a cast after per-tensor scaling by ``max / ref`` makes 0
     and keeps finite (``numerics.measure``'s comparisons, in its order of rounding)."""
     at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = at < NUMEL
     a = tl.abs(tl.load(x_ptr + at, mask=m, other=0.0).to(ACC))
-    scale = _reciprocal(tl.load(out_ptr + 6).to(ACC), ACC)
-    for i in tl.static_range(N_SCALED):
-        c = const_ptr + 1 + 4 * N_UNSCALED + 3 * i
-        seen = a * (scale * tl.load(c))
-        tl.atomic_add(cnt_ptr + FIRST + 2 * i, tl.sum((m & (seen <= tl.load(c + 1))).to(tl.int64)))
-        tl.atomic_add(cnt_ptr + FIRST + 2 * i + 1, tl.sum((m & (seen <= tl.load(c + 2))).to(tl.int64)))
+    scale = _reciprocal(tl.load(out_ptr + _REF).to(ACC), ACC)
+    for i in tl.static_range(_N_SCALED):
+        seen = a * (scale * tl.load(const_ptr + _K_MAXIMA + i))
+        bounds = const_ptr + _K_SCALED + _PER_SCALED * i
+        own = cnt_ptr + _SCALED_AT + _PER_SCALED * i
+        tl.atomic_add(own + _ZERO, tl.sum((m & (seen <= tl.load(bounds + _ZERO))).to(tl.int64)))
+        tl.atomic_add(own + _KEPT, tl.sum((m & (seen <= tl.load(bounds + _KEPT))).to(tl.int64)))
 
 
 @triton.jit
@@ -320,8 +341,9 @@ def _layout(x: Tensor, units: int, per_unit: bool) -> tuple[int, int, int]:
 
 @torch.library.custom_op("tblog_hooks::tensor_statistics", mutates_args=())
 def tensor_statistics(x: Tensor, units: int, per_unit: bool, numerics: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """``x``'s :data:`SCALARS` (float64), :data:`COUNTS` (int64) and, with ``per_unit`` and 2+
-    dims, its :data:`PER_UNIT` values along dim ``units`` (float64, ``2 x units``; else ``2 x 0``).
+    """``x``'s ``outputs.SCALARS`` (float64), ``outputs.COUNTS`` (int64) and, with ``per_unit``
+    and 2+ dims, its ``outputs.PER_UNIT`` values along dim ``units`` (float64, one row each, a
+    value per unit; else no value).
     ``x`` is contiguous; without ``numerics`` the per-format counts are 0."""
     acc = acc_dtype(x.dtype)
     rest, width, inner = _layout(x, units, per_unit)
@@ -329,28 +351,27 @@ def tensor_statistics(x: Tensor, units: int, per_unit: bool, numerics: bool) -> 
     tile_units = min(_pow2(width), TILE_UNITS)
     tile_rows = min(BLOCK // tile_units, _pow2(rest))
     pu, pr = triton.cdiv(width, tile_units), triton.cdiv(rest, tile_rows)
-    parts = x.new_empty((pr * pu, _NF), dtype=acc)
-    part_counts = x.new_empty((pr * pu, _NC), dtype=torch.int32)
-    unit_parts = x.new_empty((2, pr, width) if has_units else (1,), dtype=acc)
+    parts = x.new_empty((pr * pu, len(_PARTIAL)), dtype=acc)
+    part_counts = x.new_empty((pr * pu, len(_PARTIAL_COUNTS)), dtype=torch.int32)
+    unit_parts = x.new_empty((len(PER_UNIT), pr, width) if has_units else (1,), dtype=acc)
     scalars = x.new_empty(len(SCALARS), dtype=torch.float64)
     counts = x.new_empty(len(COUNTS), dtype=torch.int64)
-    peaks = x.new_empty((2, width if has_units else 0), dtype=torch.float64)
+    peaks = x.new_empty((len(PER_UNIT), width if has_units else 0), dtype=torch.float64)
     constants = _constants(x.device, acc)
     kind = tl.float64 if acc == torch.float64 else tl.float32
-    common = {"ACC": kind, "UNITS": has_units, "NUMERICS": numerics, "NF": _NF, "NC": _NC, "N_UNSCALED": len(_UNSCALED)}
+    common = {"ACC": kind, "UNITS": has_units, "NUMERICS": numerics}
     _partials[(pr * pu,)](x, parts, part_counts, unit_parts, constants, rest, width, inner, pu, pr,
                           BR=tile_rows, BU=tile_units, **common)  # fmt: skip
     unit_chunk = min(_pow2(width), UNIT_CHUNK)
     grid = (triton.cdiv(width, unit_chunk) if has_units else 1,)
     chunk, rows = min(_pow2(pr * pu), CHUNK), min(_pow2(pr), CHUNK // unit_chunk)
     _combine[grid](parts, part_counts, unit_parts, scalars, counts, peaks, pr * pu, pr, width, x.numel(),
-                   C=chunk, CR=rows, CU=unit_chunk, N_COUNTS=len(COUNTS), **common)  # fmt: skip
+                   C=chunk, CR=rows, CU=unit_chunk, **common)  # fmt: skip
     if numerics:
         block = min(BLOCK, _pow2(x.numel()))
         _scaled_counts[(triton.cdiv(x.numel(), block),)](
-            x, scalars, counts, constants, x.numel(),
-            BLOCK=block, ACC=kind, N_UNSCALED=len(_UNSCALED), N_SCALED=len(_SCALED), FIRST=_FIRST_SCALED,
-        )  # fmt: skip
+            x, scalars, counts, constants, x.numel(), BLOCK=block, ACC=kind
+        )
     return scalars, counts, peaks
 
 
@@ -360,7 +381,7 @@ def _(x: Tensor, units: int, per_unit: bool, numerics: bool) -> tuple[Tensor, Te
     return (
         x.new_empty(len(SCALARS), dtype=torch.float64),
         x.new_empty(len(COUNTS), dtype=torch.int64),
-        x.new_empty((2, width), dtype=torch.float64),
+        x.new_empty((len(PER_UNIT), width), dtype=torch.float64),
     )
 
 
@@ -384,11 +405,11 @@ def _(values: Tensor, rows: Tensor, half_start: Tensor, scale: Tensor, bins: int
 
 def statistics(x: Tensor, units: int, *, per_unit: bool, numerics: bool) -> dict[str, Tensor]:
     """The values of ``x`` the kernels give, by the names the torch reductions give them
-    (:data:`SCALARS`, :data:`COUNTS`, and with ``per_unit`` :data:`PER_UNIT`)."""
+    (``outputs.OUTPUTS``; with ``per_unit`` only, ``outputs.PER_UNIT``)."""
     scalars, counts, peaks = tensor_statistics(x.contiguous(), units, per_unit, numerics)
     out = dict(zip(SCALARS, scalars.unbind()))
-    out.update(zip(COUNTS[:3], counts[:3].unbind()))
-    out[FORMAT_COUNTS] = counts[3:]
+    out.update(zip(TOTALS, counts[: len(TOTALS)].unbind()))
+    out[FORMAT_COUNTS] = counts[len(TOTALS) :]  # (COUNTS: the totals, then the formats')
     if per_unit:
         out.update(zip(PER_UNIT, peaks.unbind()))
     return out

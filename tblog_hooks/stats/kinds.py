@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..errors import HookLoggerError
+from ..kernels import outputs as kernel_outputs
 from . import numerics, reductions
 from .formats import FORWARD
 from .tags import HISTOGRAM_KINDS as HISTOGRAM_KINDS  # (its home is tags.py: the dashboard reads it without torch)
@@ -140,9 +141,19 @@ class Measure:
     #: A whole-model scalar ``{kind}/{total}``: the L2 norm over every record's (one) field.
     total: str | None = None
     #: The fused kernels give its device values, by the names ``compute`` gives them
-    #: (``kernels/fused.py``, where ``TBLOG_HOOKS_KERNELS`` sends the tensor); a measure without
-    #: is computed by ``compute``, with torch.
+    #: (``kernels/fused.py``, where ``TBLOG_HOOKS_KERNELS`` sends the tensor): each must be one of
+    #: ``kernels/outputs.py``'s ``OUTPUTS``, checked when the measure is declared. A measure
+    #: without is computed by ``compute``, with torch, on both paths.
     fused: bool = False
+
+    def __post_init__(self) -> None:
+        missing = [n for f in self.fields for n in f.names if n not in kernel_outputs.OUTPUTS] if self.fused else []
+        if missing:
+            raise HookLoggerError(
+                f"{describe(self)} is declared fused=True, but the fused kernels do not give {missing}: they give "
+                f"{', '.join(kernel_outputs.OUTPUTS)} (tblog_hooks/kernels/outputs.py). Declare it without fused=True "
+                "(its compute then runs on every path), or add the value to the kernels"
+            )
 
 
 class Kind:

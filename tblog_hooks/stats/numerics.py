@@ -15,10 +15,9 @@ against ``x.to(dtype)`` and counting.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,15 +28,52 @@ from .formats import DEFAULT, FORWARD, SPECS, Spec
 from .reductions import acc_dtype
 from .tags import Axis, Lost, Stat, per_format
 
+#: What a format's device counts count, in order: the elements a cast makes 0 (``zero``), keeps
+#: finite (``finite``) and, of a format cast unscaled, makes subnormal or 0 (``small``) or its
+#: smallest subnormal or 0 (``least``); :attr:`Format.names` suffixes them with the format's name.
+SCALED_COUNTS = ("zero", "finite")
+UNSCALED_COUNTS = (*SCALED_COUNTS, "small", "least")
 #: The smallest amax a per-tensor scale divides by (torchao's ``EPS``): an all-zero tensor keeps scale ``max_F / EPS``.
 AMAX_FLOOR = 1e-12
 
 
 @dataclass(frozen=True)
 class Format:
-    """A low-precision format (its constants: ``stats/formats.py``), and how a tensor is cast to it."""
+    """A low-precision format (its constants: ``stats/formats.py``), and how a tensor is cast to
+    it: the bounds a cast rounds at, worked out once when it is made. Plain attributes, which
+    hooks that ``torch.compile`` traces read as constants (a ``functools.cached_property`` first
+    read there takes a lock on Python 3.11, which breaks the graph)."""
 
     spec: Spec
+    #: Magnitudes up to this become 0 in the cast: half the smallest subnormal (the tie goes to the even 0).
+    flushed: float = field(init=False)
+    #: Magnitudes above :attr:`flushed` and below this become the smallest subnormal: the tie at
+    #: 1.5 of it goes to the even 2.
+    least: float = field(init=False)
+    #: Magnitudes from this on are normal after the cast (below it, subnormal or 0): the tie
+    #: between the largest subnormal (odd) and ``tiny`` (even) goes to ``tiny``.
+    normal: float = field(init=False)
+    #: Magnitudes that stay finite in the cast: up to halfway from ``max`` to the next
+    #: representable step, and whether that tie itself stays (``max``'s last mantissa bit is
+    #: even: e4m3fn's 448) or rounds up to inf/NaN (odd: fp16, bf16, e5m2).
+    finite: tuple[float, bool] = field(init=False)
+    #: Its device counts (see :func:`measure`): :data:`SCALED_COUNTS` or :data:`UNSCALED_COUNTS`, suffixed by its name.
+    names: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        spec = self.spec
+        flushed = spec.tiny * 2.0**-spec.mantissa_bits / 2
+        step = 2.0 ** (math.floor(math.log2(spec.max)) - spec.mantissa_bits)
+        counts = SCALED_COUNTS if spec.scaled else UNSCALED_COUNTS
+        derived = {
+            "flushed": flushed,
+            "least": 3 * flushed,
+            "normal": spec.tiny - flushed,
+            "finite": (spec.max + step / 2, round(spec.max / step) % 2 == 0),
+            "names": tuple(f"{count}_{spec.name}" for count in counts),
+        }
+        for key, value in derived.items():
+            object.__setattr__(self, key, value)  # (a frozen dataclass's own fields, set once)
 
     @property
     def name(self) -> str:
@@ -61,38 +97,6 @@ class Format:
         """The smallest normal magnitude."""
         return self.spec.tiny
 
-    @property
-    def _mantissa_bits(self) -> int:
-        return self.spec.mantissa_bits
-
-    @functools.cached_property
-    def flushed(self) -> float:
-        """Magnitudes up to this become 0 in the cast: half the smallest subnormal (the tie
-        goes to the even 0)."""
-        return self.tiny * 2.0**-self._mantissa_bits / 2
-
-    @functools.cached_property
-    def least(self) -> float:
-        """Magnitudes above :attr:`flushed` and below this become the smallest subnormal: the tie
-        at 1.5 of it goes to the even 2."""
-        return 3 * self.flushed
-
-    @functools.cached_property
-    def normal(self) -> float:
-        """Magnitudes from this on are normal after the cast (below it, subnormal or 0): the
-        tie between the largest subnormal (odd) and ``tiny`` (even) goes to ``tiny``."""
-        return self.tiny - self.flushed
-
-    @functools.cached_property
-    def finite(self) -> tuple[float, bool]:
-        """Magnitudes that stay finite in the cast: up to halfway from ``max`` to the next
-        representable step, and whether that tie itself stays (``max``'s last mantissa bit is
-        even: e4m3fn's 448) or rounds up to inf/NaN (odd: fp16, bf16, e5m2)."""
-        bits = self._mantissa_bits
-        step = 2.0 ** (math.floor(math.log2(self.max)) - bits)
-        even = round(self.max / step) % 2 == 0
-        return self.max + step / 2, even
-
 
 #: The formats ``numerics=`` names, in the order the picture shows them.
 FORMATS: dict[str, Format] = {name: Format(spec) for name, spec in SPECS.items()}
@@ -100,19 +104,12 @@ FORMATS: dict[str, Format] = {name: Format(spec) for name, spec in SPECS.items()
 OF_DTYPE = {f.dtype: f.name for f in FORMATS.values()}
 
 
-@functools.cache
-def names(fmt: Format) -> tuple[str, ...]:
-    """A format's device counts (see :func:`measure`)."""
-    counts = ("zero", "finite") if fmt.scaled else ("zero", "finite", "small", "least")
-    return tuple(f"{count}_{fmt.name}" for count in counts)
-
-
 #: The device value holding every format's counts side by side, one vector (one value of a
 #: record rather than a dozen), in the order of :data:`COUNTED`.
 COUNTS = "format_counts"
-#: The counts of :data:`COUNTS`, in order: each format's :func:`names`, the formats in
+#: The counts of :data:`COUNTS`, in order: each format's :attr:`Format.names`, the formats in
 #: :data:`FORMATS` order (the unscaled ones first, as the fused kernels count them).
-COUNTED: tuple[str, ...] = tuple(n for fmt in FORMATS.values() for n in names(fmt))
+COUNTED: tuple[str, ...] = tuple(n for fmt in FORMATS.values() for n in fmt.names)
 #: Where each count is in :data:`COUNTS`.
 AT = {name: i for i, name in enumerate(COUNTED)}
 
@@ -147,7 +144,7 @@ def measure(x: Tensor, units: int, *, channels: bool, given: Mapping[str, Tensor
     square.square_()
     out["sum2"], out["sum4"] = square.sum(), square.square_().sum()
     own = "nonzero" not in given
-    below = Below(a, own + sum(len(names(fmt)) for fmt in FORMATS.values()))
+    below = Below(a, own + sum(len(fmt.names) for fmt in FORMATS.values()))
     if own:
         below.nonzero("nonzero", a)
     for fmt in FORMATS.values():
@@ -205,7 +202,7 @@ class Below:
         """:func:`measure`'s counts of one format, of the magnitudes ``seen`` as they are cast
         (``axis``: of one of :func:`fp8_cast`'s casts, :func:`cast_counts`)."""
         bound, tie_stays = fmt.finite  # finite after the cast (NaN fails every comparison)
-        zero, finite, *small = names(fmt) if axis is None else cast_counts(axis)
+        zero, finite, *small = fmt.names if axis is None else cast_counts(axis)
         self.at_most(zero, seen, fmt.flushed)
         self.at_most(finite, seen, bound, tie=tie_stays)
         if small:
@@ -358,7 +355,7 @@ def sizes(v: Values, count: int) -> dict[str, float]:
 #: Per format, where its counts are in :data:`COUNTS` and the statistics made of them.
 _PER_FORMAT = {
     fmt.name: (
-        tuple(AT[n] for n in names(fmt)),
+        tuple(AT[n] for n in fmt.names),
         tuple(per_format(lost, fmt.name) for lost in (Lost.UNDERFLOW, Lost.OVERFLOW, Lost.SUBNORMAL, Lost.FLOOR)),
     )
     for fmt in FORMATS.values()
