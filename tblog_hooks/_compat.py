@@ -107,6 +107,14 @@ def forward_hooks(module: nn.Module) -> Iterable[object]:
     return module._forward_hooks.values()
 
 
+def hook_dict_attributes(hooks_dict: dict[int, Any]) -> dict[str, Any]:
+    """The attributes of a module's hooks dict (a ``RemovableHandle``'s ``hooks_dict_ref()`` or
+    ``extra_dict_ref``), where ``capture.watched.LeftOut`` is set as its ``__reduce_ex__``: torch
+    keeps a module's hooks in ``OrderedDict`` s (1.x to 2.14), whose instances take attributes
+    (a plain ``dict`` takes none), and no public API changes how a module copies its hooks."""
+    return vars(hooks_dict)
+
+
 def is_compiled(model: nn.Module) -> bool:
     """Whether ``model`` is ``torch.compile(model)`` (an ``OptimizedModule``) or had
     ``model.compile()`` called (``_compiled_call_impl``)."""

@@ -285,7 +285,6 @@ class _Enter(_Hook):
     __slots__ = ("recorder",)
 
     def __init__(self, recorder: AttentionRecorder) -> None:
-        super().__init__()
         self.recorder = recorder
 
     def __call__(self, module: nn.Module, args: Any) -> None:

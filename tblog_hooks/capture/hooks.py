@@ -2,11 +2,10 @@
 
 Hooks hold their recorder (``activations.py``, ``parameters.py``), never the logger, the writer or
 the model, so a forgotten logger does not keep a model alive. Copies and pickles of a model
-(``copy.deepcopy``, EMA, ``AveragedModel``, ``torch.save``) get :data:`NOOP` in place of each
-of our hooks: they never log into the logger and reference nothing of this library, so a
-checkpoint loads where it is not installed. The entries of a deep copy are also removed when
-the logger's hooks are. The optimizer hooks are global ones, so no optimizer (nor a copy or
-checkpoint of it) carries a hook of ours.
+(``copy.deepcopy``, EMA, ``AveragedModel``, ``torch.save``) leave out our module hooks
+(``watched.LeftOut``); parameters and tensors are copied and pickled without their hooks by torch
+itself, and the optimizer hooks are global ones, so no copy or checkpoint of a model or of an
+optimizer carries a hook of ours.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ class _ModuleHook(_Hook):
     __slots__ = ("buffer", "name", "recorder")
 
     def __init__(self, recorder: ActivationRecorder, name: str) -> None:
-        super().__init__()
         self.recorder, self.buffer, self.name = recorder, recorder.buffer, name
 
 
@@ -57,21 +55,20 @@ class ForwardPreHook(_ModuleHook):
             self.recorder.on_input(self.name, module, (args, kwargs))
 
 
-class ParamGradHook(_Hook):
+class ParamGradHook:
     """``register_post_accumulate_grad_hook`` callable: sees each ``.grad`` once accumulated
     (registered for one logged step at a time)."""
 
     __slots__ = ("name", "recorder")
 
     def __init__(self, recorder: ParameterRecorder, name: str) -> None:
-        super().__init__()
         self.recorder, self.name = recorder, name
 
     def __call__(self, param: Tensor) -> None:
         self.recorder.on_param_grad(self.name, param)
 
 
-class KeepTraced(_Hook):
+class KeepTraced:
     """``register_post_accumulate_grad_hook`` callable on one trained parameter, for a logged step
     whose backward runs no other hook of ours: copies compiled hooks' records out of CUDA graph
     memory (``StepBuffer.keep_traced``) before the next micro-batch's forward, and tells that the
@@ -80,7 +77,6 @@ class KeepTraced(_Hook):
     __slots__ = ("buffer",)
 
     def __init__(self, buffer: StepBuffer) -> None:
-        super().__init__()
         self.buffer = buffer
 
     def __call__(self, param: Tensor) -> None:
@@ -94,7 +90,6 @@ class PlacementHook(_Hook):
     __slots__ = ("follow",)
 
     def __init__(self, follow: Callable[..., None]) -> None:
-        super().__init__()
         self.follow = follow
 
     def __call__(self, *args: Any) -> None:

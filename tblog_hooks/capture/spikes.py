@@ -376,7 +376,6 @@ class Samples(_Hook):
     __slots__ = ("count",)
 
     def __init__(self) -> None:
-        super().__init__()
         self.count = 0
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -1,5 +1,6 @@
 """What the logger holds of the model: the watched modules, held weakly (their parameters as they
-are now, and which left the model), and the handles of its hooks on them, removed in one place.
+are now, and which left the model), and the handles of its hooks on them, removed in one place;
+copies and pickles of the model leave its hooks out.
 
 Parameters are looked up when they are needed (not once at construction), so parameters
 unfrozen, assigned (``load_state_dict(..., assign=True)``) or converted to new objects
@@ -9,16 +10,15 @@ Weak references only: the logger never keeps the model or a replaced module aliv
 
 from __future__ import annotations
 
-import enum
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections import OrderedDict
+from typing import Any, NoReturn, SupportsIndex
 
 from torch import Tensor, nn
 from torch.nn.utils.parametrize import is_parametrized
 from torch.utils.hooks import RemovableHandle
 
-from .._compat import own_parameters
+from .._compat import hook_dict_attributes, own_parameters
 
 
 class Watched:
@@ -98,74 +98,86 @@ def _parameters(module: nn.Module) -> list[tuple[str, Tensor | None]]:
     return own
 
 
-# What a copied or unpickled hook is: a standard-library callable that takes any arguments and
-# returns None (a hook returning None changes nothing), and that torch.compile traces:
-# ``Enum.__init__`` is ``def __init__(self, *args, **kwds): pass``.
-_NOOP_SOURCE: tuple[object, str] = (enum.Enum, "__init__")
-NOOP: Callable[..., None] = getattr(*_NOOP_SOURCE)
-
-
 class _Hook:
-    """Base of our hooks (``hooks.py``): copies and pickles of a model get :data:`NOOP` in place
-    of each, which never logs into the logger and references nothing of this library, so a
-    checkpoint loads where it is not installed; the entries of a deep copy are removed when the
-    logger's hooks are.
-    ``handle`` and ``handles`` are set by :meth:`Handles.add`."""
+    """Base of the hooks this library registers on modules (``hooks.py``, ...). Copies and pickles
+    of a module leave them out (:class:`LeftOut`); one reached on its own by a copy or a pickle
+    (registered again by other code) refuses, saying why, rather than drag the logger along."""
 
-    __slots__ = ("handle", "handles")
+    __slots__ = ()
 
-    def __init__(self) -> None:
-        self.handle: RemovableHandle | None = None
-        self.handles: Handles | None = None
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        raise TypeError(
+            f"tblog_hooks: {type(self).__name__} is a hook of a HookLogger and is not copied or pickled; copies and "
+            "pickles of the module it was registered on leave it out, but this one was reached another way "
+            "(registered again by other code, as torch.ao.quantization's module swaps do): close() the HookLogger "
+            "before copying or saving the model"
+        )
 
-    def __reduce__(self) -> tuple[Any, tuple[object, str]]:
-        return getattr, _NOOP_SOURCE
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
-        # ``copy.deepcopy`` copies a hooks dict into memo before its entries: find the copy of
-        # ours and let ``Handles.remove_all`` take the entry out of it too.
-        if self.handle is not None and self.handles is not None:
-            original = self.handle.hooks_dict_ref()
-            copied = None if original is None else memo.get(id(original))
-            if copied is not None:
-                self.handles.copied(copied, self.handle.id)
-        return NOOP
+class LeftOut:
+    """The keys of our hooks in one module hooks dict (``_forward_hooks``, ``_forward_pre_hooks``
+    and their ``..._with_kwargs`` / ``..._always_called`` companions), set on the dict as its
+    ``__reduce_ex__``, which pickle, ``copy.copy`` and ``copy.deepcopy`` look up on the object:
+    the dict then reduces as an ``OrderedDict`` of the other entries only. So a model saved
+    (``torch.save``), pickled or deep-copied (EMA, ``AveragedModel``) while a logger is attached
+    comes out as if none were: no entry of ours, nothing of this library in a checkpoint
+    (``weights_only=True`` loads it, where tblog_hooks is not installed too), and no copy logs
+    into the logger. Taken off the dict when its last key goes."""
+
+    __slots__ = ("hooks_dict", "keys")
+
+    def __init__(self, hooks_dict: dict[int, Any]) -> None:
+        self.hooks_dict = weakref.ref(hooks_dict)  # (the dict holds this)
+        self.keys: set[int] = set()
+
+    @classmethod
+    def of(cls, hooks_dict: dict[int, Any]) -> LeftOut:
+        """The one set on ``hooks_dict``, set now if there is none."""
+        attributes = hook_dict_attributes(hooks_dict)
+        left_out = attributes.get("__reduce_ex__")
+        if not isinstance(left_out, LeftOut):
+            left_out = attributes["__reduce_ex__"] = cls(hooks_dict)
+        return left_out
+
+    def discard(self, key: int) -> None:
+        self.keys.discard(key)
+        hooks_dict = self.hooks_dict()
+        if self.keys or hooks_dict is None:
+            return
+        attributes = hook_dict_attributes(hooks_dict)
+        if attributes.get("__reduce_ex__") is self:
+            del attributes["__reduce_ex__"]
+
+    def __call__(self, protocol: SupportsIndex) -> tuple[object, ...]:
+        hooks_dict = self.hooks_dict() or {}  # (alive: it is being copied)
+        return OrderedDict, (), None, None, iter([(k, v) for k, v in hooks_dict.items() if k not in self.keys])
 
 
 class Handles:
-    """Every handle the logger made, and every entry deep copies made of its hooks, removed
-    in one place; ``remove_all`` is idempotent. Holds no hook dict, only weak references."""
+    """Every handle the logger made, removed in one place; ``remove_all`` is idempotent. While
+    one of our hooks is in a module hooks dict, copies of the dict leave it out (:class:`LeftOut`)."""
 
     def __init__(self) -> None:
         self._handles: list[RemovableHandle] = []
-        self._copies: dict[int, tuple[weakref.ref[dict[int, Any]], list[int]]] = {}  # id(dict) -> dict, keys
+        self._left_out: list[tuple[LeftOut, int]] = []
 
     def add(self, handle: RemovableHandle) -> None:
-        """Keep ``handle``; the hook it registered learns it, to find the entries of its deep copies."""
         self._handles.append(handle)
         hooks_dict = handle.hooks_dict_ref()
-        hook = None if hooks_dict is None else hooks_dict.get(handle.id)
-        if isinstance(hook, _Hook):
-            hook.handle, hook.handles = handle, self
-
-    def copied(self, hooks_dict: dict[int, Any], key: int) -> None:
-        """A deep copy of one of our hooks is going into ``hooks_dict[key]``."""
-        entry = self._copies.get(id(hooks_dict))
-        if entry is None or entry[0]() is not hooks_dict:
-            # A new copied dict: forget copies already collected, so repeated deep copies do not pile up.
-            self._copies = {i: e for i, e in self._copies.items() if e[0]() is not None}
-            entry = self._copies[id(hooks_dict)] = (weakref.ref(hooks_dict), [])
-        entry[1].append(key)
+        if hooks_dict is not None and ours(hooks_dict.get(handle.id)):
+            for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):
+                d = ref()
+                if d is not None:
+                    left_out = LeftOut.of(d)
+                    left_out.keys.add(handle.id)
+                    self._left_out.append((left_out, handle.id))
 
     def remove_all(self) -> None:
         while self._handles:
             self._handles.pop().remove()
-        while self._copies:
-            ref, keys = self._copies.popitem()[1]
-            hooks_dict = ref()
-            if hooks_dict is not None:
-                for key in keys:
-                    hooks_dict.pop(key, None)
+        while self._left_out:
+            left_out, key = self._left_out.pop()
+            left_out.discard(key)
 
     def __len__(self) -> int:
         return len(self._handles)
