@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import math
 import os
@@ -13,7 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,10 @@ from conftest import (
     tensorboard,
     wait_until_loaded,
 )
+from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 
+from tblog_hooks._compat import event_file_writer
 from tblog_hooks.dashboard.documents import SEVERITY
 from tblog_hooks.diagnostics.findings import FINDING_KINDS
 from tblog_hooks.diagnostics.replay import owner
@@ -50,6 +53,18 @@ CHROMIUM_ARGS = [
 ]
 LATER = 1000  # a step after the run's last
 READY_MS = 60_000  # how long the page may take to show a run's findings and table on this shared machine
+#: TensorBoard's auto-reload turned on as its settings dialog ("Reload data") keeps it: in its page's
+#: localStorage, read when the page starts. Its period stays TensorBoard's default and least, 30 s.
+AUTO_RELOAD = (
+    "if (window.parent === window && localStorage.getItem('_tb_global_settings') === null)"
+    " localStorage.setItem('_tb_global_settings', JSON.stringify({autoReload: true}))"
+)
+#: How long a tab may take to show what was written after it opened: two of TensorBoard's 30 s
+#: reloads (the first may come before its server loaded the write), then the time to draw it.
+FOLLOW_MS = 2 * 30_000 + READY_MS
+WIDE_STEPS = 600  # the logged steps of the run "wide"
+#: The steps at which the first module of "wide" has a vanishing gradient (a finding where each begins).
+WIDE_VANISHING = {120, 121, 122, 380, 381, 540}
 
 
 def _sync_playwright() -> Any:
@@ -77,7 +92,24 @@ def logdir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("dashboard_browser") / "runs"
     health_runs.write_net(path / "net")
     health_runs.write_gan(path / "gan")  # another run to compare with
+    _write_norms(path / "wide", ["a", "b", "c", "d"], range(WIDE_STEPS), _wide_norm)
     return path
+
+
+def _write_norms(run_dir: Path, modules: list[str], steps: Iterable[int], norm: Callable[[int, int], float]) -> None:
+    """A run of the gradient norms ``norm(module's index, step)`` of ``modules`` (in forward order) at
+    ``steps``: one event a step, as the logger writes a logged step."""
+    with SummaryWriter(run_dir) as writer:
+        for step in steps:
+            norms = [
+                Summary.Value(tag=f"gradient/norm/{escape(m)}", simple_value=norm(i, step))
+                for i, m in enumerate(modules)
+            ]
+            event_file_writer(writer).add_summary(Summary(value=norms), global_step=step)
+
+
+def _wide_norm(module: int, step: int) -> float:
+    return 1e-6 if module == 0 and step in WIDE_VANISHING else 1.0 + 0.1 * module + 0.01 * (step % 7)
 
 
 @pytest.fixture(scope="module")
@@ -592,6 +624,96 @@ def test_the_runs_overview_lists_each_runs_findings_worst_first_and_opens_one(pa
     assert frame(page).locator("#run option:checked").inner_text() == "net"
 
 
+LEGENDS = """(root) => {
+    const box = (node) => { const b = node.getBoundingClientRect(); return [b.left, b.right, b.top, b.bottom]; };
+    return [...root.querySelectorAll('.legend svg')].filter((bar) => bar.getBoundingClientRect().width > 0)
+      .map((bar) => [box(bar), [...bar.querySelectorAll('text')].map((label) => [label.textContent, box(label)])]);
+}"""
+
+
+def _legends(page: Any, within: str = "body") -> list[tuple[list[float], list[tuple[str, list[float]]]]]:
+    """Each drawn legend's colour bar under ``within`` (left, right, top, bottom) with its labels' (text, box)."""
+    return frame(page).locator(within).evaluate(LEGENDS)  # type: ignore[no-any-return]
+
+
+def _assert_whole(bar: list[float], labels: list[tuple[str, list[float]]]) -> None:
+    """Every label lies inside its colour bar's box, and none covers another."""
+    assert labels
+    for text, (left, right, top, bottom) in labels:
+        assert bar[0] <= left and right <= bar[1] and bar[2] <= top and bottom <= bar[3], (text, bar, left, right)
+    spans = sorted(box[:2] for _, box in labels)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), labels
+
+
+def test_the_legends_labels_lie_within_the_legend(page) -> None:
+    _open(page, "net")  # its NaN
+    for grid in ("#heads-cells", "#numerics-cells"):
+        frame(page).locator(grid).wait_for(timeout=READY_MS)
+    drawn = _legends(page)
+    assert len(drawn) == 5  # the heatmap's, the two of attention, the heads' and the numerics'
+    for bar, labels in drawn:
+        _assert_whole(bar, labels)
+    # Ranges whose ticks fall next to the bar's ends, and labels as long as they get.
+    for values, stat in [
+        ([0.99e-10, 1.01e10], "gradient/norm"),
+        ([1.0001e-3, 0.9999e-2], "gradient/norm"),
+        ([1.91712, 1.91718], "activation/mean"),
+        ([-123456.7, 0.000123], "activation/mean"),
+    ]:
+        health(page, f"page.heatmap.set({{modules: ['m'], steps: [0, 1], values: [{values}]}}, {stat!r})")
+        ((bar, labels),) = _legends(page, "#heatmap")
+        _assert_whole(bar, labels)
+        ticks = health(page, "page.heatmap.scale.ticks().map((t) => t[1])")
+        assert [text for text, _ in labels][:: len(labels) - 1] == [ticks[0], ticks[-1]]  # the ends, both shown
+    health(page, "page.drawHeatmap()")
+
+
+def _findings_shown(page: Any) -> list[int]:
+    """The steps of the findings listed."""
+    rows = frame(page).locator("#findings tbody tr")
+    return [int(s) for s in rows.evaluate_all("(rows) => rows.map((r) => r.dataset.step)")]
+
+
+def test_a_drag_across_the_steps_narrows_the_heatmap_and_the_findings_kept_in_the_url(page) -> None:
+    _open(page, "wide")
+    frame(page).locator("#compare").select_option(label="—")  # its own steps alone
+    drawn = "page.analysis && !page.opening && page.requests.pending === 0"
+    _wait(page, f"page.heatmap.doc.steps.length === {WIDE_STEPS} && {drawn}")
+    findings = [f["step"] for f in get(page.url.split("/#")[0], "/data/plugin/tblog_hooks/findings", run="wide")]  # type: ignore[index, union-attr]
+    assert findings == [120, 380, 540]
+    cells = frame(page).locator("#heatmap canvas.cells")
+    box = cells.bounding_box()
+    axis = health(page, "page.heatmap.plotHeight") + 10  # the step axis, under the cells
+
+    def x(step: int) -> int:  # a whole pixel (as a mouse event gives it) inside the step's column, 1.2 pixels wide
+        column = f"page.heatmap.doc.steps.indexOf({step})"
+        left, width = health(page, f"[page.heatmap.left + {column} * page.heatmap.colWidth, page.heatmap.colWidth]")
+        assert width > 1.1
+        return math.ceil(box["x"] + left + 0.05)
+
+    page.mouse.move(x(400), box["y"] + axis)
+    page.mouse.down()
+    page.mouse.move(x(250), box["y"] + axis, steps=4)
+    page.mouse.move(x(100), box["y"] + axis, steps=4)  # right to left
+    page.mouse.up()
+    _wait(page, f"page.range && page.heatmap.doc.steps.length < {WIDE_STEPS} && {drawn}")
+    assert health(page, "page.heatmap.doc.steps") == list(range(100, 401))
+    assert "p.tblog_hooks.from=100" in page.url and "p.tblog_hooks.to=400" in page.url
+    assert _findings_shown(page) == [s for s in findings if 100 <= s <= 400] == [120, 380]
+    assert frame(page).locator("#findings-range").inner_text() == "2 of 3 in steps 100 to 400"
+    page.reload()  # the range is kept in the URL
+    frame(page).locator("#modules table").wait_for(timeout=READY_MS)
+    _wait(page, drawn)
+    shown = health(page, "[page.model.name, page.heatmap.doc.steps[0], page.heatmap.doc.steps.length]")
+    assert shown == ["wide", 100, 301]
+    assert _findings_shown(page) == [120, 380]
+    cells.dblclick(position={"x": box["width"] / 2, "y": axis})
+    _wait(page, f"!page.range && page.heatmap.doc.steps.length === {WIDE_STEPS} && {drawn}")
+    assert "from=" not in page.url and "to=" not in page.url
+    assert _findings_shown(page) == findings and frame(page).locator("#findings-range").inner_text() == ""
+    _open(page, "net")
+
+
 def test_no_errors_in_the_browser(page, console) -> None:
     assert console == []
 
@@ -636,3 +758,70 @@ def test_a_tab_opened_before_any_run_shows_the_first_and_says_it_is_sampled(page
             assert "sample of 1,000 logged steps" in frame(tab).locator("#findings-hint").inner_text()
         finally:
             tab.close()
+
+
+DEEP = [f"block.{i:03d}" for i in range(150)]  # more rows than the heatmap shows at once, once taller
+
+
+def _deep_norm(module: int, step: int) -> float:
+    """The first 20 blocks' gradients vanish at step 3: a finding each, more than the findings list shows at once."""
+    return 1e-7 if module < 20 and step == 3 else 1.0 + 0.01 * module + 0.001 * step
+
+
+def test_the_tab_follows_a_training_on_tensorboards_auto_reload(page, tmp_path) -> None:
+    """With TensorBoard's auto-reload on, what is written after a tab opened comes without a click:
+    a tab on an empty logdir shows the first run, a tab on a run its new step at the right, with
+    the selection, the rows' height, the scrolls and the sort the user left."""
+    deep, empty = tmp_path / "deep" / "runs", tmp_path / "empty" / "runs"
+    empty.mkdir(parents=True)
+    _write_norms(deep / "deep", DEEP, range(12), _deep_norm)
+    errors: list[str] = []
+    with tensorboard(deep) as deep_url, tensorboard(empty) as empty_url:
+        wait_until_loaded(deep_url, deep)
+        wait_until_loaded(empty_url, empty)
+        context = page.context.browser.new_context(viewport={"width": 1400, "height": 1000})  # the fixture's browser
+        context.add_init_script(AUTO_RELOAD)
+        try:
+            reading, waiting = context.new_page(), context.new_page()
+            for tab in (reading, waiting):
+                tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+                tab.on("pageerror", lambda e: errors.append(str(e)))
+            reading.goto(f"{deep_url}/#tblog_hooks")
+            waiting.goto(f"{empty_url}/#tblog_hooks")
+            frame(waiting).locator("#no-runs").wait_for(timeout=READY_MS)
+            follow = frame(waiting).locator("#follow")
+            assert follow.get_attribute("data-on") == "true" and "every 30 s" in follow.inner_text()
+            _write_norms(empty / "first", ["a", "b"], range(3), lambda module, step: 1.0 + module)
+            drawn = "page.analysis && !page.opening && page.requests.pending === 0"
+            _wait(reading, drawn)
+            # What the user chose and scrolled to: a finding, taller rows scrolled away from it, a
+            # sort, the findings list and the page scrolled.
+            frame(reading).locator('#findings tr[data-module="block.010"]').click()
+            frame(reading).locator(".zoom button", has_text="+").click()
+            frame(reading).locator("#modules th", has_text="gradient/norm").click()
+            view = (
+                "[page.heatmap.rowHeight, page.heatmap.scroller.scrollTop, page.findingsBox.scrollTop, window.scrollY,"
+                " [...document.querySelectorAll('#modules tbody tr')].map((r) => r.dataset.module)]"
+            )
+            left = health(
+                reading,
+                "(page.heatmap.scroller.scrollTop = 200, page.findingsBox.scrollTop = 300,"
+                f" window.scrollTo(0, 150), {view})",
+            )
+            assert left[0] > 3 and left[1] == 200 and left[2] == 300 and left[3] == 150
+            _write_norms(deep / "deep", DEEP, [12], _deep_norm)  # the training goes on
+            _wait(reading, f"page.heatmap.doc.steps.length === 13 && {drawn}", FOLLOW_MS)
+            assert health(reading, "page.heatmap.doc.steps") == list(range(13))  # the new step at the right
+            assert health(reading, view) == left
+            assert health(reading, "[page.selection.module, page.selection.step, page.heatmap.selected]") == [
+                "block.010",
+                3,
+                {"row": 10, "col": 3},
+            ]
+            assert frame(reading).locator("#findings tr.selected").get_attribute("data-module") == "block.010"
+            assert frame(reading).locator("#modules th.sorted").inner_text() == "gradient/norm"
+            _wait(waiting, f"page.model && page.model.name === 'first' && {drawn}", FOLLOW_MS)
+            assert frame(waiting).locator("#follow").get_attribute("data-on") == "true"
+        finally:
+            context.close()
+    assert errors == []

@@ -20,11 +20,12 @@ export function difference(a, b) {
 
 // The heatmap of the differences: hover shows both runs' values, the first divergence is outlined.
 class DifferenceMap extends Heatmap {
-  // `pair`: {a, b, names}: each run's values on the same rows and columns, and the runs' names.
-  show(doc, pair, marks, first) {
+  // `pair`: {a, b, names}: each run's values on the same rows and columns, and the runs' names;
+  // `range`: the steps the page narrowed the heatmaps to (null: all).
+  show(doc, pair, marks, first, range) {
     this.pair = pair;
     this.first = first;
-    this.set(doc, 'difference', marks, new Scale(doc.values, 'log'));  // log10 over the values, zeros grey
+    this.set(doc, 'difference', marks, { scale: new Scale(doc.values, 'log'), range });  // log10 over the values, zeros grey
     this.legendBox.replaceChildren(legend(this.scale, false), el('div', { class: 'legend' },
       el('span', { class: 'swatch' }, el('i', { style: 'border:2px solid #ff1744;background:none' }), 'a module\'s first difference'),
       el('span', { class: 'swatch' }, el('i', { style: `border:2px solid ${FIRST_RGB};background:none` }), 'where the runs part')));
@@ -50,7 +51,7 @@ class DifferenceMap extends Heatmap {
   draw() {
     super.draw();
     const row = this.first && this.rowOf.get(this.first.module);
-    if (row === undefined || row === null || !this.doc.steps.length) return;
+    if (row === undefined || row === null || !this.shows(this.first.step)) return;
     const y = row * this.rowHeight - this.scroller.scrollTop;
     if (y + this.rowHeight < 0 || y >= this.plotHeight) return;
     const ctx = this.canvas.getContext('2d');
@@ -71,7 +72,9 @@ class DifferenceView {
   constructor(page) {
     this.page = page;
     this.title = el('span', { id: 'difference-title' });
-    this.map = new DifferenceMap({ height: 400, onSelect: (module, step) => page.select(module, step) });
+    this.map = new DifferenceMap({
+      height: 400, onSelect: (module, step) => page.select(module, step), onRange: (from, to) => page.narrow(from, to),
+    });
     this.node = el('div', { id: 'difference' },
       el('h2', {}, 'Difference', el('span', { class: 'hint' }, '|log10(b / a)|, the relative difference where signs differ')),
       el('div', { class: 'hint', id: 'difference-first' }, this.title), this.map.node);
@@ -96,7 +99,7 @@ class DifferenceView {
     const [a, b] = [pick(doc), pick(otherDoc)];
     const values = a.map((row, i) => row.map((v, j) => difference(v, b[i][j])));
     const marks = compared.modules.map((m) => ({ module: m.module, step: m.step, kind: `first difference: ${m.stat}` }));
-    this.map.show({ ...doc, modules: rows, steps, values }, { a, b, names: [compared.a, compared.b] }, marks, compared.first);
+    this.map.show({ ...doc, modules: rows, steps, values }, { a, b, names: [compared.a, compared.b] }, marks, compared.first, this.page.range);
     this.title.textContent = describe(compared, stat);
     Object.assign(this.title.dataset, compared.first ? { module: compared.first.module, step: compared.first.step } : { module: '', step: '' });
   }

@@ -125,26 +125,54 @@ function distinct(ts, valueAt) {
   return [];
 }
 
+const SVG = 'http://www.w3.org/2000/svg';
+
+function svg(tag, attrs = {}, ...children) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, value);
+  node.append(...children);
+  return node;
+}
+
+const LABEL_FONT = '11px Roboto, Arial, sans-serif';
+const measurer = document.createElement('canvas').getContext('2d');
+
+function textWidth(text) {
+  measurer.font = LABEL_FONT;
+  return measurer.measureText(text).width;
+}
+
+let gradients = 0;  // the legends' colour bars, each a gradient with an id of its own
+
+// The colour bar of a scale with its ticks and their labels, as SVG. A label stays whole inside
+// the bar's width: centred on its tick where it fits, else moved in from the edge; a label that
+// would cover another is left out (the ends first, then the ticks in order).
+function colourBar(scale) {
+  const [width, left, right] = [260, 10, 250];
+  const id = `viridis-${++gradients}`;
+  const stops = VIRIDIS.map((rgb, i) => svg('stop', { offset: i / (VIRIDIS.length - 1), 'stop-color': `rgb(${rgb.join(',')})` }));
+  const bar = svg('svg', { width, height: 30, viewBox: `0 0 ${width} 30`, role: 'img' },
+    svg('defs', {}, svg('linearGradient', { id }, ...stops)),
+    svg('rect', { x: left, y: 0, width: right - left, height: 12, fill: `url(#${id})` }));
+  const ticks = scale.ticks().map(([t, label]) => {
+    const x = left + t * (right - left);
+    const half = textWidth(label) / 2 + 1;
+    const centre = Math.min(width - half, Math.max(half, x));
+    return { t, x, label, from: centre - half, to: centre + half, centre };
+  });
+  const rank = (tick) => (tick.t === 0 || tick.t === 1 ? 0 : 1);  // the ends first
+  const shown = [];
+  for (const tick of [...ticks].sort((a, b) => rank(a) - rank(b))) {
+    if (!shown.some((s) => tick.from < s.to + 4 && s.from < tick.to + 4)) shown.push(tick);
+  }
+  for (const tick of ticks) bar.append(svg('rect', { x: tick.x - 0.5, y: 12, width: 1, height: 3, fill: '#616161' }));
+  for (const tick of shown.sort((a, b) => a.t - b.t)) {
+    bar.append(svg('text', { x: tick.centre, y: 26, 'text-anchor': 'middle', fill: '#616161', style: `font: ${LABEL_FONT}` }, tick.label));
+  }
+  return bar;
+}
+
 function legend(scale, findings = true) {
-  const width = 260;
-  const canvas = el('canvas', { width: width * devicePixelRatio, height: 30 * devicePixelRatio });
-  canvas.style.width = `${width}px`;
-  canvas.style.height = '30px';
-  const ctx = canvas.getContext('2d');
-  ctx.scale(devicePixelRatio, devicePixelRatio);
-  for (let x = 0; x < width - 20; x++) {
-    ctx.fillStyle = `rgb(${viridis(x / (width - 21)).join(',')})`;
-    ctx.fillRect(x + 10, 0, 1, 12);
-  }
-  ctx.fillStyle = '#616161';
-  ctx.font = '11px Roboto, Arial, sans-serif';
-  ctx.textAlign = 'center';
-  for (const [t, label] of scale.ticks()) {
-    const x = 10 + t * (width - 21);
-    ctx.fillRect(x, 12, 1, 3);
-    ctx.textAlign = t === 0 ? 'left' : t === 1 ? 'right' : 'center';  // the ends' labels stay inside
-    ctx.fillText(label, t === 0 ? 0 : t === 1 ? width : x, 26);
-  }
   const swatch = (rgb, text) => {
     const box = el('i');
     box.style.background = `rgb(${rgb.join(',')})`;
@@ -153,7 +181,7 @@ function legend(scale, findings = true) {
   return el(
     'div',
     { class: 'legend' },
-    canvas,
+    colourBar(scale),
     el('span', { class: 'scale-name' }, scale.log ? 'log scale' : 'linear scale'),
     scale.log ? swatch(ZERO_RGB, '0') : null,
     swatch(NONFINITE_RGB, 'NaN/Inf'),
@@ -179,10 +207,14 @@ const escapeHtml = (s) => String(s).replace(/[&<>"]/g, (c) => ({ '&': '&amp;', '
 
 // Modules (rows) x steps (columns) on one canvas: the cells are an image of one pixel each,
 // scaled up, so drawing costs the same for 10 or 10,000 modules; only the visible rows are drawn.
+// With `onRange`, a drag across the steps narrows the map to the steps dragged over and a
+// double-click widens it to all of them again (the page chooses the steps: `onRange(from, to)`,
+// `onRange(null)`).
 class Heatmap {
-  constructor({ height = 560, onSelect = () => {} } = {}) {
+  constructor({ height = 560, onSelect = () => {}, onRange = null } = {}) {
     this.maxHeight = height;
     this.onSelect = onSelect;
+    this.onRange = onRange;
     this.canvas = el('canvas', { class: 'cells' });
     this.spacer = el('div');
     this.scroller = el('div', { class: 'scroller' }, this.canvas, this.spacer);
@@ -190,24 +222,40 @@ class Heatmap {
     this.node = el('div', { class: 'heatmap' }, this.scroller, this.legendBox);
     this.rowHeight = 12;
     this.marks = [];
+    this.range = null;
     this.selected = null;
     this.hover = null;
+    this.drag = null;  // a drag across the steps: where it started and where the pointer is (x)
+    this.dragged = false;  // the last press was a drag (its click selects nothing)
     this.scroller.addEventListener('scroll', () => this.draw());
     this.canvas.addEventListener('mousemove', (e) => this.pointer(e));
     this.canvas.addEventListener('mouseleave', () => { this.hover = null; hideTooltip(); this.draw(); });
     this.canvas.addEventListener('click', (e) => {
-      const cell = this.cellAt(e);
+      const cell = this.dragged ? null : this.cellAt(e);
       if (cell) this.onSelect(this.doc.modules[cell.row], this.doc.steps[cell.col]);
     });
+    if (onRange) {
+      this.canvas.addEventListener('mousedown', (e) => this.startDrag(e));
+      window.addEventListener('mousemove', (e) => this.moveDrag(e));
+      window.addEventListener('mouseup', (e) => this.endDrag(e));
+      this.canvas.addEventListener('dblclick', () => onRange(null));
+    }
     new ResizeObserver(() => this.layout()).observe(this.scroller);
   }
 
-  // `scale`: the colour scale, when it is shared with another heatmap (else this one's own).
-  set(doc, stat, marks = [], scale = null) {
+  // Show `doc` (modules x steps) of `stat` with `marks` (findings) on it. `scale`: the colour scale,
+  // when it is shared with another heatmap (else this one's own); `range`: the steps the page
+  // narrowed the map to (`{from, to}`, or null for all), outside which no mark or selection is
+  // drawn. On the same rows as before (a reload, another statistic or range), the rows' height
+  // and the scroll stay as the user left them.
+  set(doc, stat, marks = [], { scale = null, range = null } = {}) {
+    const top = this.scroller.scrollTop;
+    const keep = !!this.doc && this.doc.modules.length === doc.modules.length && this.doc.modules.every((m, i) => m === doc.modules[i]);
     this.doc = doc;
     this.stat = stat;
     this.rowOf = new Map(doc.modules.map((m, i) => [m, i]));
     this.marks = marks;
+    this.range = range;
     this.gap = undefined;
     this.scale = scale || new Scale(doc.values, scaleOf(stat));
     const rows = doc.modules.length;
@@ -220,9 +268,48 @@ class Heatmap {
     this.image = document.createElement('canvas');
     [this.image.width, this.image.height] = [cols, Math.max(1, rows)];
     this.image.getContext('2d').putImageData(image, 0, 0);
-    this.rowHeight = Math.min(18, Math.max(3, Math.floor((this.maxHeight - 40) / Math.max(1, rows))));
+    if (!keep) this.rowHeight = Math.min(18, Math.max(3, Math.floor((this.maxHeight - 40) / Math.max(1, rows))));
     this.legendBox.replaceChildren(legend(this.scale));
     this.layout();
+    if (keep) { this.scroller.scrollTop = top; this.draw(); }
+  }
+
+  // Whether `step` is within the steps shown (a mark or a selection there is drawn).
+  shows(step) {
+    const steps = this.doc.steps;
+    if (!steps.length || step > steps[steps.length - 1]) return false;
+    return !this.range || (step >= this.range.from && step <= this.range.to);
+  }
+
+  // The column under the x of a mouse event, within the columns.
+  columnAt(event) {
+    const x = event.clientX - this.canvas.getBoundingClientRect().left - this.left;
+    return Math.min(this.doc.steps.length - 1, Math.max(0, Math.floor(x / this.colWidth)));
+  }
+
+  startDrag(event) {
+    this.dragged = false;
+    if (event.button !== 0 || !this.doc?.steps.length) return;
+    this.drag = { from: event.clientX, to: event.clientX };
+  }
+
+  moveDrag(event) {
+    if (!this.drag) return;
+    this.drag.to = event.clientX;
+    hideTooltip();
+    this.draw();
+  }
+
+  // A drag of a few pixels or more narrows the map to the columns it went over; less is a click.
+  endDrag(event) {
+    if (!this.drag) return;
+    const { from } = this.drag;
+    this.drag = null;
+    this.draw();
+    if (Math.abs(event.clientX - from) < 4) return;
+    this.dragged = true;
+    const cols = [this.columnAt({ clientX: from }), this.columnAt(event)].sort((a, b) => a - b);
+    this.onRange(this.doc.steps[cols[0]], this.doc.steps[cols[1]]);
   }
 
   zoom(factor) {
@@ -291,7 +378,7 @@ class Heatmap {
     const module = this.doc.modules[cell.row];
     const step = this.doc.steps[cell.col];
     const value = this.doc.values[cell.row][cell.col];
-    const found = this.marks.filter((f) => (!f.module || this.rowFor(f.module) === cell.row) && this.column(f.step) === cell.col);
+    const found = this.shownMarks().filter((f) => (!f.module || this.rowFor(f.module) === cell.row) && this.column(f.step) === cell.col);
     const gap = this.denser(cell.col) ? ` <span class="hint">(${step - this.doc.steps[cell.col - 1]} after the column before; ${this.gap} elsewhere)</span>` : '';
     const html = `<b>${escapeHtml(module)}</b><br>step ${step}${gap}<br>${escapeHtml(this.stat)} = ${escapeHtml(format(value))}`
       + found.map((f) => `<br><span class="bad">${escapeHtml(f.kind)}${f.module ? '' : ' (whole model)'}</span>`).join('');
@@ -299,10 +386,14 @@ class Heatmap {
     this.draw();
   }
 
+  // The marks at steps the map shows.
+  shownMarks() {
+    return this.marks.filter((f) => this.shows(f.step));
+  }
+
   // The columns of the findings about the whole model.
   modelColumns() {
-    if (!this.doc.steps.length) return [];
-    return [...new Set(this.marks.filter((f) => !f.module).map((f) => this.column(f.step)))];
+    return [...new Set(this.shownMarks().filter((f) => !f.module).map((f) => this.column(f.step)))];
   }
 
   // The usual gap between logged steps (the median), and whether column `c` is closer to the one before.
@@ -326,8 +417,9 @@ class Heatmap {
 
   // Outline a module's row (and its cell at `step`), or without a module (a finding about the
   // whole model) the column of `step`; nothing when the map has neither.
-  select(module, step) {
-    const col = step === undefined || !this.doc.steps.length ? undefined : this.column(step);
+  // `reveal`: scroll the module's row into view.
+  select(module, step, reveal = true) {
+    const col = step === undefined || !this.shows(step) ? undefined : this.column(step);
     this.selected = { row: module ? this.rowFor(module) : undefined, col };
     if (this.selected.row === undefined) {
       if (module || col === undefined) this.selected = null;
@@ -335,7 +427,7 @@ class Heatmap {
       return;
     }
     const y = this.selected.row * this.rowHeight;
-    if (y < this.scroller.scrollTop || y + this.rowHeight > this.scroller.scrollTop + this.plotHeight) {
+    if (reveal && (y < this.scroller.scrollTop || y + this.rowHeight > this.scroller.scrollTop + this.plotHeight)) {
       this.scroller.scrollTop = y - this.plotHeight / 2;
     }
     this.draw();
@@ -365,7 +457,8 @@ class Heatmap {
     ctx.textBaseline = 'middle';
     ctx.textAlign = 'right';
     const every = Math.max(1, Math.ceil(12 / this.rowHeight));
-    const flagged = new Set(this.marks.map((f) => this.rowFor(f.module)));
+    const marks = this.shownMarks();
+    const flagged = new Set(marks.map((f) => this.rowFor(f.module)));
     for (let r = first; r < last; r++) {
       const y = (r + 0.5) * this.rowHeight - top;
       if (flagged.has(r)) {
@@ -381,7 +474,7 @@ class Heatmap {
     const h = Math.max(2, this.rowHeight);
     ctx.lineWidth = 1.5;
     ctx.strokeStyle = '#ff1744';
-    for (const f of this.marks) {
+    for (const f of marks) {
       if (!f.module) continue;
       const r = this.rowFor(f.module);
       if (r === undefined || r < first || r >= last) continue;
@@ -413,6 +506,11 @@ class Heatmap {
     }
     ctx.restore();
     this.drawAxis(ctx, plotWidth);
+    if (this.drag) {  // the steps a drag goes over
+      const [a, b] = [this.drag.from, this.drag.to].map((x) => this.left + (this.columnAt({ clientX: x }) + 0.5) * this.colWidth);
+      ctx.fillStyle = 'rgba(245, 124, 0, 0.25)';
+      ctx.fillRect(Math.min(a, b) - this.colWidth / 2, 0, Math.abs(b - a) + this.colWidth, this.plotHeight + this.axis);
+    }
   }
 
   drawAxis(ctx, plotWidth) {
@@ -431,8 +529,9 @@ class Heatmap {
     const every = Math.max(1, Math.ceil(56 / this.colWidth));
     for (let c = 0; c < steps.length; c += every) {
       const x = this.left + (c + 0.5) * this.colWidth;
+      const half = ctx.measureText(String(steps[c])).width / 2;
       ctx.fillRect(x, y, 1, 4);
-      ctx.fillText(String(steps[c]), x, y + 6);
+      ctx.fillText(String(steps[c]), Math.min(this.width - half, Math.max(this.left + half, x)), y + 6);  // whole, right of "step"
     }
     ctx.textAlign = 'right';
     ctx.fillText('step', this.left - 5, y + 6);
@@ -650,6 +749,9 @@ function onSteps(doc, steps) {
   return { ...doc, steps, values: doc.values.map((row) => columns.map((c) => (c === undefined ? null : row[c]))) };
 }
 
+// Whether two findings are the same one (read again, they are other objects).
+const sameFinding = (a, b) => !!a && !!b && a.kind === b.kind && a.module === b.module && a.step === b.step;
+
 const positive = (values) => values.some(finite) && values.every((v) => !finite(v) || v > 0);
 
 // The card of one value table (`heads`, `numerics`): a step chooser (the latest first), a choice
@@ -719,9 +821,16 @@ class TableCard {
   }
 }
 
+// TensorBoard's settings, which its page keeps in localStorage (of this tab's origin too):
+// `autoReload` ("Reload data" in its settings, off until the user turns it on) and
+// `autoReloadPeriodInMs` (TensorBoard takes one over 30 s, else reloads every 30 s).
+const TENSORBOARD_SETTINGS = '_tb_global_settings';
+const DEFAULT_RELOAD_MS = 30000;
+
 // TensorBoard's plugin API for a tab in an iframe: a message port to the page around it, which
-// says when TensorBoard reloaded its data (`DataReloaded`) or its runs changed (`RunsChanged`), and
-// gives the tab's state kept in the URL (`p.{plugin}.{key}` entries of its hash).
+// says when TensorBoard reloaded its data (`DataReloaded`: its reload button, and its auto-reload
+// on its period while its page is visible) or its runs changed (`RunsChanged`), and gives the tab's
+// state kept in the URL (`p.{plugin}.{key}` entries of its hash).
 class Host {
   constructor(plugin) {
     this.plugin = plugin;
@@ -762,6 +871,19 @@ class Host {
   }
 
   listen(type, listener) { this.listeners.set(type, listener); }
+
+  // TensorBoard's auto-reload as its page has it: `{on, periodMs}`.
+  autoReload() {
+    let settings = {};
+    try { settings = JSON.parse(localStorage.getItem(TENSORBOARD_SETTINGS)) || {}; } catch { /* none readable */ }
+    const period = settings.autoReloadPeriodInMs;
+    return { on: settings.autoReload === true, periodMs: Number.isFinite(period) && period > DEFAULT_RELOAD_MS ? period : DEFAULT_RELOAD_MS };
+  }
+
+  // Call `listener` when the user changes TensorBoard's settings (its page writes them to localStorage).
+  onSettings(listener) {
+    window.addEventListener('storage', (event) => { if (event.key === TENSORBOARD_SETTINGS || event.key === null) listener(); });
+  }
 
   // The tab's state in the URL: as TensorBoard gives it, and as this tab wrote it into the hash of
   // TensorBoard's page (TensorBoard 2.21 keeps its tabs' URL state apart from the hash it shows).
@@ -813,19 +935,33 @@ class Page {
     const reload = () => this.reload(false).catch(() => {});  // the server may be gone
     this.host.listen('experimental.DataReloaded', reload);
     this.host.listen('experimental.RunsChanged', reload);
+    this.follow = el('span', { class: 'hint', id: 'follow' });
+    this.showFollow();
+    this.host.onSettings(() => this.showFollow());
     this.models = models;
     if (!models.length) {
-      this.root.replaceChildren(el('div', { class: 'card empty', id: 'no-runs' }, 'No run holds tblog_hooks tags yet: TensorBoard\'s reload (or its auto-reload) shows them once written.'));
+      this.root.replaceChildren(el('div', { class: 'card empty', id: 'no-runs' }, 'No run holds tblog_hooks tags yet. ', this.follow));
       return;
     }
     await this.build();
+  }
+
+  // Say whether the tab follows the runs as they are written: it reads them again on each of
+  // TensorBoard's reloads, which come on their own only with its auto-reload on.
+  showFollow() {
+    const { on, periodMs } = this.host.autoReload();
+    this.follow.dataset.on = String(on);
+    this.follow.textContent = on
+      ? `Following the runs: TensorBoard's auto-reload reads them every ${Math.round(periodMs / 1000)} s.`
+      : 'TensorBoard\'s auto-reload is off: its reload button (⟳) reads the runs again; turn on "Reload data" in its settings (⚙) to follow a training as it runs.';
   }
 
   async build() {
     this.runSelect = el('select', { id: 'run', onchange: () => this.open(this.models[this.runSelect.value]) });
     this.statSelect = el('select', { id: 'stat', onchange: () => { this.drawHeatmap(); this.keep(); } });
     this.compareSelect = el('select', { id: 'compare', onchange: () => { this.drawHeatmap(); this.keep(); } });
-    this.compare = new Heatmap({ height: 400 });
+    const narrow = (from, to) => this.narrow(from, to);
+    this.compare = new Heatmap({ height: 400, onRange: narrow });
     this.compareTitle = el('span', { id: 'compare-title' });
     this.compareCard = el('div', { class: 'card', id: 'compare-card', style: 'display:none' }, el('h2', {}, this.compareTitle), this.compare.node);
     this.filter = el('input', { id: 'filter', type: 'search', placeholder: 'filter modules (regex)', value: this.state.filter || '', oninput: () => { this.drawHeatmap(); this.keep(); } });
@@ -837,18 +973,21 @@ class Page {
       el('label', {}, 'Compare with', this.compareSelect),
       el('label', {}, this.filter),
       el('button', { onclick: () => this.reload(true), title: 'read the run again' }, 'Reload'),
-      this.summary);
-    this.heatmap = new Heatmap({ onSelect: (module, step) => this.select(module, step) });
+      this.summary,
+      this.follow);
+    this.heatmap = new Heatmap({ onSelect: (module, step) => this.select(module, step), onRange: narrow });
     this.heatTitle = el('span', { id: 'heatmap-title' });
     this.heatDownloads = el('span');
     this.findingsDownloads = el('span');
     this.seriesDownloads = el('span');
     this.selectionLine = el('span', { class: 'hint selection', id: 'selection' }, 'click a cell or a finding');
     const zoom = el('span', { class: 'zoom' },
+      this.rangeHint = el('span', { class: 'hint', id: 'range-hint' }),
       el('button', { onclick: () => this.heatmap.zoom(1 / 1.5), title: 'smaller rows' }, '−'),
       el('button', { onclick: () => this.heatmap.zoom(1.5), title: 'taller rows' }, '+'));
     this.findingsBox = el('div', { class: 'findings', id: 'findings' });
     this.findingsHint = el('span', { class: 'hint', id: 'findings-hint' }, 'click one (or Enter) to see its cell');
+    this.findingsRange = el('span', { class: 'hint', id: 'findings-range' });
     this.seriesBox = el('div', { class: 'charts', id: 'series' });
     this.seriesTitle = el('span', {}, 'Module');
     this.seriesLinks = el('span', { id: 'series-links' });
@@ -871,7 +1010,7 @@ class Page {
           el('div', { class: 'card', id: 'heatmap' }, el('h2', {}, this.heatTitle, this.selectionLine, this.heatDownloads, zoom), this.heatmap.node),
           this.compareCard),
         el('div', {},
-          el('div', { class: 'card' }, el('h2', {}, 'Findings', this.findingsHint, this.findingsDownloads), this.findingsBox),
+          el('div', { class: 'card' }, el('h2', {}, 'Findings', this.findingsRange, this.findingsHint, this.findingsDownloads), this.findingsBox),
           el('div', { class: 'card' }, el('h2', {}, this.seriesTitle, this.seriesLinks, this.seriesDownloads), this.seriesBox))),
       this.spikesCard,
       this.attentionCard,
@@ -883,6 +1022,8 @@ class Page {
     const first = this.models.find((m) => m.name === this.state.run) || this.models[0];
     const step = this.state.step === undefined ? undefined : Number(this.state.step);
     this.selection = this.state.module !== undefined || step !== undefined ? { module: this.state.module || '', step } : null;
+    const [from, to] = [this.state.from, this.state.to].map((v) => (v === undefined || v === '' ? NaN : Number(v)));
+    this.range = from <= to ? { from, to } : null;  // (NaN: no range)
     this.wantedStat = this.state.stat;
     await this.open(first, false, true);
     await this.drawOverview();
@@ -941,7 +1082,22 @@ class Page {
   keep() {
     const stat = this.statSelect.value;
     const selection = this.selection || {};
-    this.host.keep({ run: this.model?.name, stat, compare: this.compareModel()?.name, module: selection.module, step: selection.step, filter: this.filter.value });
+    this.host.keep({
+      run: this.model?.name, stat, compare: this.compareModel()?.name, module: selection.module, step: selection.step,
+      filter: this.filter.value, from: this.range?.from, to: this.range?.to,
+    });
+  }
+
+  // Narrow the heatmaps and the findings to the steps from `from` to `to` (`null`: all steps).
+  narrow(from, to) {
+    this.range = from === null ? null : { from, to };
+    this.keep();
+    if (this.analysis) this.drawFindings();
+    return this.drawHeatmap(true);
+  }
+
+  inRange(step) {
+    return !this.range || (step >= this.range.from && step <= this.range.to);
   }
 
   query(extra = {}) {
@@ -974,11 +1130,12 @@ class Page {
       return;
     }
     this.model = now;
-    await Promise.all([this.drawHeatmap(), ...Object.values(this.tables).map((card) => card.show(this, true))]);
+    await Promise.all([this.drawHeatmap(true), ...Object.values(this.tables).map((card) => card.show(this, true))]);
     this.summary.textContent = `${this.summary.textContent.split(' · findings as of')[0]} · findings as of step ${step}: Reload to update`;
   }
 
-  // Show `model`: with `keep`, as it was (a reload); else keeping the statistic and the selection
+  // Show `model`: with `keep`, as it was (a reload: new steps join at the right, and the selection,
+  // the rows' height, the scroll and the sort stay); else keeping the statistic and the selection
   // where the run has them. `restore`: the state from the URL (its selection is the run's own).
   async open(model, keep = false, restore = false) {
     hideTooltip();
@@ -1003,7 +1160,7 @@ class Page {
       this.findingRows = [];
       this.tableRows = [];
     }
-    await this.drawHeatmap();  // first: the rest reads the whole run, which takes the server longer
+    await this.drawHeatmap(keep);  // first: the rest reads the whole run, which takes the server longer
     // A selection belongs to its run: it stays where this run has its module (or it is about the whole model).
     const held = selection && (!selection.module || this.holds(selection.module));
     this.selection = held ? selection : null;
@@ -1031,7 +1188,7 @@ class Page {
     this.drawTable();
     this.drawSpikes();
     await Promise.all([this.drawAttention(), ...Object.values(this.tables).map((card) => card.show(this, keep))]);
-    if (this.selection) await this.select(this.selection.module, this.selection.step);
+    if (this.selection) await this.select(this.selection.module, this.selection.step, this.selection.finding, !keep);
     this.openTook = performance.now() - started;
     if (this.opening === model) this.opening = null;
   }
@@ -1085,7 +1242,10 @@ class Page {
     this.findingsHint.textContent = table?.sampled ? `judged on TensorBoard's sample of ${table.logged_steps.toLocaleString()} logged steps · click one (or Enter) to see its cell` : 'click one (or Enter) to see its cell';
   }
 
-  async drawHeatmap() {
+  // The chosen statistic's heatmap (and the compared run's beside it) on the steps of the range;
+  // `keep`: the same view drawn again (a reload, a new range), which does not scroll the selected
+  // row into view.
+  async drawHeatmap(keep = false) {
     const model = this.model;
     const stat = this.statSelect.value;
     if (!stat) { this.heatTitle.textContent = 'No per-module statistics in this run'; return; }
@@ -1102,21 +1262,25 @@ class Page {
     this.filter.title = invalid ? 'not a regular expression: every row is shown' : '';
     // Side by side, both heatmaps share one step axis and one colour scale, so that a column is one
     // step and a colour one value in both.
-    const steps = otherDoc ? [...new Set([...doc.steps, ...otherDoc.steps])].sort((a, b) => a - b) : doc.steps;
+    const every = otherDoc ? [...new Set([...doc.steps, ...otherDoc.steps])].sort((a, b) => a - b) : doc.steps;
+    const steps = this.range ? every.filter((s) => this.inRange(s)) : every;
     const shown = onSteps(filteredDoc, steps);
     const otherShown = otherDoc && onSteps(this.filtered(otherDoc).doc, steps);
     const rows = shown.modules.length === doc.modules.length ? `${doc.modules.length}` : `${shown.modules.length} of ${doc.modules.length}`;
-    this.heatTitle.textContent = `${stat} · ${rows} × ${doc.steps.length}${invalid ? ' · invalid filter: every row shown' : ''}${doc.sampled ? ' · TensorBoard\'s sample of the steps' : ''}`;
+    const own = doc.steps.filter((s) => this.inRange(s)).length;
+    const columns = this.range ? `${own} of ${doc.steps.length} · steps ${this.range.from} to ${this.range.to}` : `${doc.steps.length}`;
+    this.rangeHint.textContent = this.range ? 'double-click for all steps' : 'drag across the steps to narrow them';
+    this.heatTitle.textContent = `${stat} · ${rows} × ${columns}${invalid ? ' · invalid filter: every row shown' : ''}${doc.sampled ? ' · TensorBoard\'s sample of the steps' : ''}`;
     const scale = otherShown ? new Scale([...shown.values, ...otherShown.values], scaleOf(stat)) : null;
-    this.heatmap.set(shown, stat, this.analysis ? this.analysis.findings : [], scale);
-    if (this.selection) this.heatmap.select(this.selection.module, this.selection.step);
+    this.heatmap.set(shown, stat, this.analysis ? this.analysis.findings : [], { scale, range: this.range });
+    if (this.selection) this.heatmap.select(this.selection.module, this.selection.step, !keep);
     this.compareCard.style.display = other && other !== model ? '' : 'none';
     if (this.analysis) this.showSampling();
     if (other && other !== model) {
       this.compareTitle.textContent = compared ? `${other.name} · ${stat} · same step axis and colour scale` : `${other.name} holds no ${stat}`;
       import('./compare.js').then((m) => m.showDifference(this, otherShown && other, stat, shown, otherShown));
       if (otherShown) {
-        this.compare.set(otherShown, stat, [], scale);
+        this.compare.set(otherShown, stat, [], { scale, range: this.range });
         const found = await fetchJson('findings', { run: other.run, prefix: other.prefix }).catch(() => []);
         if (this.compare.doc === otherShown) { this.compare.marks = found; this.compare.draw(); }
       }
@@ -1134,10 +1298,15 @@ class Page {
     return { doc: { ...doc, modules: keep.map((i) => doc.modules[i]), values: keep.map((i) => doc.values[i]) }, invalid: false };
   }
 
+  // The findings at the steps of the range (all without one), the one selected marked.
   drawFindings() {
-    const { findings } = this.analysis;
+    const all = this.analysis.findings;
+    const findings = all.filter((f) => this.inRange(f.step));
+    this.findingsRange.textContent = this.range ? `${findings.length} of ${all.length} in steps ${this.range.from} to ${this.range.to}` : '';
     if (!findings.length) {
-      this.findingsBox.replaceChildren(el('div', { class: 'empty' }, 'No findings: every rule stayed quiet.'));
+      const none = this.range && all.length ? `No findings in steps ${this.range.from} to ${this.range.to}.` : 'No findings: every rule stayed quiet.';
+      this.findingsBox.replaceChildren(el('div', { class: 'empty' }, none));
+      this.findingRows = [];
       return;
     }
     const body = el('tbody');
@@ -1149,6 +1318,7 @@ class Page {
         el('td', { class: 'num value', title: measureOf(f.kind).meaning }, format(f.value), el('span', { class: 'unit' }, measureOf(f.kind).label)),
         el('td', { class: 'message' }, f.message)));
       row.finding = f;
+      row.classList.toggle('selected', sameFinding(f, this.selection?.finding));
       body.append(row);
       return row;
     });
@@ -1159,14 +1329,16 @@ class Page {
       }, h)))), body));
   }
 
-  async select(module, step, finding = undefined) {
-    this.selection = { module, step };
+  // Select `module` at `step` (from `finding`, when one was chosen); `reveal`: scroll its row of
+  // the heatmap into view (a reload leaves the scroll as it is).
+  async select(module, step, finding = undefined, reveal = true) {
+    this.selection = { module, step, finding };
     this.selectionLine.textContent = !module ? `step ${step} (whole model)` : step === undefined ? module : `${module} · step ${step}`;
     this.selectionLine.dataset.module = module;
     this.selectionLine.dataset.step = step;
-    for (const row of this.findingRows || []) row.classList.toggle('selected', row.finding === finding);
+    for (const row of this.findingRows || []) row.classList.toggle('selected', sameFinding(row.finding, finding));
     for (const row of this.tableRows || []) row.classList.toggle('selected', row.dataset.module === module);
-    this.heatmap.select(module, step);
+    this.heatmap.select(module, step, reveal);
     this.keep();
     if (module) await this.drawSeries(module, step);
   }
@@ -1212,19 +1384,24 @@ class Page {
     this.attentionCard.style.display = '';
     const docs = await Promise.all(stats.map((tag) => fetchJson('heatmap', this.query({ tag }))));
     if (this.model !== model) return;
-    const maps = stats.map((stat, i) => {
-      const map = new Heatmap({ height: 260, onSelect: (m, s) => this.select(m, s) });
-      return [map, stat, docs[i]];
-    });
-    this.attentionCard.replaceChildren(el('h2', {}, 'Attention', el('span', { class: 'hint' }, 'per module (the scaled_dot_product_attention calls inside it), over the logged steps')),
-      el('div', { class: 'charts wide' }, ...maps.map(([map, stat]) => el('div', { class: 'chart' }, el('div', { class: 'title' }, stat), map.node))));
+    const key = stats.join('\n');
+    if (this.attentionMaps?.key !== key) {  // a map per statistic, kept while the runs shown hold the same ones
+      const maps = stats.map(() => new Heatmap({ height: 260, onSelect: (m, s) => this.select(m, s) }));
+      this.attentionMaps = { key, maps };
+      this.attentionCard.replaceChildren(el('h2', {}, 'Attention', el('span', { class: 'hint' }, 'per module (the scaled_dot_product_attention calls inside it), over the logged steps')),
+        el('div', { class: 'charts wide' }, ...maps.map((map, i) => el('div', { class: 'chart' }, el('div', { class: 'title' }, stats[i]), map.node))));
+    }
     const marks = this.analysis.findings.filter((f) => f.kind.startsWith('attention_'));
-    for (const [map, stat, doc] of maps) map.set(doc, stat, marks);
+    this.attentionMaps.maps.forEach((map, i) => map.set(docs[i], stats[i], marks));
   }
 
-  drawTable(sortBy = null, up = false) {
+  // The module table sorted by the column `sortBy` (`null`: forward order), `up` or down; the sort
+  // chosen stays when the table is drawn again (a reload).
+  drawTable(sortBy = this.tableSort?.by ?? null, up = this.tableSort?.up ?? false) {
     const { table } = this.analysis;
     const columns = ['module', 'findings', ...table.stats];
+    if (!columns.includes(sortBy)) sortBy = null;
+    this.tableSort = { by: sortBy, up };
     const key = (row, column) => {
       if (column === 'module') return row.index;
       if (column === 'findings') return row.findings.length;
