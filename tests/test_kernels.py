@@ -266,9 +266,8 @@ for x, acc in (("*bf16", tl.float32), ("*fp64", tl.float64)):
         compile(f._partials, {"x_ptr": x, "part_ptr": a, "count_ptr": "*i32", "unit_ptr": a, "const_ptr": a,
                               **sizes}, dict(BR=64, BU=64, **common))
         compile(f._combine, {"part_ptr": a, "count_ptr": "*i32", "unit_ptr": a, "out_ptr": "*fp64",
-                             "cnt_ptr": "*i64", "per_unit_ptr": "*fp64", "P": "i32", "PR": "i32", "U": "i32",
-                             "NUMEL": "i64"}, dict(C=1024, CR=32, CU=32, **common))
-    compile(f._scaled_counts, {"x_ptr": x, "out_ptr": "*fp64", "cnt_ptr": "*i64", "const_ptr": a, "NUMEL": "i64"},
+                             "P": "i32", "PR": "i32", "U": "i32", "NUMEL": "i64"}, dict(C=1024, CR=32, CU=32, **common))
+    compile(f._scaled_counts, {"x_ptr": x, "out_ptr": "*fp64", "const_ptr": a, "NUMEL": "i64"},
             dict(BLOCK=4096, ACC=acc))
     compile(f._buckets, {"v_ptr": a, "row_ptr": "*i64", "half_start_ptr": a, "scale_ptr": a, "count_ptr": "*i32",
                          "N": "i64"}, dict(BINS=32, BLOCK=4096))
@@ -424,6 +423,63 @@ def test_a_logged_step_launches_two_kernels_a_tensor_three_with_numerics(
     assert not FUSED_OPS & set(left), left
     if with_numerics:
         assert left["aten.median"] == watched, left
+
+
+def _every_module_watched(name: str) -> tuple[nn.Module, Tensor]:
+    """A 4-layer MLP and a small CNN (batch norm, channels-first units), and a batch of each."""
+    g = torch.Generator().manual_seed(10)
+    if name == "mlp":
+        return mlp(16, 32, 32, 32, 4, act=nn.ReLU, seed=0), torch.randn(8, 16, generator=g)
+    torch.manual_seed(0)
+    return conv_net(6, batch_norm=True), torch.randn(4, 3, 8, 8, generator=g)
+
+
+def _logged_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str], name: str, path: str, formats: object
+) -> list[tuple[Counter[str], Counter[str]]]:
+    """Per logged step (the first with the default histograms, the second without), the aten
+    ops and the kernel launches it adds to a training step of ``name``, every module watched,
+    on ``path``; the custom ops that launch the kernels are counted by their launches."""
+    monkeypatch.setenv(VARIABLE, path)
+    model, x = _every_module_watched(name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def step(hooks: HookLogger | None) -> Counter[str]:
+        with OpCounter() as counter:
+            train(hooks, [model(x).square().mean()], opt)
+        return Counter({op: n for op, n in counter.ops.items() if not op.startswith("tblog_hooks.")})
+
+    step(None)
+    baseline = step(None)
+    steps = []
+    with HookLogger(model, log_dir=tmp_path / path, every=1, modules="*", optimizer=opt, numerics=formats) as hooks:
+        for _ in range(2):
+            launches.clear()
+            steps.append((step(hooks) - baseline, Counter(launches)))
+    return steps
+
+
+@interpreted
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_the_kernels_path_launches_fewer_kernels_than_the_torch_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str], name: str
+) -> None:
+    """Every module watched, a logged step's launches plus aten ops on the kernels' path: at
+    most half the torch path's aten ops without histograms, at most two thirds with the default
+    histograms (the histogram samples, a ``take`` of each tensor, and the binning's range stay
+    torch ops); with ``numerics=`` on four formats at most 3 launches a watched tensor. Each
+    tensor's values are one buffer of the kernels, packed whole: no view of it is made."""
+    torch_steps = _logged_steps(tmp_path, monkeypatch, launches, name, "torch", False)
+    kernel_steps = _logged_steps(tmp_path, monkeypatch, launches, name, "triton", False)
+    assert [bool(on["_buckets"]) for _, on in kernel_steps] == [True, False]  # (histograms on the first only)
+    for (want, _), (ops, launched), most in zip(torch_steps, kernel_steps, (2 / 3, 1 / 2)):
+        assert not ops["aten.unbind"], ops
+        assert ops.total() + launched.total() <= most * want.total(), (ops, launched, want.total())
+    formats = ("fp16", "bf16", "e4m3", "e5m2")
+    for _, launched in _logged_steps(tmp_path, monkeypatch, launches, name, "triton", formats):
+        tensors = launched["_partials"]
+        assert launched["_combine"] == tensors and launched["_scaled_counts"] <= tensors
+        assert launched.total() - launched["_buckets"] <= 3 * tensors, launched
 
 
 @interpreted

@@ -4,13 +4,13 @@ feature maps, and the order in which the modules first run."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
 
 from .._compat import tree_flatten, version
 from ..stats.feature_maps import feature_grid
+from ..stats.kinds import Computed
 from ..stats.numerics import Written
 from ..stats.packing import Record
 from ..stats.recipe import Source
@@ -63,7 +63,7 @@ class ActivationRecorder:
         self._fired: set[str] = set()
         self._mapped: set[str] = set()  # feature maps taken this step
         # The latest activation recorded: (weakref to it, its version, its finite count).
-        self._last_output: tuple[weakref.ref[Tensor], int, Tensor] | None = None
+        self._last_output: tuple[weakref.ref[Tensor], int, Computed] | None = None
         # Whether this step's forward calls included one in training mode, or in eval mode with
         # gradients enabled (a model left in eval mode while it trains).
         self._trained = self._evaluated = False
@@ -160,8 +160,8 @@ class ActivationRecorder:
                     if self.inputs:
                         mode.record(self._input, name, t, units, along_units(split, units, t.dim()))
                     else:
-                        count = (self._finite_input(mode, t),)
-                        mode.add(Record(self._input, name, t.numel(), count, split=split))
+                        finite = self._finite_input(mode, t)
+                        mode.add(Record.of(self._input, name, t.numel(), finite, split=split))
         except Exception as error:
             self.buffer.fail(name, error)
 
@@ -203,20 +203,21 @@ class ActivationRecorder:
             return [(t, None) for t in tensors]
         return [(t, along_units(split, units, t.dim())) for t, split in self.parallel.outputs(module, tensors)]
 
-    def _remember(self, mode: Mode, t: Tensor, values: Mapping[str, Tensor]) -> None:
-        """Keep the finite count of an output for the next module's pre-hook, should its input
+    def _remember(self, mode: Mode, t: Tensor, values: Computed) -> None:
+        """Keep the values (the finite count) of an output for the next module's pre-hook, should its input
         be this very tensor (conv -> bn in a ResNet), saving a pass over it. Not while compiling
         (no weak reference or version there), nor of inference tensors (they have neither)."""
         if not mode.compiled and not t.is_inference():
-            self._last_output = (weakref.ref(t), version(t), values["finite"])
+            self._last_output = (weakref.ref(t), version(t), values)
 
-    def _finite_input(self, mode: Mode, t: Tensor) -> Tensor:
-        """Finite count of an input: the one remembered if the input is the unchanged output
-        of the watched module that ran just before."""
+    def _finite_input(self, mode: Mode, t: Tensor) -> Computed:
+        """Values of an input holding its finite count: the output's remembered if the input is
+        the unchanged output of the watched module that ran just before (where the kernels gave
+        them, their buffer: the input's record shares it)."""
         last = None if mode.compiled else self._last_output  # is_inference() breaks a graph
         if last is not None and last[0]() is t and not t.is_inference() and version(t) == last[1]:
             return last[2]
-        return self.buffer.kernels.compute((self._input,), t, -1)["finite"]
+        return self.buffer.kernels.compute((self._input,), t, -1)
 
     def _add_feature_map(self, mode: Mode, name: str, tensors: list[Tensor]) -> None:
         """Channels of the first sample of the first 3-D-or-more output, first call only."""

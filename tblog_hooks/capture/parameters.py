@@ -133,7 +133,7 @@ class ParameterRecorder:
                 named[name] = named[name].zero_()
             return Record(kind, key, 0, kind.values(named), split=split)
         if unscaled is None:
-            return Record(kind, key, grad.numel(), kind.values(compute((kind,), grad, -1)), split=split)
+            return Record.of(kind, key, grad.numel(), compute((kind,), grad, -1), split=split)
         factor = unscaled.to(grad.device).reshape(())
         named = dict(compute((kind,), grad * factor, -1))
         named["amax"], named["ref"] = named["amax"] / factor, named["ref"] / factor  # (sums are relative to ref)

@@ -20,9 +20,10 @@ from torch import Tensor
 
 from .._compat import TORCH_VERSION, in_backward, in_functorch_transform
 from ..kernels import Kernels
+from ..kernels.outputs import Fused
 from ..stats import sampling
 from ..stats.binning import Sample
-from ..stats.kinds import Kind
+from ..stats.kinds import Computed, Kind
 from ..stats.packing import Record
 from ..stats.recipe import Recipe, Source
 from ..stats.sampling import IndexCache
@@ -228,7 +229,7 @@ class Mode(abc.ABC):
         units: int = -1,
         split: Split | None = None,
         numerics: Kind | None = None,
-    ) -> dict[str, Tensor]:
+    ) -> Computed:
         """Statistics (and a histogram sample over their exact range) of an output, input or
         output gradient (``units``: the dim that holds the module's units; ``split``: how ``t``,
         one rank's piece, is split over ranks), and with ``numerics`` (its ``numerics=`` kind)
@@ -237,13 +238,17 @@ class Mode(abc.ABC):
         if self.takes_histogram(kind.name):
             lo: Tensor | None
             hi: Tensor | None
-            if "min" in named:  # exact extremes, already taken for the scalars
+            at = None
+            if isinstance(named, Fused) and (extremes := _extremes(named)) is not None:
+                lo = hi = named.buffer  # (the kernels' exact extremes, picked out when binning)
+                at = extremes
+            elif "min" in named:  # exact extremes, already taken for the scalars
                 lo, hi = named["min"], named["max"]
             elif kind.name in self.kinds:  # the linear histogram's range (log10 rows bin their own)
                 lo, hi = torch.aminmax(t)
             else:
                 lo = hi = None
-            self.add(Sample(kind.name, name, self.sample(t), t.numel(), lo, hi, split=split))
+            self.add(Sample(kind.name, name, self.sample(t), t.numel(), lo, hi, split=split, at=at))
         return named
 
     def measure(
@@ -254,13 +259,19 @@ class Mode(abc.ABC):
         units: int = -1,
         split: Split | None = None,
         numerics: Kind | None = None,
-    ) -> dict[str, Tensor]:
+    ) -> Computed:
         """Statistics of ``t`` (as for :meth:`record`) without a histogram sample; returns the values, by name."""
         kinds = (kind,) if numerics is None else (kind, numerics)
         named = self.buffer.kernels.compute(kinds, t, units)
         for each in kinds:
-            self.add(Record(each, name, t.numel(), each.values(named), split=split))
+            self.add(Record.of(each, name, t.numel(), named, split=split))
         return named
+
+
+def _extremes(named: Fused) -> int | None:
+    """Where the kernels' exact min lies in their buffer, the max just after it; ``None`` if not there."""
+    lo, hi = named.in_buffer("min"), named.in_buffer("max")
+    return lo[0] if lo is not None and hi is not None and hi[0] == lo[0] + 1 else None
 
 
 class Eager(Mode):

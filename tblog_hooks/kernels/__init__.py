@@ -26,7 +26,7 @@ from ..errors import HookLoggerError
 from . import outputs
 
 if TYPE_CHECKING:
-    from ..stats.kinds import Kind
+    from ..stats.kinds import Computed, Kind
 
 #: The environment variable, and its values.
 VARIABLE = "TBLOG_HOOKS_KERNELS"
@@ -78,13 +78,14 @@ class Kernels:
             self._fused = _import_fused()
         return self._fused
 
-    def compute(self, kinds: Sequence[Kind], t: Tensor, units: int) -> dict[str, Tensor]:
+    def compute(self, kinds: Sequence[Kind], t: Tensor, units: int) -> Computed:
         """Every measure's device values of ``t`` for ``kinds`` (of one tensor: its own and its
         ``numerics=`` kind), by name: where the kernels take ``t``, those of the measures they
-        fuse from one kernel call (with its extremes, for the histogram's range), the others' by
-        their own ``compute``; else every measure's ``compute`` (call under ``no_grad``)."""
+        fuse from one kernel call, in its one buffer (``outputs.Fused``, with its extremes, for
+        the histogram's range), the others' by their own ``compute``; else every measure's
+        ``compute`` (call under ``no_grad``)."""
         fused = {n for kind in kinds for m in kind.measures if m.fused for f in m.fields for n in f.names}
-        out: dict[str, Tensor] = {}
+        out: Computed | None = None
         if fused and self.takes(t):
             try:
                 out = self.fused.statistics(
@@ -92,9 +93,10 @@ class Kernels:
                 )
             except Exception as error:  # (Triton unusable here: a driver, a compiler)
                 self.fail(error)
-        unfused = bool(out)
+        unfused = out is not None
         for kind in kinds:
             out = kind.compute(t, units, unfused=unfused, given=out)
+        assert out is not None  # (kinds: one at least)
         return out
 
     def bucket_counts(

@@ -28,7 +28,8 @@ from torch import Tensor
 
 from ..stats import numerics
 from ..stats.reductions import acc_dtype
-from .outputs import COUNTS, FORMAT_COUNTS, PER_UNIT, SCALARS, TOTALS
+from . import outputs
+from .outputs import COUNTS, PER_UNIT, SCALARS, TOTALS, Fused
 
 _UNSCALED = tuple(f for f in numerics.FORMATS.values() if not f.scaled)
 _SCALED = tuple(f for f in numerics.FORMATS.values() if f.scaled)
@@ -59,6 +60,9 @@ _ZERO, _KEPT, _SMALL, _LEAST = _slots(numerics.UNSCALED_COUNTS, *numerics.UNSCAL
 _N_UNSCALED, _N_SCALED = tl.constexpr(len(_UNSCALED)), tl.constexpr(len(_SCALED))
 _PEAK, _UNIT_AMAX = _slots(PER_UNIT, *PER_UNIT)
 _N_PER_UNIT = tl.constexpr(len(PER_UNIT))
+# The one float64 buffer a call fills (``outputs.slots``): the scalars, the counts from
+# ``_COUNTS_AT``, the per-unit rows from ``_UNITS_AT``.
+_COUNTS_AT, _UNITS_AT = tl.constexpr(len(SCALARS)), tl.constexpr(len(SCALARS) + len(COUNTS))
 _PER_UNSCALED, _PER_SCALED = tl.constexpr(len(numerics.UNSCALED_COUNTS)), tl.constexpr(len(numerics.SCALED_COUNTS))
 # A first-pass partial's float fields, and its int32 counts (the NaN count, then the unscaled
 # formats' counts as in the outputs).
@@ -184,7 +188,7 @@ def _partials(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _combine(  # type: ignore[no-untyped-def]
-    part_ptr, count_ptr, unit_ptr, out_ptr, cnt_ptr, per_unit_ptr, P, PR, U, NUMEL,
+    part_ptr, count_ptr, unit_ptr, out_ptr, P, PR, U, NUMEL,
     C: tl.constexpr, CR: tl.constexpr, CU: tl.constexpr, ACC: tl.constexpr, UNITS: tl.constexpr,
     NUMERICS: tl.constexpr,
 ):  # fmt: skip
@@ -204,7 +208,7 @@ def _combine(  # type: ignore[no-untyped-def]
                 best = tl.maximum(best, tl.where((rows < PR) & (v == v), v, -float("inf")))
             peak = tl.where(tl.max(seen_nan, 0) > 0, float("nan"), tl.max(best, 0))
             flat = pid * CU + tl.arange(0, CU)
-            tl.store(per_unit_ptr + which * U + flat, peak.to(tl.float64), mask=flat < U)
+            tl.store(out_ptr + _UNITS_AT + which * U + flat, peak.to(tl.float64), mask=flat < U)
     if pid == 0:
         lanes = tl.arange(0, C)
         n = tl.zeros([C], ACC)
@@ -255,7 +259,7 @@ def _combine(  # type: ignore[no-untyped-def]
         tl.store(out_ptr + _REF, tl.where(any_nan, nan, top.to(tl.float64)))
         tl.store(out_ptr + _SUM2, tl.sum(s2).to(tl.float64))
         tl.store(out_ptr + _SUM4, tl.sum(s4).to(tl.float64))
-        _sum_counts(count_ptr, cnt_ptr, P, NUMEL, C, NUMERICS)
+        _sum_counts(count_ptr, out_ptr + _COUNTS_AT, P, NUMEL, C, NUMERICS)
 
 
 @triton.jit
@@ -271,28 +275,29 @@ def _summed(count_ptr, P, C: tl.constexpr, SLOT: tl.constexpr):  # type: ignore[
 
 @triton.jit
 def _sum_counts(count_ptr, cnt_ptr, P, NUMEL, C: tl.constexpr, NUMERICS: tl.constexpr):  # type: ignore[no-untyped-def]
-    """The counts of every partial added up: the non-finite count is the elements not finite;
-    the unscaled formats' are 0 without ``NUMERICS``, the scaled formats' start at 0
-    (:func:`_scaled_counts` adds to them)."""
-    tl.store(cnt_ptr + _NONZERO, _summed(count_ptr, P, C, _C_NONZERO))
+    """The counts of every partial added up, into float64 (exact below 2**53): the non-finite
+    count is the elements not finite; the unscaled formats' are 0 without ``NUMERICS``, the
+    scaled formats' start at 0 (:func:`_scaled_counts` adds to them)."""
+    tl.store(cnt_ptr + _NONZERO, _summed(count_ptr, P, C, _C_NONZERO).to(tl.float64))
     finite = _summed(count_ptr, P, C, _C_FINITE)
-    tl.store(cnt_ptr + _FINITE, finite)
-    tl.store(cnt_ptr + _NONFINITE, NUMEL - finite)
+    tl.store(cnt_ptr + _FINITE, finite.to(tl.float64))
+    tl.store(cnt_ptr + _NONFINITE, (NUMEL - finite).to(tl.float64))
     for k in tl.static_range(_PER_UNSCALED * _N_UNSCALED):
         if NUMERICS:
-            tl.store(cnt_ptr + _UNSCALED_AT + k, _summed(count_ptr, P, C, _C_UNSCALED + k))
+            tl.store(cnt_ptr + _UNSCALED_AT + k, _summed(count_ptr, P, C, _C_UNSCALED + k).to(tl.float64))
         else:
-            tl.store(cnt_ptr + _UNSCALED_AT + k, tl.full([], 0, tl.int64))
+            tl.store(cnt_ptr + _UNSCALED_AT + k, tl.full([], 0, tl.float64))
     for k in tl.static_range(_PER_SCALED * _N_SCALED):
-        tl.store(cnt_ptr + _SCALED_AT + k, tl.full([], 0, tl.int64))
+        tl.store(cnt_ptr + _SCALED_AT + k, tl.full([], 0, tl.float64))
 
 
 @triton.jit
 def _scaled_counts(  # type: ignore[no-untyped-def]
-    x_ptr, out_ptr, cnt_ptr, const_ptr, NUMEL, BLOCK: tl.constexpr, ACC: tl.constexpr,
+    x_ptr, out_ptr, const_ptr, NUMEL, BLOCK: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Per scaled format, the elements a cast after per-tensor scaling by ``max / ref`` makes 0
-    and keeps finite (``numerics.measure``'s comparisons, in its order of rounding)."""
+    and keeps finite (``numerics.measure``'s comparisons, in its order of rounding); the counts
+    are added as float64 integers, exact in any order below 2**53."""
     at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = at < NUMEL
     a = tl.abs(tl.load(x_ptr + at, mask=m, other=0.0).to(ACC))
@@ -300,9 +305,9 @@ def _scaled_counts(  # type: ignore[no-untyped-def]
     for i in tl.static_range(_N_SCALED):
         seen = a * (scale * tl.load(const_ptr + _K_MAXIMA + i))
         bounds = const_ptr + _K_SCALED + _PER_SCALED * i
-        own = cnt_ptr + _SCALED_AT + _PER_SCALED * i
-        tl.atomic_add(own + _ZERO, tl.sum((m & (seen <= tl.load(bounds + _ZERO))).to(tl.int64)))
-        tl.atomic_add(own + _KEPT, tl.sum((m & (seen <= tl.load(bounds + _KEPT))).to(tl.int64)))
+        own = out_ptr + _COUNTS_AT + _SCALED_AT + _PER_SCALED * i
+        tl.atomic_add(own + _ZERO, tl.sum((m & (seen <= tl.load(bounds + _ZERO))).to(tl.int64)).to(tl.float64))
+        tl.atomic_add(own + _KEPT, tl.sum((m & (seen <= tl.load(bounds + _KEPT))).to(tl.int64)).to(tl.float64))
 
 
 @triton.jit
@@ -339,12 +344,17 @@ def _layout(x: Tensor, units: int, per_unit: bool) -> tuple[int, int, int]:
     return x.numel() // x.shape[dim], x.shape[dim], inner
 
 
+def _width(x: Tensor, units: int, per_unit: bool) -> int:
+    """Units of ``x`` whose per-unit values a call gives (0: none)."""
+    return x.shape[units % x.dim()] if per_unit and x.dim() >= 2 else 0
+
+
 @torch.library.custom_op("tblog_hooks::tensor_statistics", mutates_args=())
-def tensor_statistics(x: Tensor, units: int, per_unit: bool, numerics: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """``x``'s ``outputs.SCALARS`` (float64), ``outputs.COUNTS`` (int64) and, with ``per_unit``
-    and 2+ dims, its ``outputs.PER_UNIT`` values along dim ``units`` (float64, one row each, a
-    value per unit; else no value).
-    ``x`` is contiguous; without ``numerics`` the per-format counts are 0."""
+def tensor_statistics(x: Tensor, units: int, per_unit: bool, numerics: bool) -> Tensor:
+    """``x``'s values in one float64 buffer laid out as ``outputs.slots``: its ``outputs.SCALARS``,
+    ``outputs.COUNTS`` and, with ``per_unit`` and 2+ dims, its ``outputs.PER_UNIT`` values along
+    dim ``units`` (a row each, a value per unit). ``x`` is contiguous; without ``numerics`` the
+    per-format counts are 0."""
     acc = acc_dtype(x.dtype)
     rest, width, inner = _layout(x, units, per_unit)
     has_units = per_unit and x.dim() >= 2
@@ -354,9 +364,7 @@ def tensor_statistics(x: Tensor, units: int, per_unit: bool, numerics: bool) -> 
     parts = x.new_empty((pr * pu, len(_PARTIAL)), dtype=acc)
     part_counts = x.new_empty((pr * pu, len(_PARTIAL_COUNTS)), dtype=torch.int32)
     unit_parts = x.new_empty((len(PER_UNIT), pr, width) if has_units else (1,), dtype=acc)
-    scalars = x.new_empty(len(SCALARS), dtype=torch.float64)
-    counts = x.new_empty(len(COUNTS), dtype=torch.int64)
-    peaks = x.new_empty((len(PER_UNIT), width if has_units else 0), dtype=torch.float64)
+    out = x.new_empty(outputs.size(_width(x, units, per_unit)), dtype=torch.float64)
     constants = _constants(x.device, acc)
     kind = tl.float64 if acc == torch.float64 else tl.float32
     common = {"ACC": kind, "UNITS": has_units, "NUMERICS": numerics}
@@ -365,24 +373,17 @@ def tensor_statistics(x: Tensor, units: int, per_unit: bool, numerics: bool) -> 
     unit_chunk = min(_pow2(width), UNIT_CHUNK)
     grid = (triton.cdiv(width, unit_chunk) if has_units else 1,)
     chunk, rows = min(_pow2(pr * pu), CHUNK), min(_pow2(pr), CHUNK // unit_chunk)
-    _combine[grid](parts, part_counts, unit_parts, scalars, counts, peaks, pr * pu, pr, width, x.numel(),
+    _combine[grid](parts, part_counts, unit_parts, out, pr * pu, pr, width, x.numel(),
                    C=chunk, CR=rows, CU=unit_chunk, **common)  # fmt: skip
     if numerics:
         block = min(BLOCK, _pow2(x.numel()))
-        _scaled_counts[(triton.cdiv(x.numel(), block),)](
-            x, scalars, counts, constants, x.numel(), BLOCK=block, ACC=kind
-        )
-    return scalars, counts, peaks
+        _scaled_counts[(triton.cdiv(x.numel(), block),)](x, out, constants, x.numel(), BLOCK=block, ACC=kind)
+    return out
 
 
 @tensor_statistics.register_fake
-def _(x: Tensor, units: int, per_unit: bool, numerics: bool) -> tuple[Tensor, Tensor, Tensor]:
-    width = x.shape[units % x.dim()] if per_unit and x.dim() >= 2 else 0
-    return (
-        x.new_empty(len(SCALARS), dtype=torch.float64),
-        x.new_empty(len(COUNTS), dtype=torch.int64),
-        x.new_empty((len(PER_UNIT), width), dtype=torch.float64),
-    )
+def _(x: Tensor, units: int, per_unit: bool, numerics: bool) -> Tensor:
+    return x.new_empty(outputs.size(_width(x, units, per_unit)), dtype=torch.float64)
 
 
 @torch.library.custom_op("tblog_hooks::bucket_counts", mutates_args=())
@@ -403,13 +404,10 @@ def _(values: Tensor, rows: Tensor, half_start: Tensor, scale: Tensor, bins: int
     return values.new_empty((half_start.shape[0], bins), dtype=torch.int32)
 
 
-def statistics(x: Tensor, units: int, *, per_unit: bool, numerics: bool) -> dict[str, Tensor]:
+def statistics(x: Tensor, units: int, *, per_unit: bool, numerics: bool) -> Fused:
     """The values of ``x`` the kernels give, by the names the torch reductions give them
-    (``outputs.OUTPUTS``; with ``per_unit`` only, ``outputs.PER_UNIT``)."""
-    scalars, counts, peaks = tensor_statistics(x.contiguous(), units, per_unit, numerics)
-    out = dict(zip(SCALARS, scalars.unbind()))
-    out.update(zip(TOTALS, counts[: len(TOTALS)].unbind()))
-    out[FORMAT_COUNTS] = counts[len(TOTALS) :]  # (COUNTS: the totals, then the formats')
-    if per_unit:
-        out.update(zip(PER_UNIT, peaks.unbind()))
-    return out
+    (``outputs.OUTPUTS``; with ``per_unit`` only, ``outputs.PER_UNIT``), in one buffer."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    width = _width(x, units, per_unit) if per_unit else None
+    return Fused(tensor_statistics(x, units, per_unit, numerics), outputs.slots(width))

@@ -6,6 +6,10 @@ not give)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, MutableMapping
+
+from torch import Tensor
+
 from ..stats import numerics
 
 #: The float values (float64), in their order in the kernels' output: the moments, the extremes,
@@ -22,3 +26,69 @@ FORMAT_COUNTS = numerics.COUNTS
 PER_UNIT = ("peak", "unit_amax")
 #: Every device value a call of the kernels gives, by name.
 OUTPUTS = (*SCALARS, *TOTALS, FORMAT_COUNTS, *PER_UNIT)
+
+
+def slots(width: int | None) -> dict[str, tuple[int, int, tuple[int, ...]]]:
+    """Where each value lies in the one float64 buffer a call of the kernels fills (``fused.py``):
+    ``{name: (offset, length, shape)}``: the :data:`SCALARS`, the :data:`COUNTS` (exact in float64
+    below 2**53), then, per unit of ``width`` (``None``: no per-unit values), each :data:`PER_UNIT` row."""
+    out: dict[str, tuple[int, int, tuple[int, ...]]] = {name: (i, 1, ()) for i, name in enumerate(SCALARS)}
+    at = len(SCALARS)
+    out.update((name, (at + i, 1, ())) for i, name in enumerate(TOTALS))
+    out[FORMAT_COUNTS] = (at + len(TOTALS), len(numerics.COUNTED), (len(numerics.COUNTED),))
+    at += len(COUNTS)
+    if width is not None:
+        out.update((name, (at + i * width, width, (width,))) for i, name in enumerate(PER_UNIT))
+    return out
+
+
+def size(width: int) -> int:
+    """Elements of the buffer of :func:`slots` (``width``)."""
+    return len(SCALARS) + len(COUNTS) + len(PER_UNIT) * width
+
+
+class Fused(MutableMapping[str, Tensor]):
+    """A tensor's device values by name, those of the kernels lying in their one ``buffer`` (at
+    :func:`slots`), the others (``compute`` of the measures the kernels do not give) tensors of
+    their own. A value of the buffer is a view of it made when first read; a record takes the
+    buffer whole (``packing.Record.of``), so that packing copies it with one op and makes no view."""
+
+    def __init__(self, buffer: Tensor, slots: dict[str, tuple[int, int, tuple[int, ...]]]) -> None:
+        self.buffer = buffer
+        self.slots = slots
+        self.own: dict[str, Tensor] = {}  # (set after the kernels: a value of the buffer replaced)
+        self._views: dict[str, Tensor] = {}
+
+    def copy(self) -> Fused:
+        out = Fused(self.buffer, self.slots)
+        out.own.update(self.own)
+        return out
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name in self.own:
+            return self.own[name]
+        if name not in self._views:
+            offset, length, shape = self.slots[name]
+            self._views[name] = self.buffer[offset : offset + length].view(shape)
+        return self._views[name]
+
+    def __setitem__(self, name: str, value: Tensor) -> None:
+        self.own[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError("the kernels' values are not removed")
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.slots
+        yield from (name for name in self.own if name not in self.slots)
+
+    def __len__(self) -> int:
+        return len(self.slots) + sum(name not in self.slots for name in self.own)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.slots or name in self.own
+
+    def in_buffer(self, name: str) -> tuple[int, int] | None:
+        """``(offset, length)`` of a value that lies in the buffer, as the kernels gave it; else ``None``."""
+        at = None if name in self.own else self.slots.get(name)
+        return None if at is None else at[:2]

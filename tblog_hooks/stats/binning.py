@@ -42,6 +42,15 @@ class Sample(NamedTuple):
     weight: Tensor | None = None
     #: Of one rank's piece of a tensor split over ranks: the other pieces' ranks.
     split: Split | None = None
+    #: Where ``lo`` and ``hi`` are one buffer (the fused kernels', ``kernels.outputs.Fused``): the
+    #: min's offset in it, the max's the next; ``None``: ``lo`` and ``hi`` are 0-d.
+    at: int | None = None
+
+    def ends(self) -> tuple[Tensor | None, Tensor | None]:
+        """The exact min and max, 0-d (``None`` where not known)."""
+        if self.at is None or self.lo is None:
+            return self.lo, self.hi
+        return self.lo[self.at], self.lo[self.at + 1]
 
 
 class RowInfo(NamedTuple):
@@ -74,11 +83,11 @@ def bin_step(
         # Zeros become -inf and, like NaN/Inf, stay out of the histogram.
         logs = torch.cat(_on(device, [h.sample for h in gradients])).float().abs_().log10_()
         values += list(logs.split([h.sample.numel() for h in gradients]))
-        rows += [h._replace(kind=Root.GRADIENT_LOG10, lo=None, hi=None) for h in gradients]
+        rows += [h._replace(kind=Root.GRADIENT_LOG10, lo=None, hi=None, at=None) for h in gradients]
     keys: dict[tuple[str, str], int] = {}
     index = [keys.setdefault((h.kind, h.name), len(keys)) for h in rows]
     lows, highs = _on(device, [h.lo for h in rows]), _on(device, [h.hi for h in rows])
-    binned = bin_rows(values, lows, highs, index, cache, kernels)
+    binned = bin_rows(values, lows, highs, index, cache, kernels, [h.at for h in rows])
     weights = [h.weight for h in rows]
     if any(w is not None for w in weights):  # probes' rows: scale their counts here
         one = binned.new_ones(())
@@ -102,12 +111,14 @@ def bin_rows(
     keys: Sequence[int],
     cache: IndexCache | None = None,
     kernels: Kernels | None = None,
+    at: Sequence[int | None] = (),
 ) -> Tensor:
     """Histograms of all ``samples`` in a fixed number of ops, with no host-device copy.
 
     Rows sharing a key (calls of one module in a step) are binned over one range, so that the
-    host can add them up. The range is ``[lows, highs]`` (exact extremes of the sampled tensor)
-    where given and finite, else the sample's finite extremes. Returns float64 rows
+    host can add them up. The range is ``[lows, highs]`` (exact extremes of the sampled tensor;
+    where ``at`` gives an offset, the min at it and the max after it, in one buffer) where given
+    and finite, else the sample's finite extremes. Returns float64 rows
     ``[start, half_span, min, max, counts...]``; non-finite elements are left out. Under
     ``torch.use_deterministic_algorithms(True)`` only deterministic kernels are used (see :func:`_counts`).
     Where ``kernels`` take the values, one Triton kernel positions and counts them (``kernels/fused.py``).
@@ -125,9 +136,7 @@ def bin_rows(
     lo_s.scatter_reduce_(0, rows, torch.nan_to_num(values, nan=inf, posinf=inf, neginf=inf), "amin")
     hi_s = torch.full((count,), -inf, dtype=dtype, device=device)
     hi_s.scatter_reduce_(0, rows, torch.nan_to_num(values, nan=-inf, posinf=-inf, neginf=-inf), "amax")
-    missing = lo_s.new_full((), math.nan)
-    lo_x = torch.stack([missing if t is None else t for t in lows]).to(dtype)
-    hi_x = torch.stack([missing if t is None else t for t in highs]).to(dtype)
+    lo_x, hi_x = _given_ends(lows, highs, at or [None] * count, dtype)
     # The exact extreme where finite (it is never beyond the sample's), else the sample's.
     lo = torch.minimum(torch.nan_to_num(lo_x, nan=inf, posinf=inf, neginf=inf), lo_s)
     hi = torch.maximum(torch.nan_to_num(hi_x, nan=-inf, posinf=-inf, neginf=-inf), hi_s)
@@ -152,6 +161,40 @@ def bin_rows(
         counts = _counts(position.floor_().add_(offsets), count * BINS).view(count, BINS)
     head = torch.stack([start, half_span, lo, hi], dim=1)
     return torch.cat([head, counts.to(dtype)], dim=1).to(torch.float64)
+
+
+def _given_ends(
+    lows: Sequence[Tensor | None], highs: Sequence[Tensor | None], at: Sequence[int | None], dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """The given extremes of each row as two vectors in ``dtype``, NaN where not given: 0-d ends
+    stacked; where ends lie in buffers (``at``), each buffer taken once and the ends picked out
+    by one index, so that the ops do not grow with the rows."""
+    device = (lows[0] if lows[0] is not None else torch.empty(0)).device
+    nan = torch.full((), math.nan, dtype=dtype, device=device)
+    if all(a is None for a in at):
+        return tuple(torch.stack([nan if t is None else t for t in ends]).to(dtype) for ends in (lows, highs))  # type: ignore[return-value]
+    buffers: dict[int, int] = {}  # id of a buffer: its offset in the pool
+    pool: list[Tensor] = []
+    scalars: list[Tensor] = [nan]
+    places: list[tuple[int, int]] = []  # per end: (0, offset in the pool's buffers) or (1, index in scalars)
+    size = 0
+    for ends, shift in ((lows, 0), (highs, 1)):
+        for t, a in zip(ends, at):
+            if t is None:
+                places.append((1, 0))
+            elif a is None:
+                places.append((1, len(scalars)))
+                scalars.append(t)
+            else:
+                if id(t) not in buffers:
+                    buffers[id(t)] = size
+                    pool.append(t)
+                    size += t.numel()
+                places.append((0, buffers[id(t)] + a + shift))
+    index = np.array([offset if which == 0 else size + offset for which, offset in places], dtype=np.int64)
+    joined = torch.cat([*pool, torch.stack(scalars).to(pool[0].dtype)])
+    picked = joined.index_select(0, device_index(index, device)).to(dtype)
+    return picked[: len(lows)], picked[len(lows) :]
 
 
 def _counts(position: Tensor, buckets: int) -> Tensor:

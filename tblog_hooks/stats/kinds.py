@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..errors import HookLoggerError
 from ..kernels import outputs as kernel_outputs
+from ..kernels.outputs import Fused
 from . import numerics, reductions
 from .formats import FORWARD
 from .tags import HISTOGRAM_KINDS as HISTOGRAM_KINDS  # (its home is tags.py: the dashboard reads it without torch)
@@ -31,6 +32,9 @@ from .tags import Lost, Stat, per_format
 Values = dict[str, np.ndarray]
 #: A record's device values, by name, as a measure's device function returns them.
 Named = Mapping[str, Tensor]
+#: Every measure's device values of a tensor, by name: where the fused kernels gave some, those
+#: lie in their one buffer (``kernels.outputs.Fused``).
+Computed = dict[str, Tensor] | Fused
 
 
 @dataclass(frozen=True)
@@ -213,11 +217,13 @@ class Kind:
         """The statistics (whole-model totals included) that scale with the loss."""
         return tuple(s for m in self.measures if m.scaled for s in (*m.stats, *filter(None, [m.total])))
 
-    def compute(self, t: Tensor, units: int, *, unfused: bool = False, given: Named | None = None) -> dict[str, Tensor]:
+    def compute(
+        self, t: Tensor, units: int, *, unfused: bool = False, given: dict[str, Tensor] | Fused | None = None
+    ) -> Computed:
         """Every measure's device values of ``t``, by name (call under ``no_grad``), after those
-        ``given`` (the fused kernels' or another kind's of ``t``); with ``unfused``, those of the
-        measures the fused kernels do not give (``Measure.fused``)."""
-        out: dict[str, Tensor] = dict(given or {})
+        ``given`` (the fused kernels' or another kind's of ``t``; not changed); with ``unfused``,
+        those of the measures the fused kernels do not give (``Measure.fused``)."""
+        out: Computed = {} if given is None else given.copy()
         for m in self._unfused if unfused else self._computed:
             assert m.compute is not None  # (the computed measures)
             out.update(m.compute(t, units, out) if m.uses else m.compute(t, units))

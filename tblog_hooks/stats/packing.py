@@ -19,8 +19,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..kernels.outputs import Fused
 from .binning import HIST_WIDTH, RowInfo, Sample, bin_step
-from .kinds import Field, Kind, Measure, Values
+from .kinds import Computed, Field, Kind, Measure, Values
 from .recipe import Recipe, Source
 from .sampling import IndexCache
 from .tags import tag
@@ -40,6 +41,37 @@ class Record(NamedTuple):
     shape: tuple[int, ...] = ()  # of an image
     #: Of one rank's piece of a tensor split over ranks: the other pieces' ranks.
     split: Split | None = None
+    #: Where each value (``kind``'s, in field order) lies, ``(index in values, offset, length)``,
+    #: where ``values`` are whole buffers holding them (the fused kernels' buffer, :meth:`of`);
+    #: ``None``: each value is a tensor of ``values`` of its own.
+    spans: tuple[tuple[int, int, int], ...] | None = None
+
+    @classmethod
+    def of(cls, kind: Kind, name: str, numel: int, named: Computed, split: Split | None = None) -> Record:
+        """The record of ``kind``'s values of a tensor (``Kind.compute``'s): those in the fused
+        kernels' buffer by their place in it, the buffer kept whole (packed with one copy and
+        no view, once for every record of the tensor), the others as they are."""
+        names = [n for f in kind.fields for n in f.names]
+        at = [named.in_buffer(n) for n in names] if isinstance(named, Fused) else []
+        if not any(at):
+            return cls(kind, name, numel, kind.values(named), split=split)
+        assert isinstance(named, Fused)  # (what has a buffer)
+        values, spans = [named.buffer], []
+        for n, place in zip(names, at):
+            if place is None:
+                t = named[n]
+                spans.append((len(values), 0, 1 if t.dim() == 0 else t.numel()))
+                values.append(t)
+            else:
+                spans.append((0, *place))
+        return cls(kind, name, numel, tuple(values), split=split, spans=tuple(spans))
+
+    def placed(self) -> list[tuple[Tensor, int, int]]:
+        """Each value as ``(tensor, offset, length)``: a slice of a tensor of ``values``; a 0-d
+        value's length is 1."""
+        if self.spans is None:
+            return [(t, 0, 1 if t.dim() == 0 else t.numel()) for t in self.values]
+        return [(self.values[i], offset, length) for i, offset, length in self.spans]
 
 
 @dataclass(frozen=True)
@@ -83,21 +115,24 @@ class StepLayout:
 
 def pack(records: Sequence[Record], device: torch.device, recipe: Recipe) -> tuple[Tensor, StepLayout]:
     """Every record's values in one float64 tensor on ``device``: 0-d values of one dtype are
-    stacked with one op, vectors concatenated with one, so the op count does not grow with the
-    number of records."""
-    groups: dict[tuple[torch.device, torch.dtype, bool], list[Tensor]] = {}
-    where: list[tuple[tuple[torch.device, torch.dtype, bool], int, int]] = []  # per value: group, index, length
+    stacked with one op, vectors and buffers (each once, however many records hold it)
+    concatenated with one, so the op count does not grow with the number of records."""
+    Group = tuple[torch.device, torch.dtype, bool]
+    groups: dict[Group, list[Tensor]] = {}
+    placed: dict[int, tuple[Group, int]] = {}  # id of a tensor packed: its group and index there
+    where: list[tuple[Group, int, int, int]] = []  # per value: group, index, offset in its tensor, length
     for record in records:
         if not record.values:
             continue
         on = record.values[0].device  # (a record's values are of one tensor: on its device)
-        for t in record.values:
-            scalar = t.dim() == 0
-            key = (on, t.dtype, scalar)
-            group = groups.setdefault(key, [])
-            where.append((key, len(group), 1 if scalar else t.numel()))
-            group.append(t)
-    starts: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
+        for t, offset, length in record.placed():
+            if id(t) not in placed:
+                key = (on, t.dtype, t.dim() == 0)
+                group = groups.setdefault(key, [])
+                placed[id(t)] = (key, len(group))
+                group.append(t)
+            where.append((*placed[id(t)], offset, length))
+    starts: dict[Group, list[int]] = {}
     parts = []
     offset = 0
     for key, group in groups.items():
@@ -110,9 +145,9 @@ def pack(records: Sequence[Record], device: torch.device, recipe: Recipe) -> tup
     values = iter(where)
     for record in records:
         spans = []
-        for _ in record.values:
-            key, index, length = next(values)
-            spans.append((starts[key][index], length))
+        for _ in record.placed():
+            key, index, within, length = next(values)
+            spans.append((starts[key][index] + within, length))
         layout.entries.append(Entry(record.kind, record.name, record.numel, tuple(spans), record.shape, record.split))
     return torch.cat(parts) if len(parts) > 1 else parts[0], layout
 

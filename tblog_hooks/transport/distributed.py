@@ -228,7 +228,7 @@ class Ranks:
             rows = []
             for i, h in numbered:
                 nan = h.sample.new_full((), math.nan)
-                ends = [nan if t is None else t.to(h.sample.dtype).reshape(()) for t in (h.lo, h.hi)]
+                ends = [nan if t is None else t.to(h.sample.dtype).reshape(()) for t in h.ends()]
                 rows += [torch.stack(ends), h.sample.reshape(-1), nan.expand(width[i] - h.sample.numel())]
             along: Split = numbered[0][1].split  # type: ignore[assignment]
             gathered = _gather(torch.cat(rows).double(), along)
