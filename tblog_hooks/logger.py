@@ -102,7 +102,7 @@ class HookLogger:
         self._recording = Recording(
             self._watched, config, feature_maps=frozenset(mapped), logits=logits, model=model, parallel=parallel
         )
-        _check_optimizer(config, averaged=averaged, split=split, graded=bool(self._recording.params()))
+        _check_optimizer(config, averaged=averaged, split=split, graded=bool(self._recording.counted()))
         self._amp = ScaleWatch(config.scaler) if config.scaler is not None and config.scaler.is_enabled() else None
         self._ranks = Ranks(reduce=config.reduce_ranks, split=split, lead=parallel.first_of_groups())
         self._diagnostics = Diagnostics(self._module_names, self._recording.forward_order, config.thresholds)
@@ -336,8 +336,8 @@ def _model_to_watch(model: object) -> tuple[nn.Module, bool]:
 
 
 def _check_optimizer(config: Options, *, averaged: bool, split: bool, graded: bool) -> None:
-    """``optimizer=`` is required where the gradients of watched parameters (``graded``: some are
-    logged) are final only when the optimizer steps: averaged over ranks (DDP), or split over them
+    """``optimizer=`` is required where the parameter gradients (``graded``: some are read, those
+    of the global norm too) are final only when the optimizer steps: averaged over ranks (DDP), or split over them
     (FSDP2, tensor parallelism)."""
     if config.optimizer is None and graded and (split or averaged):
         what = "a sharded model" if split else f"a model trained over {rank_and_world()[1]} ranks (DDP)"

@@ -52,8 +52,8 @@ class WatchOptions:
     """The options that say what is watched and how: every option but those a training loop's
     framework supplies (:class:`Options` adds them); the framework callbacks take these."""
 
-    #: One selector or a list (:data:`~tblog_hooks.Selector`); default: every leaf module that
-    #: owns parameters.
+    #: One selector or a list (:data:`~tblog_hooks.Selector`); default: every module that owns
+    #: parameters itself, with children or not.
     modules: Selector | Sequence[Selector] | None = None
     #: Log optimizer steps ``0, every, 2*every, ...`` (counted in ``step()`` calls).
     every: int = 100

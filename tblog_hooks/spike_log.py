@@ -101,7 +101,7 @@ class SpikeLog:
 
     def _say_if_unjudged(self, queued: bool) -> None:
         """Warn once when ``warmup`` steps in a row brought nothing to judge: no gradient norms read
-        (no ``torch.optim`` optimizer stepped the watched parameters) and no loss given."""
+        (no ``torch.optim`` optimizer stepped the model's parameters) and no loss given."""
         assert self.watch is not None
         if self._unjudged < 0:
             return
@@ -111,7 +111,7 @@ class SpikeLog:
         self._unjudged = -1
         warnings.warn(
             f"tblog_hooks: spikes= has had nothing to judge for {self.watch.config.warmup} steps: no "
-            "torch.optim optimizer stepped the watched parameters (their gradient norms are read in its step "
+            "torch.optim optimizer stepped the model's parameters (their gradient norms are read in its step "
             "hooks) and step() was given no loss; pass the loss, hooks.step(loss=loss), or train with a "
             "torch.optim.Optimizer",
             UserWarning,

@@ -62,7 +62,7 @@ def test_not_a_module() -> None:
 
 def test_default_selection_on_a_model_without_parameters_is_empty(tmp_path) -> None:
     message = _error(nn.Sequential(nn.ReLU(), nn.Tanh()), log_dir=tmp_path)
-    assert "selected no module" in message and "leaf modules that own parameters" in message
+    assert "selected no module" in message and "the modules that own parameters" in message
 
 
 def test_writer_and_log_dir_together(tmp_path) -> None:

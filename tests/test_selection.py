@@ -43,7 +43,7 @@ def test_select_by_name_glob_type_predicate_or_module_and_lists_of_them(tmp_path
     for selector, names in cases.items():
         with HookLogger(model, log_dir=tmp_path / "names", modules=selector) as hooks:
             assert hooks.module_names == names
-    with HookLogger(model, log_dir=tmp_path / "names") as hooks:  # default: leaf modules owning parameters
+    with HookLogger(model, log_dir=tmp_path / "names") as hooks:  # default: the modules owning parameters
         assert hooks.module_names == ("0.0", "1.0", "1.1", "3")
     with HookLogger(model, log_dir=tmp_path / "names", modules=["1.*", nn.Conv2d]) as hooks:
         assert hooks.module_names == ("0.0", "1.0", "1.1", "1.2")

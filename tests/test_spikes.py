@@ -689,7 +689,7 @@ def test_the_steps_after_a_spike_read_late_are_counted_from_the_spike() -> None:
     from tblog_hooks.spike_log import SpikeLog
 
     noise = np.random.default_rng(0).lognormal(0.0, 0.05, 60)
-    rows = {s: [float(noise[s] * (100.0 if s == 40 else 1.0)) ** 2, 1.0] for s in range(60)}
+    rows = {s: [float(noise[s] * (100.0 if s == 40 else 1.0)) ** 2, 0.0, 1.0] for s in range(60)}  # (a, others, loss)
     log = SpikeLog(_LateRows(rows), SpikeWatch(Spikes(), ["a"]), None, None, every=1000, force=True)  # type: ignore[arg-type]
     full = [s + 1 for s in range(60) if log.step(s, None)]
     assert full == [43]

@@ -61,6 +61,8 @@ class ActivationRecorder:
         self.units: dict[str, int] = {}
         self.forward_order: list[str] = []  # watched modules in the order their forward hooks first fired
         self._fired: set[str] = set()
+        #: Watched modules whose forward hook ran in this logged step (eager calls; cleared as it begins).
+        self.called: set[str] = set()
         self._mapped: set[str] = set()  # feature maps taken this step
         # The latest activation recorded: (weakref to it, its version, its finite count).
         self._last_output: tuple[weakref.ref[Tensor], int, Computed] | None = None
@@ -75,13 +77,13 @@ class ActivationRecorder:
         over tensor-parallel ranks, this rank's piece, combined with the others' at the end of
         the step (``topology/parallel.py``)."""
         training = module.training
-        if name in self.buffer.disabled:
-            return None
         mode = self.buffer.now()
-        if mode is None or self._sequence_split(mode):
+        if mode is None or not mode.compiled:
+            # Not while compiling: a set that grows would be one more guard and one more graph.
+            self.called.add(name)
+        if name in self.buffer.disabled or mode is None or self._sequence_split(mode):
             return None
         if not mode.compiled:
-            # Not while compiling: a set that grows would be one more guard and one more graph.
             if name not in self._fired:
                 self._fired.add(name)
                 self.forward_order.append(name)

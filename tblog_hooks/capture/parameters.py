@@ -50,6 +50,8 @@ class ParameterRecorder:
         self.buffer = buffer
         recipe = buffer.recipe
         self._kind, self._update = recipe[Source.PARAM_GRAD], recipe[Source.UPDATE]
+        self._term = recipe[Source.UNWATCHED_PARAM_GRAD]
+        self._unwatched: frozenset[str] = frozenset()  # keys of parameters no watched module owns
         self._numerics = recipe.numerics.get(Source.PARAM_GRAD) if numerics else None
         # Parameters whose gradient was read this step: its record and histogram sample, and with
         # numerics= (of a dense gradient read at the loss scale it was made at, or unscaled) that record.
@@ -58,6 +60,15 @@ class ParameterRecorder:
         self._ready: Named = []  # parameters whose gradient this backward made final
         # Before an optimizer step: the parameters, their pieces' splits, norms and copies.
         self._before_update: tuple[Named, list[Split | None], list[Tensor], list[Tensor]] | None = None
+
+    def counted(self, watched: Watched) -> Named:
+        """The parameters whose gradients a logged step reads, looked up now: the watched
+        modules' (``param_grad/*``) and then the model's others, which count in
+        ``param_grad/global_norm`` only, so that it is the whole model's (what
+        ``clip_grad_norm_(model.parameters())`` computes)."""
+        others = watched.others()
+        self._unwatched = frozenset(key for key, _ in others)
+        return watched.params() + others
 
     def on_param_grad(self, name: str, param: Tensor) -> None:
         """Post-accumulate-grad hook body: ``param.grad`` is final for this backward. Read when
@@ -101,8 +112,9 @@ class ParameterRecorder:
                 # A later read (the next micro-batch's accumulated gradient) replaces an earlier one.
                 dense = {key for key, p in named if p.grad is not None and p.grad.layout == torch.strided}
                 for key, grad, norm, split in zip(keys, grads, found, splits):
-                    record = Record(self._kind, key, grad.numel(), (norm,), split=split)
-                    numeric = self._numeric(key, grad, split, scale, dense, unscaled)
+                    watched = key not in self._unwatched
+                    record = Record(self._kind if watched else self._term, key, grad.numel(), (norm,), split=split)
+                    numeric = self._numeric(key, grad, split, scale, dense, unscaled) if watched else None
                     self._graded[key] = (record, samples.get(key), numeric)
         except Exception as error:
             buffer.fail(named[0][0] if len(named) == 1 else Part.PARAMETERS, error)
@@ -159,7 +171,8 @@ class ParameterRecorder:
             self.buffer.fail(Part.PARAMETERS, error)
 
     def before_update(self, named: Named) -> None:
-        """Optimizer step pre-hook: copy the weights (logged steps only) to measure the update."""
+        """Optimizer step pre-hook: copy the watched weights (logged steps only) to measure the update."""
+        named = [(key, p) for key, p in named if key not in self._unwatched]
         if not named:
             return
         try:
@@ -202,10 +215,12 @@ class ParameterRecorder:
         with torch.no_grad():
             wholes = [p.whole(t) for p, t in zip(waiting, reduced)]
             keys = [p.key for p in waiting]
-            splits = [split for _, split in wholes]
             found = norms([t for t, _ in wholes])
-            records = [Record(self._kind, k, t.numel(), (n,), split=s) for k, (t, s), n in zip(keys, wholes, found)]
-            samples = self._samples(Root.PARAM_GRAD, keys, [t for t, _ in wholes], splits)
+            records = [
+                Record(self._term if k in self._unwatched else self._kind, k, t.numel(), (n,), split=s)
+                for k, (t, s), n in zip(keys, wholes, found)
+            ]
+            samples = self._samples(Root.PARAM_GRAD, keys, [t for t, _ in wholes], [s for _, s in wholes])
         return records, list(samples.values())
 
     @property
@@ -222,15 +237,16 @@ class ParameterRecorder:
         self, kind: str, keys: list[str], tensors: list[Tensor], splits: list[Split | None]
     ) -> dict[str, Sample]:
         """Histogram samples of parameters or their gradients, over the sample's own range (no
-        pass over the whole tensor); none on a step without ``kind``, nor of an empty tensor unless
-        it is a piece of a split one (an empty FSDP2 shard: its empty sample joins the others')."""
+        pass over the whole tensor); none on a step without ``kind``, nor of an unwatched parameter
+        (:meth:`counted`), nor of an empty tensor unless it is a piece of a split one (an empty
+        FSDP2 shard: its empty sample joins the others')."""
         eager = self.buffer.eager
         if not eager.takes_histogram(kind):
             return {}
         return {
             key: Sample(kind, key, eager.sample(t), t.numel(), None, None, split=split)
             for key, t, split in zip(keys, tensors, splits)
-            if t.numel() or split is not None
+            if (t.numel() or split is not None) and key not in self._unwatched
         }
 
     def _gradient(self, key: str, p: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor, Split | None] | None:
@@ -257,8 +273,8 @@ class ParameterRecorder:
 
 class OptimizerHooks:
     """Step pre- and post-hook of every optimizer (``register_optimizer_step_pre_hook`` and
-    ``_post_hook`` of ``torch.optim.optimizer``): on a logged step, the watched parameters an
-    optimizer steps are read when it steps them — after gradient accumulation, DDP averaging
+    ``_post_hook`` of ``torch.optim.optimizer``): on a logged step, the parameters an optimizer
+    steps (:meth:`ParameterRecorder.counted`) are read when it steps them — after gradient accumulation, DDP averaging
     and ``GradScaler.unscale_`` — so each is read by its own optimizer (a GAN's two; one that
     replaced the optimizer given), and one no optimizer steps is not read. The weights are
     copied before the step to measure the update."""
@@ -271,11 +287,12 @@ class OptimizerHooks:
         """``scaler``: the run's ``GradScaler``, whose ``unscale_`` ran before its ``step()`` called
         the optimizer."""
         self.parameters, self.watched, self._scaler = parameters, watched, scaler
-        # This logged step's watched parameters by id, looked up at its first optimizer step
-        # (so parameters replaced just before it are read); None until then and between logged steps.
+        # This logged step's counted parameters by id (``ParameterRecorder.counted``), looked up at its
+        # first optimizer step (so parameters replaced just before it are read); None until then and
+        # between logged steps.
         self._params: dict[int, tuple[str, Tensor]] | None = None
         self._stepped: set[str] = set()  # keys an optimizer stepped this logged step
-        # id(optimizer) -> (its watched parameters, whether to read them after its step), during its step.
+        # id(optimizer) -> (its counted parameters, whether to read them after its step), during its step.
         self._stepping: dict[int, tuple[Named, bool]] = {}
         # The watched parameters' gradients when this logged step began, each with its version, by key.
         self._held: dict[str, tuple[weakref.ref[Tensor], int]] = {}
@@ -287,7 +304,7 @@ class OptimizerHooks:
         try:
             params = self._params  # one read: another thread's optimizer may run this hook too
             if params is None:
-                params = self._params = {id(p): (key, p) for key, p in self.watched.params()}
+                params = self._params = {id(p): (key, p) for key, p in self.parameters.counted(self.watched)}
             named = [entry for group in optimizer.param_groups for p in group["params"] if (entry := params.get(id(p)))]
             if not named:
                 return  # another model's optimizer

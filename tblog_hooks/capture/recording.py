@@ -17,6 +17,7 @@ from ..kernels import Kernels
 from ..stats.binning import Sample
 from ..stats.numerics import Written
 from ..stats.packing import Record, StepLayout, pack_step
+from ..stats.recipe import Source
 from ..stats.reductions import units_dim
 from ..stats.tags import SCALE_TAG, SKIPPED_TAG
 from ..topology.parallel import TensorParallel
@@ -86,11 +87,16 @@ class Recording:
         self.optimizer_steps = OptimizerSteps(self.buffer, watched, self.rewinder)
         self.handles = Handles()  # live until release()
         self._step_handles = Handles()  # live during one logged step
-        self._unstepped_warned = self._eval_warned = False
+        self._unstepped_warned = self._eval_warned = self._uncalled_warned = False
 
     def params(self) -> list[tuple[str, Tensor]]:
         """The watched parameters that are logged (none with ``parameters=False``)."""
         return self.watched.params() if self._parameters else []
+
+    def counted(self) -> list[tuple[str, Tensor]]:
+        """The parameters whose gradients are read (none with ``parameters=False``): the watched
+        ones, then the model's others, for ``param_grad/global_norm`` (``ParameterRecorder.counted``)."""
+        return self.parameters.counted(self.watched) if self._parameters else []
 
     @property
     def forward_order(self) -> list[str]:
@@ -129,13 +135,14 @@ class Recording:
                 RuntimeWarning,
                 stacklevel=4,
             )
+        self.activations.called.clear()
         self.buffer.active = True
         self.buffer.begin(index)
         self.parallel.begin()
         if self.optimizer_hooks is not None and not self._unstepped_warned:
             self.optimizer_hooks.begin()
         if self.optimizer_hooks is None:  # else parameters are read when an optimizer steps them
-            for key, p in self.params():
+            for key, p in self.counted():
                 if p.requires_grad:  # a frozen parameter has no gradient (and takes no hook)
                     self._step_handles.add(p.register_post_accumulate_grad_hook(ParamGradHook(self.parameters, key)))
         elif self.gradients is None:  # no hook of ours would run in backward: one that keeps compiled records
@@ -201,9 +208,39 @@ class Recording:
         records, samples = self.buffer.drain()
         outputs = [] if self.gradients is None else self.gradients.end_step(records)
         graded, rows, waiting = self.parameters.end_step()
+        self._say_uncalled(records, graded, waiting)
         records, samples, waiting = records + graded, samples + rows, waiting + outputs
         self.buffer.streams.keep(_tensors(records, samples, waiting))
         return records, samples, waiting
+
+    def _say_uncalled(self, records: list[Record], graded: list[Record], waiting: list[Pending]) -> None:
+        """Warn once when watched modules recorded no call in a logged step (no forward hook of
+        theirs ran, and no compiled one recorded) while their parameters' gradients were read: a
+        module used functionally or called through ``self.forward(...)`` runs no hook."""
+        recorder = self.activations
+        if self._uncalled_warned or not (recorder.activations or recorder.inputs or self.gradients is not None):
+            return
+        kind = self.buffer.recipe[Source.PARAM_GRAD]
+        read = {r.name for r in graded if r.kind is kind} | {p.key for p in waiting}
+        if not read:
+            return
+        recorded = recorder.called | {r.name for r in records if r.kind.per_call}
+        skipped = recorded | {name for name in self.buffer.disabled if isinstance(name, str)}
+        silent = list(dict.fromkeys(m for m, key, _ in self.watched.owned() if key in read and m not in skipped))
+        if not silent:
+            return
+        self._uncalled_warned = True
+        listed = ", ".join(map(repr, silent[:5])) + (f" and {len(silent) - 5} more" if len(silent) > 5 else "")
+        warnings.warn(
+            f"tblog_hooks: watched module(s) {listed} recorded no call in a logged step although their parameters "
+            "have gradients: their forward hooks never ran, so they have no activation/* or gradient/* statistics "
+            "(their param_grad/* are logged). A module runs no hooks when its weights are used functionally by "
+            "another (nn.MultiheadAttention's out_proj), when its forward is called directly (self.forward(x), "
+            "as forward-forward layers train), or when it was not called in that step; call the module itself "
+            "(layer(x), not layer.forward(x)) to record it, or leave it out of modules= to silence this",
+            RuntimeWarning,
+            stacklevel=5,
+        )
 
     def resolve(self, waiting: list[Pending], reduced: list[Tensor]) -> tuple[list[Record], list[Sample]]:
         """Records and histogram samples of the gradients placed ``Partial``, from their terms

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Union
 
 from torch import nn
-from torch.nn.utils.parametrize import is_parametrized
+from torch.nn.utils.parametrize import ParametrizationList, is_parametrized
 
 from .._compat import WRAPPED_MODULE_ATTRIBUTES
 from ..errors import HookLoggerError
@@ -31,13 +31,15 @@ _LEAF_CUTOFF = 0.6  # (``wq`` is 0.67 like ``wqkv``, 0.5 like ``wo`` or ``w1``)
 
 
 def default_selection(name: str, module: nn.Module) -> bool:
-    """Leaf modules that own parameters: the layers whose weights training changes. A layer
-    with ``torch.nn.utils.parametrizations`` (``spectral_norm``, ``weight_norm``, ``orthogonal``)
-    is one too: its parametrizations, which hold its original parameters, are not layers of
-    their own."""
-    parametrized = is_parametrized(module)
-    children = [child for key, child in module.named_children() if not (parametrized and key == "parametrizations")]
-    return not children and (parametrized or next(module.parameters(recurse=False), None) is not None)
+    """Modules that own parameters themselves, with children or not: the layers whose weights
+    training changes, and a module like ``nn.MultiheadAttention`` for its own ``in_proj_weight``
+    (its ``out_proj`` is a layer of its own), so that every parameter is some watched module's.
+    A layer with ``torch.nn.utils.parametrizations`` (``spectral_norm``, ``weight_norm``,
+    ``orthogonal``) is one too: its parametrizations, which hold its original parameters, are
+    not modules of their own here."""
+    if isinstance(module, ParametrizationList):
+        return False
+    return is_parametrized(module) or next(module.parameters(recurse=False), None) is not None
 
 
 def select_modules(
@@ -72,7 +74,7 @@ def select_modules(
         raise HookLoggerError(
             f"{option}= selected no module of the model; pass names from "
             "model.named_modules(), glob patterns, modules of the model, nn.Module subclasses or predicates"
-            + ("" if selectors is not None else " (the default picks leaf modules that own parameters)")
+            + ("" if selectors is not None else " (the default picks the modules that own parameters)")
         )
     selected: dict[str, tuple[str, nn.Module]] = {}  # display name -> (name, module)
     for i in sorted(matched):  # (a wrapped module comes after its wrapper, of the same name: it is kept)

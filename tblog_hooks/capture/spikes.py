@@ -3,23 +3,25 @@
 An optimizer step pre-hook (``register_optimizer_step_pre_hook``: every ``torch.optim``
 optimizer, after gradient accumulation, DDP averaging and ``GradScaler.unscale_``; the post-hook
 for an optimizer given a closure, which computes the gradients inside its step) takes the
-norms of the watched parameters' gradients that optimizer steps in one multi-tensor op, and
-adds their squares up per watched module on the device (a fixed handful of ops, whatever the
-number of parameters). At ``step()`` the per-module squares, their total and the loss go to a
-host ring of the last ``steps`` steps with one non-blocking copy; a row is read once its copy is
-complete: on the CPU at once, on CUDA when its event says so (at a later ``step()``). A step whose
-gradients were not read (no optimizer stepped, or a fused optimizer's step the ``GradScaler``
-skipped) has negative squares, :data:`NOT_READ`; non-finite ones are the gradients' own.
+norms of the model's gradients that optimizer steps in one multi-tensor op, and adds their
+squares up per watched module on the device, those of parameters no watched module owns in one
+slot of their own (they count in the step's norm, which is the whole model's), in a fixed
+handful of ops, whatever the number of parameters. At ``step()`` the per-module squares, their
+total and the loss go to a host ring of the last ``steps`` steps with one non-blocking copy; a
+row is read once its copy is complete: on the CPU at once, on CUDA when its event says so (at a
+later ``step()``). A step whose gradients were not read (no optimizer stepped, or a fused
+optimizer's step the ``GradScaler`` skipped) has negative squares, :data:`NOT_READ`; non-finite
+ones are the gradients' own.
 
 FSDP2 (and tensor-parallel) gradients are ``DTensor`` pieces: their squares are summed over the
 mesh dims each gradient is sharded on (``topology.sharding.Split``; a ``RowwiseParallel``
-embedding's gradient is ``Replicate`` where its parameter is ``Shard(0)``), one ``all_reduce`` of ``modules``
+embedding's gradient is ``Replicate`` where its parameter is ``Shard(0)``), one ``all_reduce`` of ``modules + 1``
 floats per group of such dims per step, on every rank, in ``step()`` (never in a hook: a rank whose
 hook failed still takes part). Gradients placed ``Partial`` (a sequence-parallel norm's) are left
 out of the per-step norms, said once: only a collective of the whole gradient could add them up.
 
 Which collectives a step makes is fixed when the logger is made, alike on every rank: the
-shard groups of the watched parameters as they are then. A model sharded after that (the logger
+shard groups of the model's parameters as they are then. A model sharded after that (the logger
 made before ``fully_shard`` or ``parallelize_llama``) adds none: the norms are switched off on the
 rank that reads them, which alone would otherwise enter a collective the others never make.
 A parameter two optimizers step in one step (torchtitan's ``OptimizersContainer``, itself an
@@ -70,8 +72,9 @@ class StepNorms:
         their losses, divided by ``divisor()`` (what the data-parallel reduction divides the summed
         gradients by, ``distributed.gradient_divisor``): the loss whose gradients the optimizer applies."""
         self.watched, self.modules, self.steps = watched, tuple(modules), steps
+        self._width = len(self.modules) + 1  # squares per watched module, then the other parameters'
         self._over_ranks, self._lead, self._divisor = over_ranks, lead, divisor
-        # id(parameter) -> (slot: group-set index * modules + module index, parameter, whether it is a
+        # id(parameter) -> (slot: group-set index * width + module index, parameter, whether it is a
         # DTensor, whose gradient is one too); None: look up again.
         self._owners: dict[int, tuple[int, Tensor, bool]] | None = None
         # Shard groups of sharded parameters by their Split's key (alike on every rank), in the order
@@ -82,12 +85,12 @@ class StepNorms:
         self._read_now: set[int] = set()  # id(parameter) of the gradients read this step
         self._device = torch.device("cpu")  # of the squares
         self._after: set[int] = set()  # optimizers stepping with a closure: read after their step
-        self._ring = Ring(steps, len(self.modules))
+        self._ring = Ring(steps, self._width)
         self.failed = False
         self._partial_warned = False
 
     def refresh(self) -> None:
-        """Look the watched parameters up again at the next optimizer step (replaced, unfrozen ones)."""
+        """Look the parameters up again at the next optimizer step (replaced, unfrozen ones)."""
         self._owners = None
 
     def pre(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
@@ -181,7 +184,7 @@ class StepNorms:
     def _combined(self) -> Tensor | None:
         """The step's per-module squares, over every optimizer that stepped and, for sharded
         parameters, over the ranks holding their other pieces: the collectives every rank makes
-        at each step once the watched parameters are known to be sharded, whatever it read."""
+        at each step once the model's parameters are known to be sharded, whatever it read."""
         stepped, self._stepped = list(self._stepped.values()), {}
         self._read_now.clear()
         if not self._group_sets:
@@ -191,9 +194,9 @@ class StepNorms:
         blocks = 1 + len(self._group_sets)
         try:
             if stepped:
-                rows = torch.stack(on_one_device(stepped)).sum(0).view(blocks, len(self.modules))
+                rows = torch.stack(on_one_device(stepped)).sum(0).view(blocks, self._width)
             else:  # (this rank stepped nothing it watches, or stopped watching: it joins with zeros)
-                rows = torch.zeros(blocks, len(self.modules), dtype=torch.float64, device=self._device)
+                rows = torch.zeros(blocks, self._width, dtype=torch.float64, device=self._device)
             for block, groups in enumerate(self._group_sets.values(), 1):
                 for group in groups:
                     dist.all_reduce(rows[block], group=group)
@@ -205,49 +208,45 @@ class StepNorms:
 
     def take(self, *, wait: bool) -> list[tuple[int, np.ndarray, bool]]:
         """Rows whose copy is complete, in step order (with ``wait``: all), as ``(step, row, loss
-        given)``: ``[squared norm per module..., loss, samples]``, :data:`NOT_READ` squares where the
-        step's gradients were not read, a NaN loss where none was given, 0 or NaN samples where
-        none were counted."""
+        given)``: ``[squared norm per module..., of the other parameters, loss, samples]``,
+        :data:`NOT_READ` squares where the step's gradients were not read, a NaN loss where none
+        was given, 0 or NaN samples where none were counted."""
         return self._ring.take(wait=wait)
 
     # -- internals ---------------------------------------------------------------------------
     def _look_up(self) -> dict[int, tuple[int, Tensor, bool]]:
-        """Map each watched parameter to its module's slot (the module owning it by name)."""
+        """Map each parameter of the model to its slot: its watched module's, else the others'."""
         index = {m: i for i, m in enumerate(self.modules)}
+        others = len(self.modules)
         world = rank_and_world()[1]
         owners: dict[int, tuple[int, Tensor, bool]] = {}
-        for key, p in self.watched.params():
-            name = key
-            while name and name not in index:
-                name = name.rpartition(".")[0]
-            if not name:
-                continue
+        slotted = [(index[module], p) for module, _, p in self.watched.owned()]
+        for slot, p in slotted + [(others, p) for _, p in self.watched.others()]:
             block, split = 0, local(p)[1] if world > 1 else None
             if split is not None:
                 if split.key not in self._group_sets:
                     raise HookLoggerError(SHARDED_LATE)
                 block = 1 + list(self._group_sets).index(split.key)
-            owners[id(p)] = (block * len(self.modules) + index[name], p, is_dtensor(p))
+            owners[id(p)] = (block * self._width + slot, p, is_dtensor(p))
         self._owners = owners
         self._indices.clear()
         return owners
 
     def _placed_as(self, grad: Tensor, slot: int) -> int:
         """The slot of a gradient placed otherwise than its parameter: its squares are summed
-        over the mesh dims the gradient is sharded on. Raises ``ValueError`` for dims no watched
-        parameter is sharded on (the ranks' collectives are fixed when the parameters are looked up)."""
+        over the mesh dims the gradient is sharded on. Raises ``ValueError`` for dims no parameter
+        is sharded on (the ranks' collectives are fixed when the parameters are looked up)."""
         split = local(grad)[1]
-        module = slot % len(self.modules)
+        module = slot % self._width
         if split is None:
             return module
         if split.key not in self._group_sets:
-            raise ValueError(
-                f"a gradient is sharded on mesh dims {split.dims}, which no watched parameter is sharded on"
-            )
-        return (1 + list(self._group_sets).index(split.key)) * len(self.modules) + module
+            raise ValueError(f"a gradient is sharded on mesh dims {split.dims}, which no parameter is sharded on")
+        return (1 + list(self._group_sets).index(split.key)) * self._width + module
 
     def _squares(self, grads: list[Tensor], slots: tuple[int, ...], scale: Tensor | None) -> Tensor:
-        """Per-module sums of the squared gradient norms (over the shard groups too), on the device."""
+        """Per-module sums of the squared gradient norms, and the other parameters' (over the shard
+        groups too), on the device."""
         with torch.no_grad():
             squares = stacked_norms(grads).square()
             device = squares.device
@@ -255,7 +254,7 @@ class StepNorms:
             if index is None:
                 index = self._indices[slots] = torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)
             self._device = device
-            sums = squares.new_zeros((1 + len(self._group_sets)) * len(self.modules)).index_add_(0, index, squares)
+            sums = squares.new_zeros((1 + len(self._group_sets)) * self._width).index_add_(0, index, squares)
             if scale is not None:  # a fused optimizer's gradients, still scaled
                 sums = sums / scale.to(device).reshape(()).double().square()
             return sums
@@ -264,7 +263,7 @@ class StepNorms:
         if self._partial_warned:
             return
         self._partial_warned = True
-        names = {id(p): key for key, p in self.watched.params()}
+        names = {id(p): key for key, p in self.watched.all_params()}
         warnings.warn(
             f"tblog_hooks: the per-step gradient norms (spikes=) leave out {len(partial)} parameter(s) whose gradients "
             f"are placed Partial ({', '.join(repr(names.get(id(p), '?')) for p in partial[:3])}, a sequence-parallel "
@@ -286,11 +285,11 @@ class StepNorms:
 
 
 def _group_sets(watched: Watched) -> dict[tuple[object, ...], Groups]:
-    """The shard groups of the watched parameters split over ranks, by their ``Split``'s key (alike
+    """The shard groups of the model's parameters split over ranks, by their ``Split``'s key (alike
     on every rank), in the order found: the collectives of every step, fixed when the logger is made."""
     found: dict[tuple[object, ...], Groups] = {}
     if rank_and_world()[1] > 1:
-        for _, p in watched.params():
+        for _, p in watched.all_params():
             split = local(p)[1]
             if split is not None:
                 found.setdefault(split.key, split.groups)
@@ -411,8 +410,8 @@ def on_one_device(tensors: list[Tensor]) -> list[Tensor]:
 
 
 def any_split(watched: Watched) -> bool:
-    """Whether a watched parameter is a ``DTensor`` of several ranks (its norm needs a collective)."""
-    return rank_and_world()[1] > 1 and any(is_dtensor(p) for _, p in watched.params())
+    """Whether a parameter of the model is a ``DTensor`` of several ranks (its norm needs a collective)."""
+    return rank_and_world()[1] > 1 and any(is_dtensor(p) for _, p in watched.all_params())
 
 
 def _length(tensors: list[Tensor]) -> int:

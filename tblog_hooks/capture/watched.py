@@ -19,6 +19,7 @@ from torch.nn.utils.parametrize import is_parametrized
 from torch.utils.hooks import RemovableHandle
 
 from .._compat import hook_dict_attributes, own_parameters
+from .selection import user_name
 
 
 class Watched:
@@ -32,15 +33,33 @@ class Watched:
     def params(self) -> list[tuple[str, Tensor]]:
         """``[("module.param", parameter)]`` of the watched modules still in the model (frozen ones
         too; tied ones once)."""
+        return [(key, p) for _, key, p in self.owned()]
+
+    def owned(self) -> list[tuple[str, str, Tensor]]:
+        """``(module, "module.param", parameter)`` of :meth:`params`: which watched module owns each."""
         seen: set[int] = set()
-        params: list[tuple[str, Tensor]] = []
+        owned: list[tuple[str, str, Tensor]] = []
         for name, ref in self._modules:
             module = None if name in self._left else ref()
             for pname, p in [] if module is None else _parameters(module):
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
-                    params.append((f"{name}.{pname}", p))
-        return params
+                    owned.append((name, f"{name}.{pname}", p))
+        return owned
+
+    def others(self) -> list[tuple[str, Tensor]]:
+        """``[(name, parameter)]`` of the model's parameters that no watched module owns, by their
+        names in the model (``state_dict()``'s): they count in the global gradient norm, which is
+        the whole model's, and have no tags of their own."""
+        model = self._model()
+        if model is None:
+            return []
+        watched = {id(p) for _, p in self.params()}
+        return [(user_name(name), p) for name, p in model.named_parameters() if id(p) not in watched]
+
+    def all_params(self) -> list[tuple[str, Tensor]]:
+        """:meth:`params`, then :meth:`others`: every parameter of the model, once."""
+        return self.params() + self.others()
 
     def trained_parameter(self) -> Tensor | None:
         """A parameter of the watched modules (or of their children) that requires grad, with

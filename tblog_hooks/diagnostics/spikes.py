@@ -302,16 +302,18 @@ class SpikeWatch:
         self._after_until = -1  # spike/grad_norm/* is written up to this step (the steps after a spike)
 
     def feed(self, step: int, row: np.ndarray, loss_given: bool = True, samples: int | None = None) -> list[Finding]:
-        """One step's row, ``[squared norm per module..., loss]`` (negative squares: not read;
-        a NaN loss and not ``loss_given``: none) and its ``samples``; returns the findings that
-        start at ``step``. Values are judged as written (float32), non-finite ones written too. A
-        non-finite norm starts ``nonfinite`` (once for steps in a row that have one); a step of a
-        small batch is not judged for spikes."""
-        squares = row[: len(self.modules)].astype(np.float64)
-        read = len(squares) > 0 and not (squares < 0).any()
+        """One step's row, ``[squared norm per module..., of the parameters no watched module
+        owns, loss]`` (negative squares: not read; a NaN loss and not ``loss_given``: none) and its
+        ``samples``; returns the findings that start at ``step``. Values are judged as written
+        (float32), non-finite ones written too. A non-finite norm starts ``nonfinite`` (once for
+        steps in a row that have one); a step of a small batch is not judged for spikes. The
+        step's norm is the whole model's: the modules' and the other parameters'."""
+        every = row[: len(self.modules) + 1].astype(np.float64)
+        squares = every[:-1]
+        read = not (every < 0).any()
         with np.errstate(invalid="ignore"):
             norms = np.sqrt(squares).astype(np.float32).astype(np.float64)
-        total = float(np.float32(math.sqrt(squares.sum()))) if read else math.nan
+        total = float(np.float32(math.sqrt(every.sum()))) if read else math.nan
         loss = float(np.float32(row[-1]))
         values = self.pending.setdefault(step, {})
         if read:

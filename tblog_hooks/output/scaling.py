@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..stats.recipe import Source
+from ..stats.recipe import PARAM_GRADS, Source
 from ..stats.tags import SCALE_TAG, SKIPPED_TAG
 from .summary import Histogram, StepSummary
 
@@ -27,7 +27,7 @@ def unscale(summary: StepSummary, *, param_grads_scaled: bool) -> None:
     if SCALE_TAG not in summary.scalars:
         return
     scale, skipped = summary.scalars[SCALE_TAG], bool(summary.scalars[SKIPPED_TAG])
-    sources = {Source.OUTPUT_GRADIENT, Source.PARAM_GRAD} if param_grads_scaled or skipped else {Source.OUTPUT_GRADIENT}
+    sources = {Source.OUTPUT_GRADIENT, *PARAM_GRADS} if param_grads_scaled or skipped else {Source.OUTPUT_GRADIENT}
     _divide(summary, sources, None if skipped else scale)
 
 

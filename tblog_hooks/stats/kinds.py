@@ -395,6 +395,15 @@ PARAM_GRAD_NORM = Measure(
     scaled=True,
     total=Stat.GLOBAL_NORM,
 )
+#: The gradient norm of a parameter that no watched module owns: counted in
+#: ``param_grad/global_norm`` only (the whole model's), with no tag of its own.
+GLOBAL_NORM_TERM = Measure(
+    name="unwatched parameter gradient norm",
+    fields=(Field(name="norm", pool=FIRST),),
+    scalars=lambda v, n: {},
+    scaled=True,
+    total=Stat.GLOBAL_NORM,
+)
 #: An optimizer step's change of a parameter, ``||W_after - W_before|| / ||W_before||``
 #: (``param/update_ratio``; left out where the weight is all zeros); recorded by ``capture/parameters.py``.
 UPDATE_RATIO = Measure(

@@ -23,6 +23,7 @@ from .formats import BACKWARD
 from .kinds import (
     ATTENTION_HEADS,
     ELEMENTS,
+    GLOBAL_NORM_TERM,
     GRADIENT_NONFINITE,
     GRADIENT_NORM,
     HISTOGRAM_ROWS,
@@ -59,6 +60,8 @@ class Source(enum.StrEnum):
     OUTPUT_GRADIENT = "output_gradient"
     #: A watched parameter's final gradient (``param_grad/*``), recorded by ``capture/parameters.py``.
     PARAM_GRAD = "param_grad"
+    #: The final gradient of a parameter no watched module owns: in ``param_grad/global_norm`` only.
+    UNWATCHED_PARAM_GRAD = "unwatched_param_grad"
     #: An optimizer step's change of a parameter (``param/update_ratio``), recorded by ``capture/parameters.py``.
     UPDATE = "update"
     #: A device value logged under its own tag (``amp/*``).
@@ -102,7 +105,9 @@ NUMERIC_MEASURES = {
 }
 #: The sources whose scaled statistics carry the ``GradScaler``'s loss scale (parameter
 #: gradients only where they are read before ``unscale_``, see ``output/scaling.py``).
-LOSS_SCALED = (Source.OUTPUT_GRADIENT, Source.PARAM_GRAD)
+LOSS_SCALED = (Source.OUTPUT_GRADIENT, Source.PARAM_GRAD, Source.UNWATCHED_PARAM_GRAD)
+#: The sources of parameter gradients, read where the optimizer steps them (or as backward ends).
+PARAM_GRADS = (Source.PARAM_GRAD, Source.UNWATCHED_PARAM_GRAD)
 
 #: The histograms that carry the loss scale, by tag root: their source, and whether they bin
 #: log10 magnitudes (shifted, not divided).
@@ -118,6 +123,7 @@ _TRAVEL: dict[Source, dict[str, object]] = {
     Source.NONFINITE_INPUT: {"name": Root.INPUT, "per_call": True},
     Source.OUTPUT_GRADIENT: {"name": Root.GRADIENT, "per_call": True, "counts": False},
     Source.PARAM_GRAD: {"name": Root.PARAM_GRAD, "norms": True},
+    Source.UNWATCHED_PARAM_GRAD: {"name": Root.PARAM_GRAD, "norms": True},
     Source.UPDATE: {"name": Root.PARAM, "norms": True},
     Source.SCALAR: {"name": "scalar"},
     Source.IMAGE: {"name": Root.FEATURE_MAP},
@@ -139,6 +145,7 @@ _MEASURES: dict[Source, tuple[Measure, ...]] = {
     Source.NONFINITE_INPUT: (NONFINITE,),
     Source.OUTPUT_GRADIENT: (GRADIENT_NORM, GRADIENT_NONFINITE),
     Source.PARAM_GRAD: (PARAM_GRAD_NORM,),
+    Source.UNWATCHED_PARAM_GRAD: (GLOBAL_NORM_TERM,),
     Source.UPDATE: (UPDATE_RATIO,),
     Source.SCALAR: (SCALAR_VALUE,),
     Source.IMAGE: (PIXELS,),
@@ -228,14 +235,16 @@ class Recipe:
         return tuple(k for k in (self.kinds.get(source), self.numerics.get(source)) if k is not None)
 
     def _check_tags(self) -> None:
-        """No two measures of kinds sharing a tag root give the same statistic (they would write one tag)."""
+        """No two measures of kinds sharing a tag root give the same statistic (they would write
+        one tag); a whole-model total may be several measures' (it adds up all their records)."""
         by_root: dict[str, dict[str, Measure]] = {}
         for kind in self.all:
             owner = by_root.setdefault(kind.name, {})
             for measure in kind.measures:
                 for stat in (*measure.stats, *filter(None, [measure.total])):
                     first = owner.setdefault(stat, measure)
-                    if first is not measure:  # (one kind's twice: Kind refuses those)
+                    shared = stat == measure.total == first.total
+                    if first is not measure and not shared:  # (one kind's twice: Kind refuses those)
                         raise HookLoggerError(
                             f"{describe(measure)} and {describe(first)} both write '{kind.name}/{stat}/...'; "
                             "give the new measure a statistic of its own"
