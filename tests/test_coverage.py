@@ -212,14 +212,15 @@ def test_forward_forward_layers_trained_through_self_forward_are_said_once(tmp_p
     assert set(run.scalars["param_grad/norm/0.weight"]) == {0, 1, 2}
 
 
-def test_a_module_used_functionally_is_said_once_and_called_modules_are_not(tmp_path) -> None:
-    """``nn.MultiheadAttention`` uses its ``out_proj``'s weight in the functional attention, never
-    calling it: named once for all steps; the modules called (the attention itself, the Linears,
-    a BatchNorm kept in eval mode while its affine parameters train) are not."""
+def _train_attention(log_dir, **options: object) -> list[warnings.WarningMessage]:
+    """Three logged steps of the word-language-model Transformer; the "recorded no call" warnings."""
     torch.manual_seed(0)
     model = WordTransformer()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with warnings.catch_warnings(record=True) as caught, HookLogger(model, log_dir=tmp_path, every=1) as hooks:
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        HookLogger(model, log_dir=log_dir, every=1, **options) as hooks,
+    ):
         warnings.simplefilter("always")
         for _ in range(3):
             src = torch.randint(0, 20, (7, 3))
@@ -227,11 +228,22 @@ def test_a_module_used_functionally_is_said_once_and_called_modules_are_not(tmp_
             opt.step()
             opt.zero_grad()
             hooks.step()
-    said = [w for w in caught if "recorded no call" in str(w.message)]
+    return [w for w in caught if "recorded no call" in str(w.message)]
+
+
+def test_a_module_used_functionally_is_said_once_and_called_modules_are_not(tmp_path) -> None:
+    """``nn.MultiheadAttention`` uses its ``out_proj``'s weight in the functional attention, never
+    calling it: watched without the attention (Linears only), named once for all steps; by default
+    the attention is watched too, and its output, which is the out_proj's, is recorded under its
+    name: nothing to say. The modules called (the Linears, a BatchNorm kept in eval mode while its
+    affine parameters train) are not named."""
+    said = _train_attention(tmp_path / "linears", modules=[nn.Linear])
     assert len(said) == 1 and said[0].filename == __file__
     listed = str(said[0].message).split(" recorded no call")[0]
     assert listed.endswith("'encoder.layers.0.self_attn.out_proj', 'encoder.layers.1.self_attn.out_proj'")
-    assert "out_proj" in str(said[0].message)
+    assert _train_attention(tmp_path / "default") == []
+    run = read_run(tmp_path / "default")
+    assert set(run.scalars["activation/mean/encoder.layers.0.self_attn"]) == {0, 1, 2}
 
     bn = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
     bn[1].eval()  # (frozen statistics, trained affine parameters: called, not recorded without eval_passes)

@@ -226,6 +226,7 @@ class Recording:
             return
         recorded = recorder.called | {r.name for r in records if r.kind.per_call}
         skipped = recorded | {name for name in self.buffer.disabled if isinstance(name, str)}
+        skipped |= {m for m, parent in self.watched.computed_by_parent().items() if parent in recorded}
         silent = list(dict.fromkeys(m for m, key, _ in self.watched.owned() if key in read and m not in skipped))
         if not silent:
             return

@@ -47,6 +47,25 @@ class Watched:
                     owned.append((name, f"{name}.{pname}", p))
         return owned
 
+    def computed_by_parent(self) -> dict[str, str]:
+        """``{module: parent}`` of the watched modules whose output their parent computes without
+        calling them, as its own output: ``nn.MultiheadAttention``'s ``out_proj``, whose weight
+        ``F.multi_head_attention_forward`` uses. Where the parent is watched, that output and its
+        gradient are recorded under the parent's name."""
+        model = self._model()
+        found: dict[str, str] = {}
+        for name, ref in self._modules:
+            parent_name, _, leaf = name.rpartition(".")
+            if leaf != "out_proj" or model is None or name in self._left:
+                continue
+            try:
+                parent = model.get_submodule(parent_name)
+            except AttributeError:
+                continue
+            if isinstance(parent, nn.MultiheadAttention) and parent.out_proj is ref():
+                found[name] = parent_name
+        return found
+
     def others(self) -> list[tuple[str, Tensor]]:
         """``[(name, parameter)]`` of the model's parameters that no watched module owns, by their
         names in the model (``state_dict()``'s): they count in the global gradient norm, which is
