@@ -95,9 +95,7 @@ class HookLogger:
         self._recorded_steps = 0
         self._module_names = tuple(selected)
         self._watched = Watched(model, selected)
-        parallel = TensorParallel(model)
-        parallel.look_up()
-        _check_compiled_parts(model, selected, tensor_parallel=parallel.tensor_parallel)
+        parallel = _tensor_parallel(model, selected)
         split = parallel.holds_split()
         self._recording = Recording(
             self._watched, config, feature_maps=frozenset(mapped), logits=logits, model=model, parallel=parallel
@@ -116,9 +114,8 @@ class HookLogger:
         self._outbox = _outbox(self._destination, self._diagnostics, self._recording, divisor)
         _warn_if_shared(model, self._destination)
         spiking = (self._recording.handles, self._diagnostics, self._destination, self._ranks, model, divisor)
-        self._spikes = SpikeLog.of(config, self._watched, self._module_names, *spiking)
-        if isinstance(self._spikes, SpikeLog):
-            self._recording.optimizer_steps.every_step.append(self._spikes.samples.rewinder)
+        closures = self._recording.optimizer_steps.every_step
+        self._spikes = SpikeLog.of(config, self._watched, self._module_names, *spiking, closures=closures)
         # A rank that neither writes nor takes part in collectives is off from the start.
         self._state = _State.OFF if self._writer is None and not self._ranks.needed else _State.IDLE
         self._recording.attach(model, selected)
@@ -240,9 +237,7 @@ class HookLogger:
             self._recording.end()
             if self._amp is not None and not self._recording.empty:
                 self._amp.finish(self._recording.buffer)
-            drained = self._recording.drain()
-            if not written:
-                drained = ([], [], [])
+            drained = self._recording.drain(dropped=not written)
             if not self._ranks.packs_together(drained):
                 packed = self._recording.pack(*drained[:2])
         except Exception as error:  # e.g. histc under deterministic CUDA
@@ -271,12 +266,7 @@ class HookLogger:
         if self._state.off:
             return
         self._state = _State.JOINING if self._state.in_step else _State.OFF
-        warnings.warn(
-            f"tblog_hooks: {what} failed, so logging is switched off (training continues; "
-            f"log_dir={self._writer.log_dir if self._writer else None!r}): {type(error).__name__}: {error}",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+        _warn_switched_off(what, error, self._writer)
 
     # -- writing and closing -------------------------------------------------------------------
     def _write(self, *, wait: bool) -> None:
@@ -296,8 +286,7 @@ class HookLogger:
                 self._recording.stop()  # dropped, see close()
                 self._state = _State.OFF if self._state.off else _State.IDLE
             elif self._state.in_step:
-                # Forward passes after the last step() (a prediction) are no training step; a run whose
-                # only step this is (step() never called) keeps it.
+                # A prediction after the last step() is no training step, unless it is the run's only one.
                 self._end_logged_step(written=self._recording.trained or not self._recorded_steps)
             self._write(wait=True)
             self._spikes.close()
@@ -393,6 +382,24 @@ def _logit_modules(model: nn.Module, config: Options, selected: dict[str, nn.Mod
             "add them to modules= as well"
         )
     return frozenset(named)
+
+
+def _warn_switched_off(what: str, error: BaseException, writer: SummaryWriter | None) -> None:
+    warnings.warn(
+        f"tblog_hooks: {what} failed, so logging is switched off (training continues; "
+        f"log_dir={writer.log_dir if writer else None!r}): {type(error).__name__}: {error}",
+        RuntimeWarning,
+        stacklevel=5,
+    )
+
+
+def _tensor_parallel(model: nn.Module, selected: dict[str, nn.Module]) -> TensorParallel:
+    """How ``model`` is split over tensor-parallel ranks, looked up; the compiled parts among
+    ``selected`` checked against it."""
+    parallel = TensorParallel(model)
+    parallel.look_up()
+    _check_compiled_parts(model, selected, tensor_parallel=parallel.tensor_parallel)
+    return parallel
 
 
 def _check_compiled_parts(model: nn.Module, selected: dict[str, nn.Module], *, tensor_parallel: bool) -> None:

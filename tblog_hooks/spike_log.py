@@ -44,11 +44,14 @@ class SpikeLog:
         cls, config: Options, watched: Watched, modules: Sequence[str],
         handles: Handles, diagnostics: Diagnostics, destination: Destination | None, ranks: Ranks,
         model: nn.Module | None = None, divisor: Callable[[], float] = lambda: 1.0,
+        closures: list[Callable[[], Callable[[], None]]] | None = None,
     ) -> SpikeLog | NoSpikes:  # fmt: skip
         """The spike watch ``config`` asks for, its hooks kept in ``handles`` (``diagnostics``: the
         health findings it tells of spikes, and the watched modules in forward order as far as
         known; ``model``'s forward pre-hook counts each step's samples; ``divisor``: of the ranks'
-        summed losses, ``distributed.gradient_divisor``)."""
+        summed losses, ``distributed.gradient_divisor``; ``closures``: what each evaluation of a
+        closure optimizer's closure sets back, ``OptimizerSteps.every_step``, where the sample
+        count goes: an LBFGS step's samples are one evaluation's)."""
         health, order = diagnostics.health, diagnostics.order
         spikes = config.spike_config
         if spikes is None or (destination is None and not (ranks.reduce or any_split(watched))):
@@ -60,6 +63,8 @@ class SpikeLog:
         log = cls(norms, watch, health, destination, every=config.every, force=not ranks.needed)
         if model is not None:
             handles.add(model.register_forward_pre_hook(log.samples, with_kwargs=True))
+        if closures is not None:
+            closures.append(log.samples.rewinder)
         # Under collectives in logged steps every rank must log the same steps: no extra ones then.
         return log
 

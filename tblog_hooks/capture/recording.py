@@ -25,10 +25,9 @@ from ..topology.sharding import Pending
 from .activations import ActivationRecorder
 from .attention import AttentionRecorder
 from .hooks import ForwardHook, ForwardPreHook, KeepTraced, ParamGradHook, PlacementHook
-from .optimizer_steps import OptimizerSteps, Rewind
 from .output_gradients import OutputGradientRecorder
 from .parameters import OptimizerHooks, ParameterRecorder
-from .step import Part, StepBuffer
+from .step import OptimizerSteps, Part, Rewind, StepBuffer
 from .watched import Handles, Watched
 
 if TYPE_CHECKING:
@@ -156,7 +155,7 @@ class Recording:
 
     def rewinder(self) -> Rewind:
         """What drops every record this logged step's hooks make after now (each evaluation of a
-        closure optimizer's closure starts with it, see ``optimizer_steps.py``)."""
+        closure optimizer's closure starts with it, ``step.OptimizerSteps``)."""
         buffer, activations, gradients = self.buffer, self.activations, self.gradients
         at, mapped, pending = buffer.mark(), activations.mark(), 0 if gradients is None else gradients.mark()
 
@@ -201,47 +200,30 @@ class Recording:
             self.optimizer_hooks.clear()
         self.parameters.weights(self.params)
 
-    def drain(self) -> tuple[list[Record], list[Sample], list[Pending]]:
+    def drain(self, *, dropped: bool = False) -> tuple[list[Record], list[Sample], list[Pending]]:
         """The step's records and histogram samples, and the gradients still to be reduced over
         ranks (``sharding.Pending``), ready for the current stream (``transport/streams.py``);
-        the recorders are reset."""
+        the recorders are reset. ``dropped``: none (a step that is not written)."""
         records, samples = self.buffer.drain()
         outputs = [] if self.gradients is None else self.gradients.end_step(records)
         graded, rows, waiting = self.parameters.end_step()
+        if dropped:
+            return [], [], []
         self._say_uncalled(records, graded, waiting)
         records, samples, waiting = records + graded, samples + rows, waiting + outputs
         self.buffer.streams.keep(_tensors(records, samples, waiting))
         return records, samples, waiting
 
     def _say_uncalled(self, records: list[Record], graded: list[Record], waiting: list[Pending]) -> None:
-        """Warn once when watched modules recorded no call in a logged step (no forward hook of
-        theirs ran, and no compiled one recorded) while their parameters' gradients were read: a
-        module used functionally or called through ``self.forward(...)`` runs no hook."""
+        """Warn once when watched modules recorded no call in a logged step while their parameters'
+        gradients were read (:func:`_uncalled`)."""
         recorder = self.activations
         if self._uncalled_warned or not (recorder.activations or recorder.inputs or self.gradients is not None):
             return
-        kind = self.buffer.recipe[Source.PARAM_GRAD]
-        read = {r.name for r in graded if r.kind is kind} | {p.key for p in waiting}
-        if not read:
-            return
-        recorded = recorder.called | {r.name for r in records if r.kind.per_call}
-        skipped = recorded | {name for name in self.buffer.disabled if isinstance(name, str)}
-        skipped |= {m for m, parent in self.watched.computed_by_parent().items() if parent in recorded}
-        silent = list(dict.fromkeys(m for m, key, _ in self.watched.owned() if key in read and m not in skipped))
-        if not silent:
-            return
-        self._uncalled_warned = True
-        listed = ", ".join(map(repr, silent[:5])) + (f" and {len(silent) - 5} more" if len(silent) > 5 else "")
-        warnings.warn(
-            f"tblog_hooks: watched module(s) {listed} recorded no call in a logged step although their parameters "
-            "have gradients: their forward hooks never ran, so they have no activation/* or gradient/* statistics "
-            "(their param_grad/* are logged). A module runs no hooks when its weights are used functionally by "
-            "another (nn.MultiheadAttention's out_proj), when its forward is called directly (self.forward(x), "
-            "as forward-forward layers train), or when it was not called in that step; call the module itself "
-            "(layer(x), not layer.forward(x)) to record it, or leave it out of modules= to silence this",
-            RuntimeWarning,
-            stacklevel=5,
-        )
+        silent = _uncalled(self.buffer, self.watched, recorder.called, records, graded, waiting)
+        if silent:
+            self._uncalled_warned = True
+            _warn_uncalled(silent)
 
     def resolve(self, waiting: list[Pending], reduced: list[Tensor]) -> tuple[list[Record], list[Sample]]:
         """Records and histogram samples of the gradients placed ``Partial``, from their terms
@@ -336,3 +318,35 @@ class ScaleWatch:
             used, skipped = before, scale < before
         buffer.record_scalar(SCALE_TAG, used)
         buffer.record_scalar(SKIPPED_TAG, skipped)
+
+
+def _uncalled(
+    buffer: StepBuffer, watched: Watched, called: set[str], records: list[Record], graded: list[Record],
+    waiting: list[Pending],
+) -> list[str]:  # fmt: skip
+    """Watched modules that recorded no call in a logged step (no forward hook of theirs ran,
+    ``called``, and no compiled one recorded) while their parameters' gradients were read: a
+    module used functionally or called through ``self.forward(...)`` runs no hook. An ``out_proj``
+    whose attention recorded is not one (``Watched.computed_by_parent``)."""
+    kind = buffer.recipe[Source.PARAM_GRAD]
+    read = {r.name for r in graded if r.kind is kind} | {p.key for p in waiting}
+    if not read:
+        return []
+    recorded = called | {r.name for r in records if r.kind.per_call}
+    skipped = recorded | {name for name in buffer.disabled if isinstance(name, str)}
+    skipped |= {m for m, parent in watched.computed_by_parent().items() if parent in recorded}
+    return list(dict.fromkeys(m for m, key, _ in watched.owned() if key in read and m not in skipped))
+
+
+def _warn_uncalled(silent: list[str]) -> None:
+    listed = ", ".join(map(repr, silent[:5])) + (f" and {len(silent) - 5} more" if len(silent) > 5 else "")
+    warnings.warn(
+        f"tblog_hooks: watched module(s) {listed} recorded no call in a logged step although their parameters "
+        "have gradients: their forward hooks never ran, so they have no activation/* or gradient/* statistics "
+        "(their param_grad/* are logged). A module runs no hooks when its weights are used functionally by "
+        "another (nn.MultiheadAttention's out_proj), when its forward is called directly (self.forward(x), "
+        "as forward-forward layers train), or when it was not called in that step; call the module itself "
+        "(layer(x), not layer.forward(x)) to record it, or leave it out of modules= to silence this",
+        RuntimeWarning,
+        stacklevel=6,
+    )
