@@ -56,7 +56,7 @@ def reference(x: Tensor, units: int, *, per_unit: bool, with_numerics: bool) -> 
         "nonzero": torch.count_nonzero(x),
         "finite": reductions.finite(x),
         "nonfinite": reductions.nonfinite(x),
-        "norm": torch.linalg.vector_norm(x, dtype=reductions.acc_dtype(x.dtype)),
+        "norm": reductions.norm(x),
     }
     if per_unit:
         out.update(reductions.unit_peaks(x, units))
@@ -125,6 +125,8 @@ def _special() -> dict[str, Tensor]:
         "zero": torch.zeros(1),
         "float32 subnormals": torch.tensor([[1e-40, -1e-41, 0.0], [1e-45, 2e-38, -3e-39]]),
         "large mean": 1e4 + torch.randn(64, 8, generator=g),
+        "loss-scaled": 2.0**100 * torch.randn(64, 8, generator=g),  # (a square overflows float32)
+        "tiny": 1e-30 * torch.randn(64, 8, generator=g),  # (a square underflows float32)
         "nan in one unit": one_unit_nan,
     }  # fmt: skip
 
@@ -263,11 +265,11 @@ for x, acc in (("*bf16", tl.float32), ("*fp64", tl.float64)):
     sizes = {"R": "i64", "U": "i32", "INNER": "i32", "PU": "i32", "PR": "i32"}
     for numerics in (True, False):
         common = dict(ACC=acc, UNITS=numerics, NUMERICS=numerics)
-        compile(f._partials, {"x_ptr": x, "part_ptr": a, "count_ptr": "*i32", "unit_ptr": a, "const_ptr": a,
+        compile(f._partials, {"x_ptr": x, "part_ptr": "*fp64", "count_ptr": "*i32", "unit_ptr": a, "const_ptr": a,
                               **sizes}, dict(BR=64, BU=64, **common))
-        compile(f._combine, {"part_ptr": a, "count_ptr": "*i32", "unit_ptr": a, "out_ptr": "*fp64",
+        compile(f._combine, {"part_ptr": "*fp64", "count_ptr": "*i32", "unit_ptr": a, "out_ptr": "*fp64",
                              "cnt_ptr": "*i64", "per_unit_ptr": "*fp64", "P": "i32", "PR": "i32", "U": "i32",
-                             "NUMEL": "i64"}, dict(C=1024, CR=32, CU=32, **common))
+                             "NUMEL": "i64"}, dict(C=1024, CN=64, CR=32, CU=32, **common))
     compile(f._scaled_counts, {"x_ptr": x, "out_ptr": "*fp64", "cnt_ptr": "*i64", "const_ptr": a, "NUMEL": "i64"},
             dict(BLOCK=4096, ACC=acc))
     compile(f._buckets, {"v_ptr": a, "row_ptr": "*i64", "half_start_ptr": a, "scale_ptr": a, "count_ptr": "*i32",
