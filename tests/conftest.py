@@ -39,10 +39,55 @@ from torch.utils._python_dispatch import TorchDispatchMode
 #: (``pytest_collection_modifyitems``), which is how scripts/cuda_check.py finds them all.
 NEEDS_CUDA = "needs a CUDA device"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
+
+
+def _interpret_without_swapping_twice() -> None:
+    """Triton's interpreter swaps ``triton.language``'s builtins for interpreted ones when a
+    kernel is launched (undone when it ends), and again on every call of a ``@triton.jit``
+    function inside it (``tl.sum``, ``tl.max``, ``tl.zeros`` are such functions), each time
+    listing every member of the language with ``inspect.getmembers``: half the time the fused
+    kernels take in the interpreter. Inside a launch, a call whose language modules the launch
+    has already swapped swaps nothing, so it is skipped (where Triton's interpreter has no
+    ``_patch_lang``, nothing is changed: the kernels run as they are, slower)."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    swap = getattr(interpreter, "_patch_lang", None)
+    if swap is None:
+        return
+    swapped: set[int] = set()  # the language modules the launch under way has swapped
+
+    class Launch:
+        def __init__(self, scope: object) -> None:
+            self.scope = scope
+
+        def restore(self) -> None:
+            swapped.clear()
+            self.scope.restore()  # type: ignore[attr-defined]
+
+    class Nothing:
+        def restore(self) -> None:
+            pass
+
+    def swap_once(fn: Callable[..., object]) -> object:
+        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        if swapped and langs <= swapped:
+            return Nothing()
+        launch = not swapped  # (a launch's own call: nothing swapped yet)
+        scope = swap(fn)
+        swapped.update(langs)
+        return Launch(scope) if launch else scope
+
+    interpreter._patch_lang = swap_once
+
+
 if not torch.cuda.is_available():
     # Triton's interpreter runs the fused kernels on CPU tensors (tests/test_kernels.py); it is
     # chosen when the kernels are defined, so before anything imports tblog_hooks.kernels.fused.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    _interpret_without_swapping_twice()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -104,6 +149,23 @@ def assert_same_weights(plain: torch.nn.Module, logged: torch.nn.Module) -> None
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """The fused kernels launched, by name, while the test runs (skipped where Triton is not
+    importable)."""
+    fused = pytest.importorskip("tblog_hooks.kernels.fused", reason="Triton is not importable")
+    launched: Counter[str] = Counter()
+    for name in ("_partials", "_combine", "_scaled_counts", "_buckets"):
+        kernel = getattr(fused, name)
+
+        def run(*args: object, _run: object = kernel.run, _name: str = name, **kwargs: object) -> object:
+            launched[_name] += 1
+            return _run(*args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(kernel, "run", run)
+    return launched
 
 
 def _accumulator(log_dir: str | Path) -> event_accumulator.EventAccumulator:

@@ -18,11 +18,14 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import both_paths
 import pytest
 import torch
-from conftest import OpCounter, Run, needs_cuda, read_run
+from conftest import OpCounter, needs_cuda, read_run
 from models import conv_net, mlp, train
 from test_numerics import _tensors
+from test_zoo import CASES as ZOO
+from test_zoo import _train as train_zoo_model
 from torch import Tensor, nn
 
 from tblog_hooks import Histograms, HookLogger, HookLoggerError
@@ -56,7 +59,7 @@ def reference(x: Tensor, units: int, *, per_unit: bool, with_numerics: bool) -> 
         "nonzero": torch.count_nonzero(x),
         "finite": reductions.finite(x),
         "nonfinite": reductions.nonfinite(x),
-        "norm": torch.linalg.vector_norm(x, dtype=reductions.acc_dtype(x.dtype)),
+        "norm": reductions.norm(x),
     }
     if per_unit:
         out.update(reductions.unit_peaks(x, units))
@@ -125,6 +128,8 @@ def _special() -> dict[str, Tensor]:
         "zero": torch.zeros(1),
         "float32 subnormals": torch.tensor([[1e-40, -1e-41, 0.0], [1e-45, 2e-38, -3e-39]]),
         "large mean": 1e4 + torch.randn(64, 8, generator=g),
+        "loss-scaled": 2.0**100 * torch.randn(64, 8, generator=g),  # (a square overflows float32)
+        "tiny": 1e-30 * torch.randn(64, 8, generator=g),  # (a square underflows float32)
         "nan in one unit": one_unit_nan,
     }  # fmt: skip
 
@@ -263,10 +268,11 @@ for x, acc in (("*bf16", tl.float32), ("*fp64", tl.float64)):
     sizes = {"R": "i64", "U": "i32", "INNER": "i32", "PU": "i32", "PR": "i32"}
     for numerics in (True, False):
         common = dict(ACC=acc, UNITS=numerics, NUMERICS=numerics)
-        compile(f._partials, {"x_ptr": x, "part_ptr": a, "count_ptr": "*i32", "unit_ptr": a, "const_ptr": a,
+        compile(f._partials, {"x_ptr": x, "part_ptr": "*fp64", "count_ptr": "*i32", "unit_ptr": a, "const_ptr": a,
                               **sizes}, dict(BR=64, BU=64, **common))
-        compile(f._combine, {"part_ptr": a, "count_ptr": "*i32", "unit_ptr": a, "out_ptr": "*fp64",
-                             "P": "i32", "PR": "i32", "U": "i32", "NUMEL": "i64"}, dict(C=1024, CR=32, CU=32, **common))
+        compile(f._combine, {"part_ptr": "*fp64", "count_ptr": "*i32", "unit_ptr": a, "out_ptr": "*fp64",
+                             "P": "i32", "PR": "i32", "U": "i32", "NUMEL": "i64"},
+                dict(C=1024, CN=64, CR=32, CU=32, **common))
     compile(f._scaled_counts, {"x_ptr": x, "out_ptr": "*fp64", "const_ptr": a, "NUMEL": "i64"},
             dict(BLOCK=4096, ACC=acc))
     compile(f._buckets, {"v_ptr": a, "row_ptr": "*i64", "half_start_ptr": a, "scale_ptr": a, "count_ptr": "*i32",
@@ -285,36 +291,10 @@ def test_the_kernels_compile_for_a_gpu() -> None:
 
 
 # -- the logged step on the kernels' path ----------------------------------------------------------
-#: Scalars from counts, extremes and selections: the same on both paths, bit for bit.
-EXACT_STATS = ("min", "max", "amax", "zero_frac", "nonfinite", "dead_frac", "median_abs", "amax_channel")
-EXACT_STATS += tuple(f"{lost}_{fmt}" for lost in ("underflow", "overflow", "subnormal") for fmt in numerics.FORMATS)
-
-
-def assert_same_runs(got: Run, want: Run) -> None:
-    """Every scalar and histogram of two runs: counts and extremes exactly, moments to float32
-    rounding (``1e-5`` relative; the excess kurtosis ``m4 / m2² - 3`` as ``m4 / m2²``, the
-    rounded quantity)."""
-    assert set(got.scalars) == set(want.scalars)
-    for tag, by_step in want.scalars.items():
-        stat = tag.split("/")[1] if tag.count("/") >= 2 else ""
-        shift = 3.0 if stat == "kurtosis" else 0.0
-        for step, value in by_step.items():
-            have = got.scalars[tag][step]
-            if stat in EXACT_STATS:
-                assert have == value or (math.isnan(have) and math.isnan(value)), (tag, step, have, value)
-            else:
-                assert have + shift == pytest.approx(value + shift, rel=1e-5, abs=1e-7, nan_ok=True), (tag, step)
-    assert set(got.histograms) == set(want.histograms)
-    for tag, by_step in want.histograms.items():
-        for step, h in by_step.items():
-            g = got.histograms[tag][step]
-            assert (g.min, g.max, g.num) == (h.min, h.max, h.num), (tag, step)
-            assert list(g.bucket) == list(h.bucket) and list(g.bucket_limit) == list(h.bucket_limit), (tag, step)
-
-
-def _conv_run(log_dir: Path, path: str, monkeypatch: pytest.MonkeyPatch, device: str = "cpu") -> Run:
+def _conv_run(log_dir: Path, path: str, monkeypatch: pytest.MonkeyPatch, device: str = "cpu") -> dict[str, dict]:
     """Three logged steps of a small conv net (channels-first units, ReLU zeros, an MLP head):
-    every histogram kind, the inputs' statistics, every format's numerics."""
+    every histogram kind, the inputs' statistics, every format's numerics; as ``golden.read``
+    reads them."""
     monkeypatch.setenv(VARIABLE, path)
     torch.manual_seed(0)
     model = conv_net(6, batch_norm=True).to(device)
@@ -324,22 +304,7 @@ def _conv_run(log_dir: Path, path: str, monkeypatch: pytest.MonkeyPatch, device:
     formats = tuple(numerics.FORMATS)
     with HookLogger(model, log_dir=log_dir, every=1, inputs=True, histograms=every, numerics=formats) as hooks:
         train(hooks, (model(x).logsumexp(1).mean() for x in xs), opt)
-    return read_run(log_dir)
-
-
-@pytest.fixture
-def launches(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """The kernels launched, by name, while the test runs."""
-    launched: Counter[str] = Counter()
-    for name in ("_partials", "_combine", "_scaled_counts", "_buckets"):
-        kernel = getattr(fused, name)
-
-        def run(*args: object, _run: object = kernel.run, _name: str = name, **kwargs: object) -> object:
-            launched[_name] += 1
-            return _run(*args, **kwargs)  # type: ignore[operator]
-
-        monkeypatch.setattr(kernel, "run", run)
-    return launched
+    return both_paths.golden.read(log_dir)
 
 
 @interpreted
@@ -355,8 +320,8 @@ def test_both_paths_write_the_same_run(
     finally:
         torch.use_deterministic_algorithms(False)
     assert launches["_partials"] > 0 and launches["_buckets"] == 3  # (one binning a logged step)
-    assert any(tag.startswith("activation/underflow_e4m3/") for tag in want.scalars)
-    assert_same_runs(got, want)
+    assert any(tag.startswith("activation/underflow_e4m3/") for tag in want["scalars"])
+    assert both_paths.differences(want, got) == []
 
 
 #: The torch reductions the kernels replace: none is left on the kernels' path.
@@ -378,7 +343,7 @@ def test_both_paths_write_the_same_run_on_cuda(
     finally:
         torch.use_deterministic_algorithms(False)
     assert launches["_partials"] > 0 and launches["_buckets"] == 3
-    assert_same_runs(got, want)
+    assert both_paths.differences(want, got) == []
 
 
 @interpreted
@@ -507,24 +472,20 @@ def test_compiled_hooks_trace_the_kernels_and_log_what_the_torch_path_logs(
 
 
 @interpreted
-@pytest.mark.parametrize("name", ["lstm-gru-packed"])
+@pytest.mark.parametrize("name", list(ZOO))
 def test_zoo_models_log_the_same_on_both_paths(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str], name: str
 ) -> None:
-    """``tests/test_zoo.py``'s packed sequences through an LSTM and a GRU (a tuple output, a
-    PackedSequence), every scalar and histogram of its run, on both paths. The rest of the zoo
-    is the same code on larger models, too slow for the interpreter (the transformer encoder's
-    case passes too, in 40 s on a loaded 2-core machine)."""
-    from test_zoo import CASES
-    from test_zoo import _train as train_zoo_model
-
+    """Each of ``tests/test_zoo.py``'s architectures (tuple and dict outputs, PackedSequence,
+    a ModelOutput with a cache, detection, attention), every scalar, histogram, tensor and image
+    of its run, on both paths (``both_paths``)."""
     runs = {}
     for path in ("torch", "triton"):
         monkeypatch.setenv(VARIABLE, path)
-        train_zoo_model(CASES[name], tmp_path / path)
-        runs[path] = read_run(tmp_path / path)
+        both_paths.on_its_own_stack(train_zoo_model, ZOO[name], tmp_path / path)
+        runs[path] = both_paths.golden.read(tmp_path / path)
     assert launches["_partials"] > 0
-    assert_same_runs(runs["triton"], runs["torch"])
+    assert both_paths.differences(runs["torch"], runs["triton"]) == []
 
 
 def _toy_statistics(calls: Counter[str]) -> tuple[Measure, Measure]:

@@ -1,14 +1,15 @@
 """The statistics of one watched tensor, and the step's histogram counts, as Triton kernels.
 
 A tensor's statistics take two launches: :func:`_partials` reads the tensor once, each program
-reducing one tile to its partial state (count, sum, centred sum of squares, sum of squares,
-extremes, amax, the powers relative to the tile's amax, the zero / finite / NaN counts, the
-unscaled formats' boundary counts, per unit the peak and amax); :func:`_combine` reduces the
-partials in a fixed order (Chan et al.'s pairwise update for the centred sum of squares, the
-powers rescaled to the largest amax as ``numerics.pool_powers`` does), so the result is the same
-on every run: no float atomics. With ``numerics=`` a third launch, :func:`_scaled_counts`, counts
-the float8 formats' boundaries after scaling by the per-tensor scale the second one found (a
-first-pass result); its integer atomics add exactly, in any order.
+reducing one tile to its partial state (count, sum, centred sum of squares, sum of squares in
+float64 as the torch path's norm, extremes, amax, the powers relative to the tile's amax, the
+zero / finite / NaN counts, the unscaled formats' boundary counts, per unit the peak and amax);
+:func:`_combine` reduces the partials in a fixed order (Chan et al.'s pairwise update for the
+centred sum of squares, the powers rescaled to the largest amax as ``numerics.pool_powers``
+does, every count in one pass), so the result is the same on every run: no float atomics.
+With ``numerics=`` a third launch, :func:`_scaled_counts`, counts the float8 formats' boundaries
+after scaling by the per-tensor scale the second one found (a first-pass result); its integer
+atomics add exactly, in any order.
 
 The kernels are registered as custom ops (``torch.library``) with fake implementations, so
 compiled hooks trace them as one node each. Import this module only where Triton is importable
@@ -64,13 +65,19 @@ _N_PER_UNIT = tl.constexpr(len(PER_UNIT))
 # ``_COUNTS_AT``, the per-unit rows from ``_UNITS_AT``.
 _COUNTS_AT, _UNITS_AT = tl.constexpr(len(SCALARS)), tl.constexpr(len(SCALARS) + len(COUNTS))
 _PER_UNSCALED, _PER_SCALED = tl.constexpr(len(numerics.UNSCALED_COUNTS)), tl.constexpr(len(numerics.SCALED_COUNTS))
-# A first-pass partial's float fields, and its int32 counts (the NaN count, then the unscaled
-# formats' counts as in the outputs).
+# A first-pass partial's float fields, stored as float64: each a value of the accumulation dtype
+# but the sum of squares, summed in float64 as the torch path's norm is (in float32 it overflows
+# once the norm passes 1.8e19 and drops elements below 1e-19); and its int32 counts (the NaN
+# count, then the unscaled formats' counts as in the outputs).
 _PARTIAL = ("n", "sum", "m2", "sq", "min", "max", "amax", "ref", "s2", "s4")
 _P_N, _P_SUM, _P_M2, _P_SQ, _P_MIN, _P_MAX, _P_AMAX, _P_REF, _P_S2, _P_S4 = _slots(_PARTIAL, *_PARTIAL)
 _PARTIAL_COUNTS = ("nan", "nonzero", "finite", *(n for f in _UNSCALED for n in f.names))
 _C_NAN, _C_NONZERO, _C_FINITE, _C_UNSCALED = _slots(_PARTIAL_COUNTS, "nan", "nonzero", "finite", _UNSCALED[0].names[0])
 _NF, _NC = tl.constexpr(len(_PARTIAL)), tl.constexpr(len(_PARTIAL_COUNTS))
+# A partial's counts as lanes of a vector (a power of two), added up at once; the scaled formats'
+# counts as lanes too.
+_COUNT_LANES = tl.constexpr(1 << (len(_PARTIAL_COUNTS) - 1).bit_length())
+_SCALED_LANES = tl.constexpr(1 << (len(_SCALED) * len(numerics.SCALED_COUNTS) - 1).bit_length())
 # The boundaries the kernels compare with (:func:`_constants`), each named as the count that
 # compares with it: the amax floor, every format's bounds, then each scaled format's max.
 _BOUNDS = ("amax_floor", *numerics.COUNTED, *(f"max_{f.name}" for f in _SCALED))
@@ -161,7 +168,8 @@ def _partials(  # type: ignore[no-untyped-def]
     tl.store(base + _P_N, n)
     tl.store(base + _P_SUM, total)
     tl.store(base + _P_M2, tl.sum(d * d))
-    tl.store(base + _P_SQ, tl.sum(xs * xs))
+    wide = xs.to(tl.float64)
+    tl.store(base + _P_SQ, tl.sum(wide * wide))
     tl.store(base + _P_MIN, tl.min(tl.where(ok, x, float("inf"))))
     tl.store(base + _P_MAX, tl.max(tl.where(ok, x, -float("inf"))))
     tl.store(base + _P_AMAX, amax)
@@ -189,12 +197,12 @@ def _partials(  # type: ignore[no-untyped-def]
 @triton.jit
 def _combine(  # type: ignore[no-untyped-def]
     part_ptr, count_ptr, unit_ptr, out_ptr, P, PR, U, NUMEL,
-    C: tl.constexpr, CR: tl.constexpr, CU: tl.constexpr, ACC: tl.constexpr, UNITS: tl.constexpr,
-    NUMERICS: tl.constexpr,
+    C: tl.constexpr, CN: tl.constexpr, CR: tl.constexpr, CU: tl.constexpr, ACC: tl.constexpr,
+    UNITS: tl.constexpr, NUMERICS: tl.constexpr,
 ):  # fmt: skip
-    """The partials as the tensor's values, in a fixed order: program 0 the scalars and counts
-    (``C`` partials at a time), every program ``CU`` units' peaks and amax (``CR`` rows of
-    partials at a time)."""
+    """The partials as the tensor's values, in a fixed order: program 0 the scalars (``C``
+    partials at a time) and counts (``CN`` partials at a time), every program ``CU`` units'
+    peaks and amax (``CR`` rows of partials at a time)."""
     pid = tl.program_id(0)
     if UNITS:
         cols = pid * CU + tl.arange(0, CU)[None, :]
@@ -224,16 +232,16 @@ def _combine(  # type: ignore[no-untyped-def]
             at = start + lanes
             m = at < P
             row = part_ptr + at * _NF
-            pn = tl.load(row + _P_N, mask=m, other=0.0)
+            pn = tl.load(row + _P_N, mask=m, other=0.0).to(ACC)
             psum = tl.load(row + _P_SUM, mask=m, other=0.0)
-            pm2 = tl.load(row + _P_M2, mask=m, other=0.0)
-            n, mean, m2 = _chan(n, mean, m2, pn, psum / tl.where(pn > 0, pn, 1.0), pm2)
-            total += psum.to(tl.float64)
-            sq += tl.load(row + _P_SQ, mask=m, other=0.0).to(tl.float64)
-            lo = tl.minimum(lo, tl.load(row + _P_MIN, mask=m, other=float("inf")))
-            hi = tl.maximum(hi, tl.load(row + _P_MAX, mask=m, other=-float("inf")))
-            amax = tl.maximum(amax, tl.load(row + _P_AMAX, mask=m, other=0.0))
-            ref = tl.maximum(ref, tl.load(row + _P_REF, mask=m, other=0.0))
+            pm2 = tl.load(row + _P_M2, mask=m, other=0.0).to(ACC)
+            n, mean, m2 = _chan(n, mean, m2, pn, psum.to(ACC) / tl.where(pn > 0, pn, 1.0), pm2)
+            total += psum
+            sq += tl.load(row + _P_SQ, mask=m, other=0.0)
+            lo = tl.minimum(lo, tl.load(row + _P_MIN, mask=m, other=float("inf")).to(ACC))
+            hi = tl.maximum(hi, tl.load(row + _P_MAX, mask=m, other=-float("inf")).to(ACC))
+            amax = tl.maximum(amax, tl.load(row + _P_AMAX, mask=m, other=0.0).to(ACC))
+            ref = tl.maximum(ref, tl.load(row + _P_REF, mask=m, other=0.0).to(ACC))
         # The lanes' states as one (the pairwise update of many groups at once, about the overall mean).
         centre = tl.sum(n * mean) / tl.sum(n)
         m2_all = tl.sum(m2) + tl.sum(tl.where(n > 0, n * (mean - centre) * (mean - centre), 0.0))
@@ -244,11 +252,12 @@ def _combine(  # type: ignore[no-untyped-def]
             at = start + lanes
             m = at < P
             row = part_ptr + at * _NF
-            ratio = tl.load(row + _P_REF, mask=m, other=0.0) / top
+            ratio = tl.load(row + _P_REF, mask=m, other=0.0).to(ACC) / top
             ratio = ratio * ratio
-            s2 += tl.where(m, tl.load(row + _P_S2, mask=m, other=0.0) * ratio, 0.0)
-            s4 += tl.where(m, tl.load(row + _P_S4, mask=m, other=0.0) * (ratio * ratio), 0.0)
-        any_nan = _summed(count_ptr, P, C, _C_NAN) > 0
+            s2 += tl.where(m, tl.load(row + _P_S2, mask=m, other=0.0).to(ACC) * ratio, 0.0)
+            s4 += tl.where(m, tl.load(row + _P_S4, mask=m, other=0.0).to(ACC) * (ratio * ratio), 0.0)
+        counts = _count_totals(count_ptr, P, CN)
+        any_nan = _lane(counts, _C_NAN) > 0
         nan = float("nan")
         tl.store(out_ptr + _MEAN, tl.sum(total) / NUMEL)
         tl.store(out_ptr + _CENTRED_NORM, tl.sqrt(m2_all.to(tl.float64)))
@@ -259,36 +268,46 @@ def _combine(  # type: ignore[no-untyped-def]
         tl.store(out_ptr + _REF, tl.where(any_nan, nan, top.to(tl.float64)))
         tl.store(out_ptr + _SUM2, tl.sum(s2).to(tl.float64))
         tl.store(out_ptr + _SUM4, tl.sum(s4).to(tl.float64))
-        _sum_counts(count_ptr, out_ptr + _COUNTS_AT, P, NUMEL, C, NUMERICS)
+        _store_counts(counts, out_ptr + _COUNTS_AT, NUMEL, NUMERICS)
 
 
 @triton.jit
-def _summed(count_ptr, P, C: tl.constexpr, SLOT: tl.constexpr):  # type: ignore[no-untyped-def]
-    """The count ``SLOT`` of every partial added up, in int64 (``C`` partials at a time)."""
-    lanes = tl.arange(0, C)
-    acc = tl.zeros([C], tl.int64)
-    for start in range(0, P, C):
-        at = start + lanes
-        acc += tl.load(count_ptr + at * _NC + SLOT, mask=at < P, other=0).to(tl.int64)
-    return tl.sum(acc)
+def _count_totals(count_ptr, P, CN: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Every partial's counts added up in int64, ``CN`` partials at a time: a vector of
+    ``_COUNT_LANES`` laid out as ``_PARTIAL_COUNTS`` (zeros after them)."""
+    rows = tl.arange(0, CN)[:, None]
+    lanes = tl.arange(0, _COUNT_LANES)[None, :]
+    totals = tl.zeros([_COUNT_LANES], tl.int64)
+    for start in range(0, P, CN):
+        at = start + rows
+        counts = tl.load(count_ptr + at * _NC + lanes, mask=(at < P) & (lanes < _NC), other=0)
+        totals += tl.sum(counts.to(tl.int64), 0)
+    return totals
 
 
 @triton.jit
-def _sum_counts(count_ptr, cnt_ptr, P, NUMEL, C: tl.constexpr, NUMERICS: tl.constexpr):  # type: ignore[no-untyped-def]
-    """The counts of every partial added up, into float64 (exact below 2**53): the non-finite
-    count is the elements not finite; the unscaled formats' are 0 without ``NUMERICS``, the
-    scaled formats' start at 0 (:func:`_scaled_counts` adds to them)."""
-    tl.store(cnt_ptr + _NONZERO, _summed(count_ptr, P, C, _C_NONZERO).to(tl.float64))
-    finite = _summed(count_ptr, P, C, _C_FINITE)
+def _lane(v, i):  # type: ignore[no-untyped-def]
+    """Element ``i`` of the vector ``v``."""
+    return tl.sum(tl.where(tl.arange(0, v.shape[0]) == i, v, 0))
+
+
+@triton.jit
+def _store_counts(counts, cnt_ptr, NUMEL, NUMERICS: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The tensor's counts from the partials' (:func:`_count_totals`), into float64 (exact below
+    2**53): the non-finite count is the elements not finite; the unscaled formats' are 0 without
+    ``NUMERICS``, the scaled formats' start at 0 (:func:`_scaled_counts` adds to them)."""
+    tl.store(cnt_ptr + _NONZERO, _lane(counts, _C_NONZERO).to(tl.float64))
+    finite = _lane(counts, _C_FINITE)
     tl.store(cnt_ptr + _FINITE, finite.to(tl.float64))
     tl.store(cnt_ptr + _NONFINITE, (NUMEL - finite).to(tl.float64))
-    for k in tl.static_range(_PER_UNSCALED * _N_UNSCALED):
-        if NUMERICS:
-            tl.store(cnt_ptr + _UNSCALED_AT + k, _summed(count_ptr, P, C, _C_UNSCALED + k).to(tl.float64))
-        else:
-            tl.store(cnt_ptr + _UNSCALED_AT + k, tl.full([], 0, tl.float64))
-    for k in tl.static_range(_PER_SCALED * _N_SCALED):
-        tl.store(cnt_ptr + _SCALED_AT + k, tl.full([], 0, tl.float64))
+    k = tl.arange(0, _COUNT_LANES) - _C_UNSCALED  # (each lane's place among the unscaled formats' counts)
+    unscaled = (k >= 0) & (k < _PER_UNSCALED * _N_UNSCALED)
+    if NUMERICS:
+        tl.store(cnt_ptr + _UNSCALED_AT + k, counts.to(tl.float64), mask=unscaled)
+    else:
+        tl.store(cnt_ptr + _UNSCALED_AT + k, tl.zeros([_COUNT_LANES], tl.float64), mask=unscaled)
+    k = tl.arange(0, _SCALED_LANES)
+    tl.store(cnt_ptr + _SCALED_AT + k, tl.zeros([_SCALED_LANES], tl.float64), mask=k < _PER_SCALED * _N_SCALED)
 
 
 @triton.jit
@@ -361,7 +380,7 @@ def tensor_statistics(x: Tensor, units: int, per_unit: bool, numerics: bool) -> 
     tile_units = min(_pow2(width), TILE_UNITS)
     tile_rows = min(BLOCK // tile_units, _pow2(rest))
     pu, pr = triton.cdiv(width, tile_units), triton.cdiv(rest, tile_rows)
-    parts = x.new_empty((pr * pu, len(_PARTIAL)), dtype=acc)
+    parts = x.new_empty((pr * pu, len(_PARTIAL)), dtype=torch.float64)
     part_counts = x.new_empty((pr * pu, len(_PARTIAL_COUNTS)), dtype=torch.int32)
     unit_parts = x.new_empty((len(PER_UNIT), pr, width) if has_units else (1,), dtype=acc)
     out = x.new_empty(outputs.size(_width(x, units, per_unit)), dtype=torch.float64)
@@ -373,8 +392,9 @@ def tensor_statistics(x: Tensor, units: int, per_unit: bool, numerics: bool) -> 
     unit_chunk = min(_pow2(width), UNIT_CHUNK)
     grid = (triton.cdiv(width, unit_chunk) if has_units else 1,)
     chunk, rows = min(_pow2(pr * pu), CHUNK), min(_pow2(pr), CHUNK // unit_chunk)
+    count_rows = min(_pow2(pr * pu), max(CHUNK // _COUNT_LANES.value, 1))
     _combine[grid](parts, part_counts, unit_parts, out, pr * pu, pr, width, x.numel(),
-                   C=chunk, CR=rows, CU=unit_chunk, **common)  # fmt: skip
+                   C=chunk, CN=count_rows, CR=rows, CU=unit_chunk, **common)  # fmt: skip
     if numerics:
         block = min(BLOCK, _pow2(x.numel()))
         _scaled_counts[(triton.cdiv(x.numel(), block),)](x, out, constants, x.numel(), BLOCK=block, ACC=kind)
