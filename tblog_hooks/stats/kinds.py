@@ -203,20 +203,6 @@ class Kind:
     def __repr__(self) -> str:
         return f"Kind({str(self.name)!r})"
 
-    def extended(self, *measures: Measure) -> Kind:
-        """A new kind of the same travel with ``measures`` after its own."""
-        return Kind(
-            name=self.name,
-            per_call=self.per_call,
-            norms=self.norms,
-            counts=self.counts,
-            measures=(*self.measures, *measures),
-        )
-
-    def scaled_stats(self) -> tuple[str, ...]:
-        """The statistics (whole-model totals included) that scale with the loss."""
-        return tuple(s for m in self.measures if m.scaled for s in (*m.stats, *filter(None, [m.total])))
-
     def compute(
         self, t: Tensor, units: int, *, unfused: bool = False, given: dict[str, Tensor] | Fused | None = None
     ) -> Computed:
