@@ -81,7 +81,7 @@ class ActivationRecorder:
         if mode is None or not mode.compiled:
             # Not while compiling: a set that grows would be one more guard and one more graph.
             self.called.add(name)
-        if name in self.buffer.disabled or mode is None or self._sequence_split(mode):
+        if name in self.buffer.disabled_names or mode is None or self._sequence_split(mode):
             return None
         if not mode.compiled:
             if name not in self._fired:
@@ -132,7 +132,7 @@ class ActivationRecorder:
         model's output holding the loss first gives its logits); not of a piece split over
         tensor-parallel ranks (its vocabulary is one rank's: said once, and not measured)."""
         t, split = next(((t, split) for t, split in pieces if t.dim() >= 1), (None, None))
-        if t is None or Part.LOGITS in self.buffer.disabled:
+        if t is None or Part.LOGITS in self.buffer.disabled_parts:
             return
         if split is not None:
             self.buffer.fail(Part.LOGITS, RuntimeError(f"{name!r}'s output is {VOCABULARY_SPLIT}"))
@@ -142,7 +142,7 @@ class ActivationRecorder:
     def on_input(self, name: str, module: nn.Module, inputs: object) -> None:
         """Forward pre-hook body: the inputs' non-finite count (to tell where NaN/Inf start),
         or with ``inputs=True`` the same statistics as for outputs."""
-        if name in self.buffer.disabled or not (self.activations or self.inputs):
+        if name in self.buffer.disabled_names or not (self.activations or self.inputs):
             return  # without output counts the input count tells nothing
         training = module.training
         mode = self.buffer.now()
@@ -194,7 +194,7 @@ class ActivationRecorder:
         if mode.compiled or not self.parallel.sequence_split():
             return False
         self.buffer.fail(Part.MODULE_STATISTICS, RuntimeError(CONTEXT_PARALLEL))
-        self.buffer.disabled.update(self.units)
+        self.buffer.disabled_names.update(self.units)
         return True
 
     def _pieces(

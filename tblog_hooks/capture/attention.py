@@ -126,7 +126,7 @@ class AttentionRecorder:
         if self._depth:
             self._depth += 1
             return
-        if not self.buffer.active or Part.ATTENTION in self.buffer.disabled:
+        if not self.buffer.active or Part.ATTENTION in self.buffer.disabled_parts:
             return
         mode = self.buffer.now()
         if mode is not None and mode.compiled:
@@ -179,7 +179,7 @@ class AttentionRecorder:
         if mode is not None and mode.compiled:
             self._compiled = True
             return
-        if mode is None or Part.ATTENTION in self.buffer.disabled:
+        if mode is None or Part.ATTENTION in self.buffer.disabled_parts:
             return
         try:
             running = self._running()

@@ -79,7 +79,7 @@ class OutputGradientRecorder:
         or a plain term of a sum over ``summed_over``, is copied and recorded once reduced over
         the ranks at the end of the step (:meth:`resolve`)."""
         self.buffer.trained = True
-        if name in self.buffer.disabled:
+        if name in self.buffer.disabled_names:
             return
         try:
             if not loggable(grad):
@@ -108,7 +108,7 @@ class OutputGradientRecorder:
         if not buffer.active:  # a backward after its logged step ended
             return
         buffer.trained = True
-        if name in buffer.disabled:
+        if name in buffer.disabled_names:
             return
         try:
             with torch.no_grad():

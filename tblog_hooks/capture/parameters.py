@@ -93,9 +93,8 @@ class ParameterRecorder:
         buffer = self.buffer
         try:
             with torch.no_grad():  # (a gradient of create_graph=True backward requires grad)
-                graded = [
-                    (key, g) for key, p in named if key not in buffer.disabled and (g := self._gradient(key, p, scale))
-                ]
+                off = buffer.disabled_names
+                graded = [(key, g) for key, p in named if key not in off and (g := self._gradient(key, p, scale))]
                 if not graded:
                     return
                 keys = [key for key, _ in graded]
@@ -118,7 +117,7 @@ class ParameterRecorder:
                     self._graded[key] = (record, samples.get(key), numeric)
         except Exception as error:
             buffer.fail(named[0][0] if len(named) == 1 else Part.PARAMETERS, error)
-            buffer.disabled.update(key for key, _ in named)
+            buffer.disabled_names.update(key for key, _ in named)
 
     def _numeric(
         self,
@@ -299,7 +298,7 @@ class OptimizerHooks:
 
     def pre(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         buffer = self.parameters.buffer
-        if not buffer.active or Part.PARAMETERS in buffer.disabled:
+        if not buffer.active or Part.PARAMETERS in buffer.disabled_parts:
             return
         try:
             params = self._params  # one read: another thread's optimizer may run this hook too
@@ -353,7 +352,7 @@ class OptimizerHooks:
         at :meth:`begin`, or the same one changed since) that no optimizer stepped; none when
         these hooks failed (nothing was read then). A gradient left from an earlier phase of
         training (a branch no backward reaches now) is not this step's."""
-        if Part.PARAMETERS in self.parameters.buffer.disabled:
+        if Part.PARAMETERS in self.parameters.buffer.disabled_parts:
             return []
         missed = []
         for key, p in self.watched.params():

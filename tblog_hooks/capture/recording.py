@@ -126,7 +126,7 @@ class Recording:
     def begin(self, index: int) -> None:
         """Logged step number ``index`` (in logged steps) begins: hooks record from now on."""
         for name in self.watched.newly_left():
-            self.buffer.disabled.add(name)  # should it still be called from elsewhere
+            self.buffer.disabled_names.add(name)  # should it still be called from elsewhere
             warnings.warn(
                 f"tblog_hooks: watched module {name!r} is no longer part of the model (replaced or deleted after the "
                 "HookLogger was created), so it is not logged any more; create the HookLogger after changing the "
@@ -333,7 +333,7 @@ def _uncalled(
     if not read:
         return []
     recorded = called | {r.name for r in records if r.kind.per_call}
-    skipped = recorded | {name for name in buffer.disabled if isinstance(name, str)}
+    skipped = recorded | buffer.disabled_names
     skipped |= {m for m, parent in watched.computed_by_parent().items() if parent in recorded}
     return list(dict.fromkeys(m for m, key, _ in watched.owned() if key in read and m not in skipped))
 

@@ -74,8 +74,10 @@ class StepBuffer:
         #: Whether this logged step saw training work: a backward that reached the watched modules'
         #: outputs or parameters, or an optimizer step (``close()`` writes a pending step only then).
         self.trained = False
-        #: Modules (by name) and parts whose logging failed or ended.
-        self.disabled: set[str | Part] = set()
+        #: Watched modules and parameters (by name) whose logging failed or ended.
+        self.disabled_names: set[str] = set()
+        #: Parts of the logging that failed, switched off as a whole.
+        self.disabled_parts: set[Part] = set()
         self._old_compile_warned = False
         self._failed: list[tuple[str | Part, BaseException]] = []  # failures of compiled hooks, not yet reported
         self.indices = IndexCache()  # sample and histogram-row indices, made once per size
@@ -100,7 +102,7 @@ class StepBuffer:
         """A logged step begins; ``index`` is its number among the logged steps that recorded
         something (see ``Histograms``), which picks the histograms it takes (none: no sampling,
         no binning; none either once binning failed)."""
-        off = self._schedule is None or Part.HISTOGRAMS in self.disabled
+        off = self._schedule is None or Part.HISTOGRAMS in self.disabled_parts
         self.kinds = _NO_KINDS if off else self._schedule.kinds_at(index)  # type: ignore[union-attr]
         self.trained = False
 
@@ -167,12 +169,18 @@ class StepBuffer:
         carries on. A hook traced by ``torch.compile`` only keeps it (a warning there would break
         a ``fullgraph=True`` graph, and end training): it is reported when the step's records are
         drained, outside compiled code."""
-        if key not in self.disabled:
-            self.disabled.add(key)
-            if torch.compiler.is_compiling():
-                self._failed.append((key, error))
-            else:
-                _warn_failed(key, error)
+        if isinstance(key, Part):
+            if key in self.disabled_parts:
+                return
+            self.disabled_parts.add(key)
+        else:
+            if key in self.disabled_names:
+                return
+            self.disabled_names.add(key)
+        if torch.compiler.is_compiling():
+            self._failed.append((key, error))
+        else:
+            _warn_failed(key, error)
 
 
 def _warn_failed(key: str | Part, error: BaseException) -> None:
