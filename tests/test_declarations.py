@@ -205,6 +205,39 @@ def test_a_measure_uses_what_the_measures_before_it_computed(tmp_path: Path) -> 
         HookLogger(model, measures={"output": [unknown]})
 
 
+def _tiny_frac(x: torch.Tensor, units: int) -> dict[str, torch.Tensor]:
+    return {"tiny": (x.abs() < 0.1).sum()}
+
+
+#: A statistic of one's own whose name reads like a per-format one (``underflow_fp16``): its own
+#: meaning (the share of elements below 0.1 in magnitude), not fp16's.
+NAMED_LIKE_A_FORMAT = Measure(
+    name="below 0.1",
+    fields=(Field(name="tiny", pool=SUM),),
+    stats=("underflow_fp16",),
+    scalars=lambda v, n: {"underflow_fp16": float(v["tiny"][0]) / n},
+    compute=_tiny_frac,
+    counted=True,
+)
+
+
+@pytest.mark.parametrize("numerics", [True, ("e4m3",)])
+def test_a_declared_statistic_named_like_a_format_is_written_as_declared(tmp_path: Path, numerics: object) -> None:
+    """Which format a statistic belongs to is the recipe's to say, not its name's: a measure of
+    one's own on the inputs named ``underflow_fp16`` is written, with its value, under a
+    ``numerics=`` that leaves fp16 out (bf16, the run's own; e4m3), which drops the built-in fp16 scalars."""
+    model = nn.Sequential(nn.Linear(6, 3))
+    x = torch.randn(64, 6)
+    with HookLogger(
+        model, log_dir=tmp_path, every=1, inputs=True, numerics=numerics, measures={"input": [NAMED_LIKE_A_FORMAT]}
+    ) as hooks:
+        model(x).sum().backward()
+        hooks.step()
+    run = read_run(tmp_path)
+    assert run.scalar("input/underflow_fp16/0", 0) == pytest.approx(float((x.abs() < 0.1).double().mean()), rel=1e-6)
+    assert "activation/underflow_fp16/0" not in run.scalars  # (the built-in one: fp16 is not written)
+
+
 def _batch(rank: int) -> torch.Tensor:
     return torch.randn(8, 6, generator=torch.Generator().manual_seed(rank)) * (1 + rank)
 

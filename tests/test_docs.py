@@ -21,7 +21,7 @@ from tblog_hooks.diagnostics.findings import FINDING_KINDS
 from tblog_hooks.diagnostics.numerics_rules import PICTURE_TAGS
 from tblog_hooks.diagnostics.per_step import FINDINGS_TAG, FLOW_TAG
 from tblog_hooks.options import NAMES
-from tblog_hooks.stats.formats import format_of
+from tblog_hooks.stats.kinds import Kind
 from tblog_hooks.stats.numerics import FORMATS
 from tblog_hooks.stats.recipe import Recipe, Source
 from tblog_hooks.stats.tags import (
@@ -142,12 +142,12 @@ def declared_tags() -> dict[str, set[str]]:
     )
     per_parameter = (*(full[s] for s in on_params), full.numerics[Source.PARAM_GRAD], full.numerics[Source.FP8_WEIGHT])
 
-    def stat(name: str) -> str:  # a per-format statistic with the format's placeholder
-        fmt = format_of(name)
+    def stat(kind: Kind, name: str) -> str:  # a per-format statistic with the format's placeholder
+        fmt = full.formats.get(kind, {}).get(name)
         return name if fmt is None else name.removesuffix(fmt) + FORMAT
 
-    scalars = {f"{kind.name}/{stat(s)}/{MODULE}" for kind in per_module for s in kind.stats}
-    scalars |= {f"{kind.name}/{stat(s)}/{PARAM}" for kind in per_parameter for s in kind.stats}
+    scalars = {f"{kind.name}/{stat(kind, s)}/{MODULE}" for kind in per_module for s in kind.stats}
+    scalars |= {f"{kind.name}/{stat(kind, s)}/{PARAM}" for kind in per_parameter for s in kind.stats}
     scalars |= {f"{k.name}/{m.total}" for k in (*per_module, *per_parameter) for m in k.measures if m.total}
     scalars |= {SCALE_TAG, SKIPPED_TAG}
     scalars |= {f"{Root.HEALTH}/{kind}" for kind in FINDING_KINDS}

@@ -12,7 +12,6 @@ import numpy as np
 
 from ..stats import packing
 from ..stats.binning import BINS, H_HALF_SPAN, H_MAX, H_MIN, H_START, HIST_WIDTH, RowInfo
-from ..stats.formats import format_of
 from ..stats.packing import StepLayout
 from ..stats.recipe import HISTOGRAM_SOURCES, LOSS_SCALED, Source
 from ..stats.tags import tag
@@ -37,8 +36,10 @@ def summarize(step: int, values: np.ndarray, layout: StepLayout) -> StepSummary:
     sources = {k: s.value for s in LOSS_SCALED for k in recipe.scaled_by(s)}
     summary = StepSummary(step, scalars, histograms, images, heads)
     summary.scaled = {key: sources[k] for key, (k, m, _) in meaning.items() if m.scaled and k in sources}
-    summary.formats = {key: fmt for key, (_, _, stat) in meaning.items() if (fmt := format_of(stat)) is not None}
-    casts = recipe.casts
+    formats, casts = recipe.formats, recipe.casts
+    summary.formats = {
+        key: fmt for key, (kind, _, stat) in meaning.items() if (fmt := formats.get(kind, {}).get(stat)) is not None
+    }
     summary.casts = frozenset(key for key in summary.formats if meaning[key][2] in casts.get(meaning[key][0], ()))
     summary.scaled_histograms = {
         tag(m.kind, m.name): HISTOGRAM_SOURCES[m.kind] for m in layout.rows if m.kind in HISTOGRAM_SOURCES

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .tags import Lost, per_format
-
 
 @dataclass(frozen=True)
 class Spec:
@@ -43,10 +41,3 @@ DEFAULT = "bf16"
 #: under torchao's rowwise recipe its output gradient; and the one the tensorwise recipe casts the
 #: output gradient to.
 FORWARD, BACKWARD = "e4m3", "e5m2"
-#: Every per-format statistic (``underflow_fp16``, ...) with its format.
-OF_STAT: dict[str, str] = {per_format(lost, name): name for name in NAMES for lost in Lost}
-
-
-def format_of(stat: str) -> str | None:
-    """The format of a per-format statistic, else ``None``."""
-    return OF_STAT.get(stat)

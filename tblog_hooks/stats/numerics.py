@@ -390,16 +390,22 @@ def statistics(v: Values, count: int, *, zero_frac: bool) -> dict[str, float]:
     return out
 
 
+#: Every per-format statistic of a tensor as a whole (``{lost}_{format}``), with its format: those
+#: :func:`statistics` gives (a scaled format's subnormal and floor fractions are none), which
+#: include the unsuffixed ones of :func:`fp8_statistics`. The recipe hands the formats on by the
+#: measures that give these (``Recipe.formats``), never by a statistic's name alone.
+FORMAT_OF: dict[str, str] = {
+    per_format(lost, fmt.name): fmt.name
+    for fmt in FORMATS.values()
+    for lost in (Lost.UNDERFLOW, Lost.OVERFLOW, *([] if fmt.scaled else [Lost.SUBNORMAL, Lost.FLOOR]))
+}
+
+
 def stats(*, zero_frac: bool, channels: bool) -> tuple[str, ...]:
     """Every statistic :func:`statistics` may give."""
     base = (Stat.AMAX, Stat.RMS, Stat.KURTOSIS)
     extra = (Stat.ZERO_FRAC,) * zero_frac + (Stat.MEDIAN_ABS, Stat.AMAX_CHANNEL) * channels
-    lost = tuple(
-        per_format(kind, fmt.name)
-        for fmt in FORMATS.values()
-        for kind in (Lost.UNDERFLOW, Lost.OVERFLOW, *([] if fmt.scaled else [Lost.SUBNORMAL, Lost.FLOOR]))
-    )
-    return (*base, *extra, *lost)
+    return (*base, *extra, *FORMAT_OF)
 
 
 def check(numerics: object) -> tuple[str, ...] | None:

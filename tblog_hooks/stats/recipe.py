@@ -40,7 +40,7 @@ from .kinds import (
     fp8_cast_measure,
     numeric_measures,
 )
-from .numerics import GRADIENT_CASTS, SCALINGS
+from .numerics import FORMAT_OF, GRADIENT_CASTS, SCALINGS
 from .tags import Lost, Root, per_format
 
 
@@ -168,6 +168,10 @@ class Recipe:
     #: its own, by that source (:data:`NUMERIC_SOURCES`, :data:`FP8_SOURCES`; an output's and an
     #: output gradient's are in their own kinds); empty without.
     numerics: Mapping[Source, Kind]
+    #: With ``numerics=``, by kind, the per-format statistics of its ``numerics=`` measures (a
+    #: tensor's as a whole: ``underflow_fp16``, not ``underflow_e4m3_rows``) with their format;
+    #: a measure of one's own has none, whatever its statistics are named. Empty without.
+    formats: Mapping[Kind, Mapping[str, str]]
 
     @classmethod
     def build(
@@ -185,7 +189,7 @@ class Recipe:
             s: Kind(**_TRAVEL[s], measures=_counted(s, (*_MEASURES[s], *added.get(s, ()), *extra.get(s, ()))))  # type: ignore[arg-type]
             for s in wanted
         }
-        numeric = {}
+        numeric: dict[Source, Kind] = {}
         if numerics:
             for source, (zero_frac, channels, per_call) in NUMERIC_SOURCES.items():
                 numeric[source] = Kind(
@@ -199,7 +203,9 @@ class Recipe:
                 casts[Source.FP8_GRADIENT] = fp8_cast_measure(GRADIENT_CASTS)
             for source, cast in casts.items():
                 numeric[source] = Kind(**_TRAVEL[source], measures=(cast,))  # type: ignore[arg-type]
-        recipe = cls(MappingProxyType(kinds), MappingProxyType(numeric))
+        by_numerics = [(kinds[s], added[s]) for s in added if s in kinds] + [(k, k.measures) for k in numeric.values()]
+        formats = {kind: MappingProxyType(_formats(measures)) for kind, measures in by_numerics}
+        recipe = cls(MappingProxyType(kinds), MappingProxyType(numeric), MappingProxyType(formats))
         recipe._check_tags()
         return recipe
 
@@ -249,6 +255,12 @@ class Recipe:
                             f"{describe(measure)} and {describe(first)} both write '{kind.name}/{stat}/...'; "
                             "give the new measure a statistic of its own"
                         )
+
+
+def _formats(measures: Sequence[Measure]) -> dict[str, str]:
+    """The per-format statistics ``numerics=``'s ``measures`` give, with their format
+    (:data:`~tblog_hooks.stats.numerics.FORMAT_OF`)."""
+    return {stat: FORMAT_OF[stat] for m in measures for stat in m.stats if stat in FORMAT_OF}
 
 
 def _counted(source: Source, measures: tuple[Measure, ...]) -> tuple[Measure, ...]:
