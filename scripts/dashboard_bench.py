@@ -48,7 +48,6 @@ import torch
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
-from torch.utils.tensorboard import summary as tb_summary
 
 from tblog_hooks import HookLogger
 from tblog_hooks.stats.tags import ORDER_TAG
@@ -89,10 +88,12 @@ def write_deep(run_dir: Path, layers: int, steps: int, every: int) -> int:
     acc = event_accumulator.EventAccumulator(str(template_dir), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     first = {t: acc.Scalars(t)[0].value for t in acc.Tags()["scalars"]}
-    order_text = acc.Tensors(f"{ORDER_TAG}/text_summary")[-1].tensor_proto.string_val[0].decode()
+    order = summary_pb2.Summary.Value(
+        tag=ORDER_TAG, metadata=acc.SummaryMetadata(ORDER_TAG), tensor=acc.Tensors(ORDER_TAG)[-1].tensor_proto
+    )
     rng = random.Random(0)
     writer = EventFileWriter(str(run_dir))
-    writer.add_event(event_pb2.Event(wall_time=time.time(), summary=tb_summary.text(ORDER_TAG, order_text)))
+    writer.add_event(event_pb2.Event(wall_time=time.time(), summary=summary_pb2.Summary(value=[order])))
     for i in range(steps):
         drift = math.exp(-i / steps)  # norms shrink as training goes on
         values = [
@@ -103,7 +104,7 @@ def write_deep(run_dir: Path, layers: int, steps: int, every: int) -> int:
         writer.add_event(event)
     writer.close()
     shutil.rmtree(template_dir)
-    return order_text.count("\n") + 1
+    return len(order.tensor.string_val)
 
 
 def _free_port() -> int:

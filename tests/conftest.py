@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from PIL import Image
-from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.backend.event_processing import event_accumulator, event_file_loader
 from tensorboard.plugins.custom_scalar import layout_pb2
+from tensorboard.summary.writer import record_writer
 from tensorboard.util import tensor_util
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -190,6 +191,39 @@ def read_text(log_dir: str | Path, tag: str) -> dict[int, str]:
 def read_tensors(log_dir: str | Path, tag: str) -> dict[int, np.ndarray]:
     """The tensors of ``tag`` by step, decoded by TensorBoard (strings as ``bytes``)."""
     return {e.step: tensor_util.make_ndarray(e.tensor_proto) for e in _accumulator(log_dir).Tensors(tag)}
+
+
+def written_order(log_dir: str | Path, prefix: str = "") -> list[str]:
+    """The forward order a logger (of ``prefix=``) wrote last: its ``health/forward_order``
+    string tensor as ``EventAccumulator`` reads it, the names percent-decoded; empty without one."""
+    tag = f"{prefix}/health/forward_order" if prefix else "health/forward_order"
+    if tag not in read_tags(log_dir)["tensors"]:
+        return []
+    written = read_tensors(log_dir, tag)
+    return [urllib.parse.unquote(n.decode(), errors="surrogatepass") for n in written[max(written)]]
+
+
+#: Copies of a run (:func:`without_tags`) with the forward order as one kind only: its string
+#: tensor, its Markdown text (as versions before the tensor wrote it), or neither; by what is dropped.
+ORDER_COPIES = {
+    "tensor": ("health/forward_order/text_summary",),
+    "text": ("health/forward_order",),
+    "none": ("health/forward_order", "health/forward_order/text_summary"),
+}
+
+
+def without_tags(source: Path, target: Path, *tags: str) -> None:
+    """``source``'s event files copied into ``target`` (same names, same records) without the
+    values of ``tags``."""
+    target.mkdir(parents=True)
+    for path in sorted(source.glob("events.out.tfevents.*")):
+        with open(target / path.name, "wb") as file:
+            records = record_writer.RecordWriter(file)
+            for event in event_file_loader.LegacyEventFileLoader(str(path)).Load():
+                kept = [v for v in event.summary.value if v.tag not in tags]
+                del event.summary.value[:]
+                event.summary.value.extend(kept)
+                records.write(event.SerializeToString())
 
 
 def read_images(log_dir: str | Path, tag: str) -> dict[int, np.ndarray]:

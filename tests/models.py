@@ -29,6 +29,32 @@ def sigmoid_stack(depth: int, width: int) -> nn.Sequential:
     return mlp(*[width] * (depth + 1), 2, act=nn.Sigmoid)
 
 
+class OutOfOrder(nn.Module):
+    """Three Linears registered in one order (``c``, ``b/5%``, ``a``) and called in another,
+    :data:`FORWARD`, which is not their names' order either; ``b/5%`` is escaped in tags."""
+
+    #: The order their forward hooks fire in.
+    FORWARD = ("b/5%", "a", "c")
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        for name in ("c", "b/5%", "a"):
+            self.add_module(name, nn.Linear(width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for name in self.FORWARD:
+            x = torch.tanh(getattr(self, name)(x))
+        return x
+
+
+def out_of_order_run(log_dir: object, steps: int = 2) -> None:
+    """:class:`OutOfOrder` logged every step for ``steps`` steps into ``log_dir``."""
+    torch.manual_seed(0)
+    model = OutOfOrder()
+    with HookLogger(model, log_dir=log_dir, every=1) as hooks:
+        train(hooks, (model(torch.randn(8, 4)).square().mean() for _ in range(steps)))
+
+
 def conv_net(width: int = 4, *, classes: int = 3, batch_norm: bool = False, lazy: bool = False) -> nn.Sequential:
     """Conv blocks 3-4-``width`` on 3 x 8 x 8 images into a ``classes`` head (``lazy``: shaped by a first forward)."""
     first = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())

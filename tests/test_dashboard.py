@@ -26,15 +26,18 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
+    ORDER_COPIES,
     TENSORBOARD_READY_S,
     get,
     read_run,
     read_tags,
     read_tensors,
-    read_text,
     tensorboard,
     wait_until_loaded,
+    without_tags,
+    written_order,
 )
+from models import OutOfOrder, out_of_order_run
 from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
 from tensorboard.context import RequestContext
 from tensorboard.plugins import base_plugin
@@ -54,11 +57,9 @@ from tblog_hooks.diagnostics.replay import owner
 from tblog_hooks.stats.tags import (
     HEADS_TABLE_TAG,
     NUMERICS_TABLE_TAG,
-    ORDER_TAG,
     Lost,
     Stat,
     escape,
-    parse_order,
     rows_tag,
     scale_of,
     split_prefix,
@@ -97,9 +98,7 @@ def reference(logdir: Path, run: str, prefix: str) -> tuple[dict[str, dict[int, 
     for full, values in read_run(logdir / run).scalars.items():
         if (split := split_prefix(full)) and split[0] == prefix:
             scalars[split[1]] = values
-    tag = f"{prefix}/{ORDER_TAG}" if prefix else ORDER_TAG
-    text = read_text(logdir / run, tag) if f"{tag}/text_summary" in read_tags(logdir / run)["tensors"] else {}
-    return scalars, parse_order(text[max(text)]) if text else []
+    return scalars, written_order(logdir / run, prefix)
 
 
 def same(served: object, value: float | None) -> bool:
@@ -130,6 +129,18 @@ def _provider(logdir: Path) -> data_provider.MultiplexerDataProvider:
 
 def _plugin(logdir: Path) -> HealthPlugin:
     return HealthPlugin(base_plugin.TBContext(data_provider=_provider(logdir), logdir=str(logdir)))
+
+
+def test_the_forward_order_is_its_tensors_or_an_older_runs_texts(tmp_path) -> None:
+    """Through TensorBoard's data provider: a run's forward order is its string tensor's, and of a
+    run written before that tensor (its Markdown text alone) the text's; none without either."""
+    out_of_order_run(tmp_path / "written")
+    for run, dropped in ORDER_COPIES.items():
+        without_tags(tmp_path / "written", tmp_path / run, *dropped)
+    source = Source(_provider(tmp_path))
+    orders = {m.run: source.order(RequestContext(), "", m) for m in source.models(RequestContext(), "")}
+    forward = list(OutOfOrder.FORWARD)
+    assert orders == {"none": [], "tensor": forward, "text": forward, "written": forward}
 
 
 def test_the_plugin_is_inactive_without_this_packages_tags(tmp_path) -> None:

@@ -26,9 +26,9 @@ from conftest import (
     read_run,
     read_tags,
     read_tensors,
-    read_text,
     tensorboard,
     wait_until_loaded,
+    written_order,
 )
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
@@ -37,7 +37,7 @@ from tblog_hooks._compat import event_file_writer
 from tblog_hooks.dashboard.documents import SEVERITY
 from tblog_hooks.diagnostics.findings import FINDING_KINDS
 from tblog_hooks.diagnostics.replay import owner
-from tblog_hooks.stats.tags import HEADS_TABLE_TAG, NUMERICS_TABLE_TAG, ORDER_TAG, escape, parse_order, unescape
+from tblog_hooks.stats.tags import HEADS_TABLE_TAG, NUMERICS_TABLE_TAG, escape, unescape
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="stops the server's process group (POSIX)")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -153,8 +153,8 @@ def test_the_tab_is_listed_and_shows_the_run(page) -> None:
 
 
 def test_the_heatmap_lists_the_modules_in_forward_order(page, logdir) -> None:
-    text = read_text(logdir / "net", ORDER_TAG)
-    assert health(page, "page.heatmap.doc.modules") == parse_order(text[max(text)])
+    assert health(page, "page.heatmap.doc.modules") == written_order(logdir / "net")
+    assert written_order(logdir / "net") == ["embed", "a/b c.qkv", "a/b c.out", "dead", "head"]
 
 
 def test_hovering_a_cell_shows_its_value(page, logdir) -> None:
@@ -470,8 +470,7 @@ def test_each_findings_value_says_what_it_is(page, logdir) -> None:
         )
     # A vanishing finding's value is the ratio its label says: the largest norm up to its module over the largest.
     vanishing = next(f for f in findings if f["kind"] == "vanishing_gradient")  # type: ignore[union-attr, index]
-    scalars, text = read_run(logdir / "net").scalars, read_text(logdir / "net", ORDER_TAG)
-    order = parse_order(text[max(text)])
+    scalars, order = read_run(logdir / "net").scalars, written_order(logdir / "net")
     norms = [scalars[f"gradient/norm/{escape(m)}"][vanishing["step"]] for m in order]
     upstream = max(norms[: order.index(vanishing["module"]) + 1])
     assert "ratio" in measures["vanishing_gradient"]["label"] and vanishing["value"] == upstream / max(norms)  # type: ignore[index]
@@ -503,8 +502,7 @@ def _charts_opened(page: Any, link: Any) -> tuple[set[str], list[str]]:
 
 def test_a_finding_or_a_module_links_to_its_charts_in_tensorboards_own_tabs(page, logdir) -> None:
     _open(page, "net")
-    written, text = read_tags(logdir / "net"), read_text(logdir / "net", ORDER_TAG)
-    order = parse_order(text[max(text)])
+    written, order = read_tags(logdir / "net"), written_order(logdir / "net")
 
     def of(kind: str, module: str) -> set[str]:  # the module's tags and its own parameters'
         return {t for t in written[kind] if owner(unescape(t.rsplit("/", 1)[1]), order) == module}
@@ -588,8 +586,7 @@ def test_what_a_view_shows_downloads_as_csv_and_json(page, logdir) -> None:
     text, name = _download(page, '.downloads[data-route="series"] a[data-format="csv"]')
     rows = list(csv.reader(io.StringIO(text)))
     assert name == "net_series_dead.csv" and rows[0][0] == "step"
-    text_order = read_text(logdir / "net", ORDER_TAG)
-    order = parse_order(text_order[max(text_order)])
+    order = written_order(logdir / "net")
     own = {t for t in scalars if t.count("/") == 2 and owner(unescape(t.rsplit("/", 1)[1]), order) == "dead"}
     assert set(rows[0][1:]) == {t for t in own if not t.startswith("spike/")}  # (every-step series: the spikes card's)
     for i, tag in enumerate(rows[0][1:], start=1):

@@ -131,6 +131,10 @@ def documented_tags() -> dict[str, set[str]]:
     return tags
 
 
+#: The value tables, each written with its rows' names.
+TABLES = (HEADS_TABLE_TAG, NUMERICS_TABLE_TAG)
+
+
 def declared_tags() -> dict[str, set[str]]:
     """``{type: tag patterns}`` as the code declares them."""
     full, counted = Recipe.build(inputs=True, numerics=True, rowwise=True), Recipe.build()  # (inputs counted only)
@@ -158,7 +162,8 @@ def declared_tags() -> dict[str, set[str]]:
         "scalar": scalars,
         "histogram": histograms,
         "image": {FLOW_TAG, f"{Root.FEATURE_MAP}/{MODULE}", *PICTURES.values(), *PICTURE_TAGS.values()},
-        "tensor": {t for table in (HEADS_TABLE_TAG, NUMERICS_TABLE_TAG) for t in (table, rows_tag(table))},
+        "tensor": {ORDER_TAG}
+        | {t for table in (HEADS_TABLE_TAG, NUMERICS_TABLE_TAG) for t in (table, rows_tag(table))},
         "text": {FINDINGS_TAG, ORDER_TAG},
         "layout": {CONFIG_SUMMARY_TAG},
     }

@@ -9,8 +9,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import read_images, read_run
-from models import mlp, sigmoid_stack, train
+from conftest import ORDER_COPIES, read_images, read_run, read_text, without_tags, written_order
+from models import OutOfOrder, mlp, out_of_order_run, sigmoid_stack, train
 from PIL import Image
 from tensorboard.backend.event_processing import event_file_loader
 from torch import nn
@@ -18,6 +18,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from tblog_hooks import HookLogger
 from tblog_hooks.cli import main, report
+from tblog_hooks.stats.tags import ORDER_TAG
 
 
 def _train_sigmoid(log_dir, steps: int = 3) -> list[tuple[str, str, int]]:
@@ -47,6 +48,21 @@ def test_report_table_json_and_fail_on(tmp_path, capsys) -> None:
     assert [m["module"] for m in doc["modules"]] == [str(i) for i in range(0, 15, 2)]  # forward order
     assert [(f["kind"], f["module"], f["step"]) for f in doc["findings"]] == live  # the same as live
     assert all(set(f) == {"kind", "module", "step", "value", "message"} for f in doc["findings"])
+
+
+def test_the_forward_order_is_written_as_a_tensor_and_read_back(tmp_path, capsys) -> None:
+    """The logger writes the forward order as a string tensor (and as Markdown text); the report
+    lists the modules in the tensor's order, or from the text alone (a run written before the
+    tensor) in the text's, and in their names' order from neither."""
+    out_of_order_run(tmp_path / "written")
+    assert written_order(tmp_path / "written") == list(OutOfOrder.FORWARD)
+    for run, dropped in ORDER_COPIES.items():
+        without_tags(tmp_path / "written", tmp_path / run, *dropped)
+    assert written_order(tmp_path / "text") == [] and read_text(tmp_path / "text", ORDER_TAG)
+    for run in ("written", "tensor", "text"):
+        assert main(["report", str(tmp_path / run), "--json"]) == 0
+        assert [m["module"] for m in json.loads(capsys.readouterr().out)["modules"]] == list(OutOfOrder.FORWARD)
+    assert report.load(tmp_path / "none", "none").order == sorted(OutOfOrder.FORWARD) != list(OutOfOrder.FORWARD)
 
 
 def test_report_png_and_several_runs(tmp_path, capsys) -> None:

@@ -15,19 +15,20 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.util import tensor_util
 
 from ..diagnostics.per_step import gradient_flow_image, gradient_norms
 from ..diagnostics.replay import Run, findings, forward_order, is_logged_step, is_series, module_rows
 from ..output.event_files import DamagedFile, read_records
 from ..output.events import png
-from ..stats.tags import ORDER_TAG, Stat, parse_order, split_prefix
+from ..stats.tags import ORDER_TAG, TABLE_PLUGIN, Stat, read_order, split_prefix, tensor_names
 
 
 class ReportError(Exception):
     """A run that cannot be reported: missing or damaged."""
 
 
-_ORDER_TEXT = re.compile(rf"(?:(?P<prefix>.+)/)?{re.escape(ORDER_TAG)}/text_summary")
+_ORDER = re.compile(rf"(?:(?P<prefix>.+)/)?{re.escape(ORDER_TAG)}(?P<text>/text_summary)?")
 _EVENT_FILES = "events.out.tfevents.*"
 
 
@@ -73,12 +74,14 @@ def load_all(run_dir: Path, label: str) -> list[Run]:
     files = [_read_file(p) for p in run_dir.glob(_EVENT_FILES) if p.is_file()]
     runs: dict[str, Run] = {}
     orders: dict[str, list[str]] = {}
+    texts: dict[str, str] = {}
     for file in sorted(files, key=lambda f: f.start):
         for purge in file.purges:
             for run in runs.values():
                 run.scalars = {s: v for s, v in run.scalars.items() if s < purge}
                 run.series = {s: v for s, v in run.series.items() if s < purge}
         orders |= file.orders
+        texts |= file.texts
         for step, prefix, scalars in file.series:
             runs.setdefault(prefix, Run(label, prefix, {}, [])).series.setdefault(step, {}).update(scalars)
         for step, prefix, scalars in file.steps:
@@ -89,7 +92,8 @@ def load_all(run_dir: Path, label: str) -> list[Run]:
                 run.scalars = {s: v for s, v in run.scalars.items() if s < step}
             run.scalars[step] = scalars
     for prefix, run in runs.items():
-        run.order = forward_order(orders.get(prefix, []), set().union(*run.scalars.values()))
+        written = orders[prefix] if prefix in orders else read_order(texts.get(prefix, ""))
+        run.order = forward_order(written, set().union(*run.scalars.values()))
     return [runs[prefix] for prefix in sorted(runs)]
 
 
@@ -98,6 +102,8 @@ class _EventFile:
     start: tuple[float, str]  # first event's wall time, then the name: the order files were started in
     steps: list[tuple[int, str, dict[str, float]]]  # (step, prefix, scalars) of each logged step, in file order
     orders: dict[str, list[str]]  # the latest forward order of each prefix
+    #: The latest forward order of each prefix as text, of runs written before it was a tensor.
+    texts: dict[str, str] = field(default_factory=dict)
     series: list[tuple[int, str, dict[str, float]]] = field(default_factory=list)  # (step, prefix, values)
     purges: list[int] = field(default_factory=list)  # the steps of its SessionLog.START events (before its values)
 
@@ -118,8 +124,10 @@ def _read_file(path: Path) -> _EventFile:
                 prefix: dict(zip(own, map(numbers.__getitem__, at), strict=True)) for prefix, own, at in plan.scalars
             }
             for prefix, i in plan.orders:
+                file.orders[prefix] = tensor_names(tensor_util.make_ndarray(values[i].tensor))
+            for prefix, i in plan.texts:
                 if values[i].tensor.string_val:
-                    file.orders[prefix] = parse_order(values[i].tensor.string_val[0].decode("utf-8", "replace"))
+                    file.texts[prefix] = values[i].tensor.string_val[0].decode("utf-8", "replace")
             file.steps += [
                 (event.step, prefix, scalars) for prefix, scalars in by_prefix.items() if is_logged_step(scalars)
             ]
@@ -134,10 +142,11 @@ def _read_file(path: Path) -> _EventFile:
 @dataclass(frozen=True)
 class _Plan:
     """Where an event's values go: per prefix, its scalars' own tags and their positions; the
-    positions of forward orders."""
+    positions of forward orders, as tensors and as text (of runs written before the tensors)."""
 
     scalars: list[tuple[str, list[str], list[int]]]
     orders: list[tuple[str, int]]
+    texts: list[tuple[str, int]]
 
 
 #: The plan of each sequence of tags read (a logger writes the same tags at every logged step, so
@@ -152,16 +161,25 @@ def _plan(values: Sequence[summary_pb2.Summary.Value]) -> _Plan:
         if len(_PLANS) > 256:
             _PLANS.clear()
         by_prefix: dict[str, tuple[list[str], list[int]]] = {}
-        orders = []
+        orders: list[tuple[str, int]] = []
+        texts: list[tuple[str, int]] = []
         for i, value in enumerate(values):
             if value.HasField("simple_value") and (split := split_prefix(value.tag)):
                 own, at = by_prefix.setdefault(split[0], ([], []))
                 own.append(split[1])
                 at.append(i)
-            elif match := _ORDER_TEXT.fullmatch(value.tag):
-                orders.append((match["prefix"] or "", i))
-        plan = _PLANS[tags] = _Plan([(p, own, at) for p, (own, at) in by_prefix.items()], orders)
+            elif match := _ORDER.fullmatch(value.tag):
+                if match["text"]:
+                    texts.append((match["prefix"] or "", i))
+                elif _of_plugin(value):
+                    orders.append((match["prefix"] or "", i))
+        plan = _PLANS[tags] = _Plan([(p, own, at) for p, (own, at) in by_prefix.items()], orders, texts)
     return plan
+
+
+def _of_plugin(value: summary_pb2.Summary.Value) -> bool:
+    """Whether a value is a tensor of the dashboard plugin's (the forward order, the value tables)."""
+    return bool(value.HasField("tensor") and value.metadata.plugin_data.plugin_name == TABLE_PLUGIN)
 
 
 def as_json(run: Run) -> object:

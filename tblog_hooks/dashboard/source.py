@@ -22,9 +22,10 @@ from ..stats.tags import (
     NAMED_ROOTS,
     ORDER_TAG,
     TABLE_PLUGIN,
-    parse_order,
+    read_order,
     rows_tag,
     split_prefix,
+    tensor_names,
     unescape,
 )
 
@@ -132,13 +133,18 @@ class Source:
         return {t: ([d.step for d in series], [d.value for d in series]) for t, series in points.items()}
 
     def order(self, ctx: Any, experiment_id: str, model: Model) -> list[str]:
-        """The forward order the logger wrote last (``health/forward_order``); empty without one."""
-        text_tag = f"{model.full(ORDER_TAG)}/text_summary"
-        points = self._tensors(ctx, experiment_id, model, _TEXT, [text_tag]).get(text_tag, [])
+        """The forward order the logger wrote last (``health/forward_order``), or of a run written
+        before it was a tensor, its text summary's; empty without one."""
+        tag = model.full(ORDER_TAG)
+        points = self._tensors(ctx, experiment_id, model, TABLE_PLUGIN, [tag]).get(tag)
+        if points:
+            return tensor_names(_latest(points).numpy)
+        text_tag = f"{tag}/text_summary"
+        points = self._tensors(ctx, experiment_id, model, _TEXT, [text_tag]).get(text_tag)
         if not points:
             return []
-        value = max(points, key=lambda d: (d.step, d.wall_time)).numpy.ravel()
-        return parse_order(value[0].decode("utf-8", "replace")) if value.size else []
+        text = _latest(points).numpy.ravel()
+        return read_order(text[0].decode("utf-8", "replace")) if text.size else []
 
     def table(self, ctx: Any, experiment_id: str, model: Model, table: str) -> dict[int, tuple[list[str], np.ndarray]]:
         """``{step: (module names, values)}`` of a value table (``health/attention_heads``): every
@@ -146,7 +152,7 @@ class Source:
         tags = [model.full(table), model.full(rows_tag(table))]
         data = self._tensors(ctx, experiment_id, model, TABLE_PLUGIN, tags)
         values = {d.step: d.numpy for d in data.get(tags[0], [])}
-        names = {d.step: [unescape(n.decode("utf-8")) for n in d.numpy.ravel()] for d in data.get(tags[1], [])}
+        names = {d.step: tensor_names(d.numpy) for d in data.get(tags[1], [])}
         return {s: (names[s], values[s]) for s in sorted(values) if s in names}
 
     def _tensors(
@@ -161,6 +167,11 @@ class Source:
             run_tag_filter=provider.RunTagFilter(runs=[model.run], tags=tags),
         )
         return data.get(model.run, {})  # type: ignore[no-any-return]
+
+
+def _latest(points: list[provider.TensorDatum]) -> provider.TensorDatum:
+    """The point of the latest step, of the latest write of that step."""
+    return max(points, key=lambda d: (d.step, d.wall_time))
 
 
 def _histogram_name(full: str) -> tuple[str, str] | None:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..output.summary import Heads
-from ..stats.tags import HEADS_TABLE_TAG, Root, Stat, by_name, escape, rows_tag, tag
+from ..stats.tags import HEADS_TABLE_TAG, Root, Stat, by_name, names_tensor, rows_tag, tag
 from . import pictures
 from .findings import ENTROPY_COLLAPSE, LOGIT_GROWTH, Candidates, Finding, Thresholds, Trailing
 
@@ -110,7 +110,7 @@ def heads_tensors(heads: Mapping[str, Heads]) -> dict[str, np.ndarray]:
     names, table = heads_table(heads)
     return {
         HEADS_TABLE_TAG: table.transpose(1, 2, 0).astype(np.float32),
-        rows_tag(HEADS_TABLE_TAG): np.array([escape(n) for n in names], dtype=object),
+        rows_tag(HEADS_TABLE_TAG): names_tensor(names),
     }
 
 

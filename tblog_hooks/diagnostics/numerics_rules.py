@@ -26,7 +26,7 @@ from ..stats.tags import (
     Root,
     Stat,
     by_name,
-    escape,
+    names_tensor,
     per_format,
     rows_tag,
     tag,
@@ -262,8 +262,7 @@ def numerics_tensors(order: Sequence[str], every: Mapping[str, float]) -> dict[s
     rows, table, _ = _grid(order, every)
     if not rows:
         return {}
-    names = np.array([escape(m) for m in rows], dtype=object)
-    return {NUMERICS_TABLE_TAG: table.astype(np.float32), rows_tag(NUMERICS_TABLE_TAG): names}
+    return {NUMERICS_TABLE_TAG: table.astype(np.float32), rows_tag(NUMERICS_TABLE_TAG): names_tensor(rows)}
 
 
 def _grid(order: Sequence[str], every: Mapping[str, float]) -> tuple[list[str], np.ndarray, list[set[str]]]:

@@ -1,6 +1,6 @@
 """What the logger adds to each step it writes: health findings and ``health/*`` scalars, the
-gradient-flow heatmap, the per-head and per-format pictures with their value tables, the
-custom-scalars layout (once) and the text summaries.
+gradient-flow heatmap, the per-head and per-format pictures with their value tables, the forward
+order, the custom-scalars layout (once) and the text summaries.
 
 Host-side only: it reads the :class:`~tblog_hooks.output.summary.StepSummary` the step already
 produced, so diagnostics cost no device work.
@@ -17,7 +17,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..output.summary import StepSummary
-from ..stats.tags import ORDER_TAG, TABLE_PLUGIN, Indexed, Root, Stat, by_name, order_markdown, tag, unescape
+from ..stats.tags import (
+    ORDER_TAG,
+    TABLE_PLUGIN,
+    Indexed,
+    Root,
+    Stat,
+    by_name,
+    names_tensor,
+    order_markdown,
+    tag,
+    unescape,
+)
 from . import pictures
 from .attention_rules import heads_pictures, heads_tensors
 from .findings import Thresholds
@@ -67,8 +78,9 @@ class Diagnostics:
         return list(self._forward_order) + [m for m in self._modules if m not in fired]
 
     def write(self, writer: Destination, summary: StepSummary) -> None:
-        """Add findings and the heatmap to ``summary``, write it, then the text summaries.
-        A failure here is reported once and switches the diagnostics off, not the statistics."""
+        """Add findings, the heatmap and the forward order when it changed to ``summary``, write
+        it, then the text summaries. A failure here is reported once and switches the diagnostics
+        off, not the statistics."""
         order = self.order()
         scalars = Indexed(summary.scalars)  # (each rule's look-up of a statistic costs its own tags)
         norms = gradient_norms(scalars)
@@ -77,6 +89,8 @@ class Diagnostics:
                 self._annotate(summary, scalars, order, norms)
             except Exception as error:
                 self._fail(error)
+        if not self._failed and order != self._written_order:
+            summary.tensors[ORDER_TAG] = names_tensor(order)
         writer.write(summary)
         self._remember(summary.scalars, norms)
         if not self._failed:
@@ -114,7 +128,7 @@ class Diagnostics:
     def _write_text(self, writer: Destination, summary: StepSummary, order: list[str]) -> None:
         """The custom-scalars layout when the run writes a scalar it does not chart yet (a first
         step the ``GradScaler`` skipped writes no gradient statistics, a spike's tags come later);
-        the forward order and findings when they change."""
+        the forward order (as Markdown, for the Text tab) and findings when they change."""
         step = summary.step
         new = [key for key in summary.scalars if key not in self._charted and "/" in key]
         if new:

@@ -19,7 +19,7 @@ from .summary import StepSummary
 
 def to_proto(summary: StepSummary) -> Summary:
     """The ``Summary`` protobuf ``SummaryWriter.add_scalar``/``add_histogram_raw``/``add_image`` would
-    write, and the value tables as tensors of this package's dashboard plugin."""
+    write, and the value tables and the forward order as tensors of this package's dashboard plugin."""
     values = [Summary.Value(tag=t, simple_value=v) for t, v in summary.scalars.items()]
     values += [
         Summary.Value(

@@ -28,7 +28,7 @@ class Histogram:
 class StepSummary:
     """Everything one logged step writes: ``{tag: value}``, ``{tag: Histogram}``,
     ``{tag: uint8 image, channels first}`` and ``{tag: float32 or string array}`` (the value tables
-    of ``stats/tags.py``'s ``HEADS_TABLE_TAG`` and ``NUMERICS_TABLE_TAG``)."""
+    of ``stats/tags.py``'s ``HEADS_TABLE_TAG`` and ``NUMERICS_TABLE_TAG``, and ``ORDER_TAG``)."""
 
     step: int
     scalars: dict[str, float]
@@ -39,7 +39,7 @@ class StepSummary:
     #: With ``numerics=``: every format's ``{root}/{lost}_{format}/{name}`` scalar, those not
     #: written included (``stats/numerics.py``), for the modules x formats picture.
     numerics: dict[str, float] = field(default_factory=dict)
-    #: The value tables of the pictures (``diagnostics/``), written as tensors.
+    #: The value tables of the pictures and the forward order (``diagnostics/``), written as tensors.
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
     #: The scalars that carry a ``GradScaler``'s loss scale (as the recipe's measures say), by tag:
     #: the source they measure (``"output_gradient"``, ``"param_grad"``; ``stats/recipe.py``).

@@ -6,8 +6,10 @@ from __future__ import annotations
 import enum
 import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from urllib.parse import unquote
+
+import numpy as np
 
 
 class Root(enum.StrEnum):
@@ -221,7 +223,9 @@ SCALE_TAG, SKIPPED_TAG = tag(Root.AMP, Stat.LOSS_SCALE), tag(Root.AMP, Stat.SKIP
 #: Every step's gradient norm, loss and samples (``spikes=``).
 GRAD_NORM_TAG, LOSS_TAG = tag(Root.STEP, Stat.GRAD_NORM), tag(Root.STEP, Stat.LOSS)
 SAMPLES_TAG = tag(Root.STEP, Stat.SAMPLES)
-#: The text summary listing the watched modules in forward order (see :func:`order_markdown`).
+#: The watched modules in forward order, written when it changes: a string tensor of the dashboard
+#: plugin (:func:`names_tensor`), which the dashboard and ``report`` read, and the same as a
+#: numbered list in a text summary (:func:`order_markdown`) for TensorBoard's Text tab.
 ORDER_TAG = tag(Root.HEALTH, "forward_order")
 #: Per logged step, the numbers behind the layers x heads pictures (``attention=``: a float32
 #: ``layers x heads x 2`` tensor, each head's max logit then mean entropy) and the modules x formats
@@ -239,11 +243,23 @@ def rows_tag(table: str) -> str:
     return f"{table}_modules"
 
 
+def names_tensor(names: Iterable[str]) -> np.ndarray:
+    """Module names as a 1-D string tensor (the rows of a value table, the forward order), each
+    escaped (:func:`escape`): a lone surrogate could not be encoded as UTF-8."""
+    return np.array([escape(n) for n in names], dtype=object)
+
+
+def tensor_names(values: np.ndarray) -> list[str]:
+    """The names :func:`names_tensor` was given, from the tensor as TensorBoard decodes it (``bytes``)."""
+    return [unescape(n.decode("utf-8")) for n in values.ravel()]
+
+
 def order_markdown(order: Sequence[str]) -> str:
-    """The forward order as a numbered Markdown list of escaped names (``report`` reads it back)."""
+    """The forward order as a numbered Markdown list of escaped names, for the Text tab."""
     return "\n".join(f"{i}. `{escape(m)}`" for i, m in enumerate(order, 1))
 
 
-def parse_order(text: str) -> list[str]:
-    """Inverse of :func:`order_markdown`."""
+def read_order(text: str) -> list[str]:
+    """The forward order of a run written before it was a tensor of its own, from its text summary
+    (:func:`order_markdown`): the one reader of that text, so that such log directories still read."""
     return [unescape(m) for m in re.findall(r"^\d+\. `(.*)`$", text, flags=re.MULTILINE)]
