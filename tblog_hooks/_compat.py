@@ -417,3 +417,31 @@ def flex_attention_file() -> str | None:
     module = sys.modules.get("torch.nn.attention.flex_attention")
     function = getattr(module, "flex_attention", None)
     return None if function is None else function.__code__.co_filename
+
+
+#: The methods of ``torch.distributed.pipelining``'s stages that run a stage's module on data made
+#: up to learn its shapes (torch >= 2.14: real tensors, ``torch.empty`` on later stages; before:
+#: meta tensors under ``no_grad``), by name.
+_PIPELINE_INFERENCE = frozenset({"_forward_metadata_inference", "_shape_inference"})
+
+
+def pipeline_pass() -> tuple[bool, int] | None:
+    """Where the calling code runs under a ``torch.distributed.pipelining`` schedule: whether in a
+    stage's shape inference (``_PIPELINE_INFERENCE``), and what the schedule divides the stage's
+    gradients by (its microbatch count, ``scale_grads=True``, its default; else 1); ``None``
+    outside a schedule. Read off the calling frames (the schedule holds the stage, not the module
+    the logger was given, and says nothing to its hooks); a few frame hops a call, logged steps only."""
+    if "torch.distributed.pipelining" not in sys.modules:
+        return None
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    inference, frame = False, sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_name  # (a frame's locals are read only where its name matches: they cost)
+        inference |= name in _PIPELINE_INFERENCE
+        schedule = frame.f_locals.get("self") if name in ("step", "_step_microbatches") else None
+        if isinstance(schedule, _PipelineSchedule):
+            scale = getattr(schedule, "scale_grads", True)
+            return inference, int(getattr(schedule, "_n_microbatches", 1)) if scale else 1
+        frame = frame.f_back  # type: ignore[assignment]
+    return None

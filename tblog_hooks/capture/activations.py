@@ -97,7 +97,7 @@ class ActivationRecorder:
             tensors = loggable_leaves(output)
             if not tensors:
                 return None
-            pieces = self._pieces(module, tensors, units, mode)
+            pieces = self._pieces(module, tensors, units)
             if self.numerics is not None and not mode.compiled:  # (outputs recorded or not)
                 self.numerics.see(pieces[0][0].device.type)
             with torch.no_grad():
@@ -155,8 +155,7 @@ class ActivationRecorder:
         try:
             units = self.units.get(name, -1)
             leaves = loggable_leaves(inputs)
-            whole: list[tuple[Tensor, Split | None]] = [(t, None) for t in leaves]
-            pieces = whole if mode.compiled else self.parallel.inputs(module, leaves)
+            pieces = self.parallel.inputs(module, leaves)
             with torch.no_grad():
                 for t, split in pieces:
                     if self.inputs:
@@ -197,12 +196,8 @@ class ActivationRecorder:
         self.buffer.disabled.update(self.units)
         return True
 
-    def _pieces(
-        self, module: nn.Module, tensors: list[Tensor], units: int, mode: Mode
-    ) -> list[tuple[Tensor, Split | None]]:
+    def _pieces(self, module: nn.Module, tensors: list[Tensor], units: int) -> list[tuple[Tensor, Split | None]]:
         """The outputs as this rank's pieces, each with how it is split over ranks (``None``: whole)."""
-        if mode.compiled:
-            return [(t, None) for t in tensors]
         return [(t, along_units(split, units, t.dim())) for t, split in self.parallel.outputs(module, tensors)]
 
     def _remember(self, mode: Mode, t: Tensor, values: Computed) -> None:
