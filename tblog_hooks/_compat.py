@@ -367,11 +367,17 @@ def function_mode_on_top(mode: object) -> bool:
     return torch.overrides._get_current_function_mode() is mode
 
 
-def context_parallel() -> bool:
-    """Whether ``torch.distributed.tensor.experimental.context_parallel`` is active: it replaces
-    ``F.scaled_dot_product_attention`` (its default dispatch mode) while every rank holds a
-    shard of the sequence, as plain tensors that say nothing of it."""
-    return torch.nn.functional.scaled_dot_product_attention is not torch._C._nn.scaled_dot_product_attention
+def context_parallel_mesh() -> DeviceMesh | None:
+    """The mesh of the active ``torch.distributed.tensor.experimental.context_parallel``, whose
+    ranks each hold a shard of the sequence of the same samples; ``None`` where none is active.
+    It replaces ``F.scaled_dot_product_attention`` by a wrapper holding the mesh in its closure."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if sdpa is torch._C._nn.scaled_dot_product_attention:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    cells = getattr(sdpa, "__closure__", None) or ()
+    return next((cell.cell_contents for cell in cells if isinstance(cell.cell_contents, DeviceMesh)), None)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from ..stats.numerics import Written
 from ..stats.packing import Record
 from ..stats.recipe import Source
 from ..stats.reductions import loggable
-from ..topology.parallel import CONTEXT_PARALLEL, TensorParallel, along_units
+from ..topology.parallel import TensorParallel, along_units
 from ..topology.sharding import Split
 from .output_gradients import OutputGradientRecorder
 from .passes import PassFilter
@@ -81,7 +81,7 @@ class ActivationRecorder:
         if mode is None or not mode.compiled:
             # Not while compiling: a set that grows would be one more guard and one more graph.
             self.called.add(name)
-        if name in self.buffer.disabled or mode is None or self._sequence_split(mode):
+        if name in self.buffer.disabled or mode is None:
             return None
         if not mode.compiled:
             if name not in self._fired:
@@ -146,11 +146,7 @@ class ActivationRecorder:
             return  # without output counts the input count tells nothing
         training = module.training
         mode = self.buffer.now()
-        if (
-            mode is None
-            or self._sequence_split(mode)
-            or not self.passes.records_inputs(name, training, mode.in_backward())
-        ):
+        if mode is None or not self.passes.records_inputs(name, training, mode.in_backward()):
             return
         try:
             units = self.units.get(name, -1)
@@ -186,15 +182,6 @@ class ActivationRecorder:
         self._mapped, self._last_output = set(), None
         self._trained = self._evaluated = False
         self.parallel.end()
-
-    def _sequence_split(self, mode: Mode) -> bool:
-        """Under context parallelism no module's statistics are recorded (said once, see
-        ``topology/parallel.py``)."""
-        if mode.compiled or not self.parallel.sequence_split():
-            return False
-        self.buffer.fail(Part.MODULE_STATISTICS, RuntimeError(CONTEXT_PARALLEL))
-        self.buffer.disabled.update(self.units)
-        return True
 
     def _pieces(self, module: nn.Module, tensors: list[Tensor], units: int) -> list[tuple[Tensor, Split | None]]:
         """The outputs as this rank's pieces, each with how it is split over ranks (``None``: whole)."""

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from .._compat import grad_scale, in_backward, step_closure
+from .._compat import context_parallel_mesh, grad_scale, in_backward, step_closure
 from ..errors import HookLoggerError
 from ..stats.reductions import loggable, stacked_norms
 from ..topology.sharding import is_dtensor, is_partial, local
@@ -384,7 +384,8 @@ class Samples(_Hook):
     """The model's forward pre-hook: the samples of a step's training passes, the first dim of
     each call's first tensor argument (shape metadata, nothing read from the device); of a
     ``DTensor`` (torchtitan's ``full_dtensor`` batch, split over the data-parallel ranks), this
-    rank's piece's, as a plain batch is this rank's."""
+    rank's piece's, as a plain batch is this rank's. Under context parallelism the ranks of its
+    mesh each hold a shard of the sequence of the same samples: counted on its first rank only."""
 
     __slots__ = ("count",)
 
@@ -395,7 +396,8 @@ class Samples(_Hook):
         if not (module.training and torch.is_grad_enabled()) or in_backward():
             return
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
-        if first is not None and first.dim() > 0:
+        sequence = context_parallel_mesh()
+        if first is not None and first.dim() > 0 and (sequence is None or sequence.get_local_rank() == 0):
             self.count += (first.to_local() if is_dtensor(first) else first).shape[0]
 
     def rewinder(self) -> Callable[[], None]:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .._compat import context_parallel, parallel_output, prepared_input, tree_flatten
+from .._compat import parallel_output, prepared_input, tree_flatten
 from . import titan
 from .sharding import Split, is_dtensor, local, placed
 
@@ -33,12 +33,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.placement_types import Placement
 
-#: Why module statistics are not recorded under context parallelism.
-CONTEXT_PARALLEL = (
-    "context parallelism is active (scaled_dot_product_attention is replaced), so every rank holds a shard of the "
-    "sequence as a plain tensor and its statistics would describe that shard only; activation, input and "
-    "output-gradient statistics are not recorded while it is (parameter statistics are)"
-)
 #: Where a watched module of a tensor-parallel model runs in code ``torch.compile`` compiled.
 COMPILED = (
     "its hooks are traced into code torch.compile compiled in a tensor-parallel model, where they see this rank's "
@@ -168,12 +162,6 @@ class TensorParallel:
         if not meshes:
             return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         return min(int(mesh.mesh.reshape(-1)[0]) for mesh in meshes)
-
-    @staticmethod
-    def sequence_split() -> bool:
-        """Whether every rank holds a shard of the sequence that no tensor says it is a shard of
-        (``CONTEXT_PARALLEL``)."""
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and context_parallel()
 
     def outputs(self, module: nn.Module, tensors: Sequence[Tensor]) -> list[tuple[Tensor, Split | None]]:
         """Each output tensor of ``module`` as this rank's piece and its split. Raises
