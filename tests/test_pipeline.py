@@ -26,6 +26,7 @@ pipelining = pytest.importorskip("torch.distributed.pipelining")
 
 STEPS, MICROBATCHES = 2, 4
 STAGES = (("0", "1"), ("2", "3", "4"))  # the Sequential's children each stage holds, under their names
+STAGES_INTERLEAVED = (("0",), ("1", "2"), ("3",), ("4",))
 ROOTS = ("activation/", "input/", "gradient/", "param_grad/norm/", "param/")
 
 
@@ -39,15 +40,23 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(8, 4, generator=g, dtype=torch.float64)
 
 
-def _stages(rank: int, root: str, schedule: str) -> None:
-    part = nn.Sequential(collections.OrderedDict((n, m) for n, m in _model().named_children() if n in STAGES[rank]))
-    stage = pipelining.PipelineStage(part, rank, len(STAGES), torch.device("cpu"))
-    runs = getattr(pipelining, schedule)(stage, MICROBATCHES, loss_fn=nn.functional.mse_loss)
+def _stages(rank: int, root: str, schedule: str, **options: object) -> None:
+    children = dict(_model().named_children())
+    if schedule == "ScheduleInterleaved1F1B":  # (two stages a rank: the first and the third, the second and the fourth)
+        held = [STAGES_INTERLEAVED[rank], STAGES_INTERLEAVED[rank + 2]]
+        chunks = [nn.Sequential(collections.OrderedDict((n, children[n]) for n in names)) for names in held]
+        stages = [pipelining.PipelineStage(c, rank + 2 * i, 4, torch.device("cpu")) for i, c in enumerate(chunks)]
+        runs = pipelining.ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=nn.functional.mse_loss)
+        part = nn.Sequential(collections.OrderedDict((n, children[n]) for names in held for n in names))
+    else:
+        part = nn.Sequential(collections.OrderedDict((n, children[n]) for n in STAGES[rank]))
+        stage = pipelining.PipelineStage(part, rank, len(STAGES), torch.device("cpu"))
+        runs = getattr(pipelining, schedule)(stage, MICROBATCHES, loss_fn=nn.functional.mse_loss)
     opt = torch.optim.SGD(part.parameters(), lr=0.1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         writer = SummaryWriter(f"{root}/../{schedule}_{rank}")
-        with HookLogger(part, writer=writer, optimizer=opt, every=1, inputs=True) as hooks:
+        with HookLogger(part, writer=writer, optimizer=opt, every=1, inputs=True, **options) as hooks:  # type: ignore[arg-type]
             for step in range(STEPS):
                 x, y = _batch(step)
                 runs.step(x) if rank == 0 else runs.step(target=y)
@@ -68,7 +77,7 @@ def _of(run: Run, modules: tuple[str, ...]) -> Run:
     return Run(keep(run.scalars), keep(run.histograms))
 
 
-@pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleGPipe"])
+@pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B"])
 def test_each_pipeline_stage_logs_its_modules_as_one_process(tmp_path: Path, schedule: str) -> None:
     (tmp_path / "ranks").mkdir()
     spawn_ranks(functools.partial(_stages, schedule=schedule), tmp_path / "ranks", 2, datetime.timedelta(seconds=60))
@@ -82,7 +91,20 @@ def test_each_pipeline_stage_logs_its_modules_as_one_process(tmp_path: Path, sch
             opt.zero_grad()
             hooks.step()
     one = read_run(tmp_path / "one")
-    for rank, modules in enumerate(STAGES):
+    held = STAGES
+    if schedule == "ScheduleInterleaved1F1B":
+        held = tuple((*a, *b) for a, b in zip(STAGES_INTERLEAVED, STAGES_INTERLEAVED[2:]))
+    for rank, modules in enumerate(held):
         assert_same_run(_of(read_run(tmp_path / f"{schedule}_{rank}"), modules), _of(one, modules), range(STEPS), ROOTS)
         said = eval((tmp_path / f"{schedule}_{rank}.said").read_text())
         assert len(said) == 1 and "param_grad/global_norm and step/grad_norm are of this stage's" in said[0], said
+
+
+def test_pooling_the_ranks_of_pipeline_stages_says_what_to_do_instead(tmp_path: Path) -> None:
+    """``reduce_ranks=True``: the stages' ranks hold different modules, so there is nothing to pool."""
+    (tmp_path / "ranks").mkdir()
+    stages = functools.partial(_stages, schedule="Schedule1F1B", reduce_ranks=True)
+    spawn_ranks(stages, tmp_path / "ranks", 2, datetime.timedelta(seconds=60))
+    for rank in range(2):
+        said = eval((tmp_path / f"Schedule1F1B_{rank}.said").read_text())
+        assert any("leave reduce_ranks off and give each stage's rank a writer=" in s for s in said), said

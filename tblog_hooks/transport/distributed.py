@@ -214,7 +214,8 @@ class Ranks:
             raise RuntimeError(
                 "the ranks recorded different calls of the watched modules or different pieces of split tensors "
                 f"(records to combine, by rank: {counts}); every rank must call the same watched modules in a "
-                "logged step"
+                "logged step (the stages of a pipeline hold different modules: there, leave reduce_ranks off and "
+                "give each stage's rank a writer= of its own)"
             )
         return told  # type: ignore[return-value]  # (none is None)
 
