@@ -367,11 +367,17 @@ def function_mode_on_top(mode: object) -> bool:
     return torch.overrides._get_current_function_mode() is mode
 
 
-def context_parallel() -> bool:
-    """Whether ``torch.distributed.tensor.experimental.context_parallel`` is active: it replaces
-    ``F.scaled_dot_product_attention`` (its default dispatch mode) while every rank holds a
-    shard of the sequence, as plain tensors that say nothing of it."""
-    return torch.nn.functional.scaled_dot_product_attention is not torch._C._nn.scaled_dot_product_attention
+def context_parallel_mesh() -> DeviceMesh | None:
+    """The mesh of the active ``torch.distributed.tensor.experimental.context_parallel``, whose
+    ranks each hold a shard of the sequence of the same samples; ``None`` where none is active.
+    It replaces ``F.scaled_dot_product_attention`` by a wrapper holding the mesh in its closure."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if sdpa is torch._C._nn.scaled_dot_product_attention:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    cells = getattr(sdpa, "__closure__", None) or ()
+    return next((cell.cell_contents for cell in cells if isinstance(cell.cell_contents, DeviceMesh)), None)
 
 
 @contextlib.contextmanager
@@ -417,3 +423,31 @@ def flex_attention_file() -> str | None:
     module = sys.modules.get("torch.nn.attention.flex_attention")
     function = getattr(module, "flex_attention", None)
     return None if function is None else function.__code__.co_filename
+
+
+#: The methods of ``torch.distributed.pipelining``'s stages that run a stage's module on data made
+#: up to learn its shapes (torch >= 2.14: real tensors, ``torch.empty`` on later stages; before:
+#: meta tensors under ``no_grad``), by name.
+_PIPELINE_INFERENCE = frozenset({"_forward_metadata_inference", "_shape_inference"})
+
+
+def pipeline_pass() -> tuple[bool, int] | None:
+    """Where the calling code runs under a ``torch.distributed.pipelining`` schedule: whether in a
+    stage's shape inference (``_PIPELINE_INFERENCE``), and what the schedule divides the stage's
+    gradients by (its microbatch count, ``scale_grads=True``, its default; else 1); ``None``
+    outside a schedule. Read off the calling frames (the schedule holds the stage, not the module
+    the logger was given, and says nothing to its hooks); a few frame hops a call, logged steps only."""
+    if "torch.distributed.pipelining" not in sys.modules:
+        return None
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    inference, frame = False, sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_name  # (a frame's locals are read only where its name matches: they cost)
+        inference |= name in _PIPELINE_INFERENCE
+        schedule = frame.f_locals.get("self") if name in ("step", "_step_microbatches") else None
+        if isinstance(schedule, _PipelineSchedule):
+            scale = getattr(schedule, "scale_grads", True)
+            return inference, int(getattr(schedule, "_n_microbatches", 1)) if scale else 1
+        frame = frame.f_back  # type: ignore[assignment]
+    return None

@@ -102,7 +102,7 @@ class HookLogger:
         )
         _check_optimizer(config, averaged=averaged, split=split, graded=bool(self._recording.counted()))
         self._amp = ScaleWatch(config.scaler) if config.scaler is not None and config.scaler.is_enabled() else None
-        self._ranks = Ranks(reduce=config.reduce_ranks, split=split, lead=parallel.first_of_groups())
+        self._ranks = Ranks(reduce=config.reduce_ranks, split=split, first=parallel.first_of_group())
         self._diagnostics = Diagnostics(self._module_names, self._recording.forward_order, config.thresholds)
         # Rank 0 writes, into writer= or a writer of its own; another rank only into a writer it was given.
         self._writer, owns_writer = _open_writer(config, self._ranks.rank)
@@ -340,12 +340,19 @@ def _outbox(
     destination: Destination | None, diagnostics: Diagnostics, recording: Recording, divisor: Callable[[], float]
 ) -> Outbox | None:
     """Where logged steps go once copied to the host: diagnosed and written to ``destination``
-    (``divisor``: of the output gradients, ``distributed.gradient_divisor``)."""
+    (``divisor``: of the output gradients, ``distributed.gradient_divisor``; times a pipeline
+    schedule's, ``PassFilter.microbatches``)."""
     if destination is None:
         return None
     scaled = recording.optimizer_hooks is None  # (see scaling.unscale)
     write = functools.partial(diagnostics.write, destination)
-    return Outbox(write, param_grads_scaled=scaled, numerics=recording.numerics, gradient_divisor=divisor)
+    passes = recording.activations.passes
+    return Outbox(
+        write,
+        param_grads_scaled=scaled,
+        numerics=recording.numerics,
+        gradient_divisor=lambda: divisor() * passes.microbatches,
+    )
 
 
 def _open_writer(config: Options, rank: int) -> tuple[SummaryWriter | None, bool]:

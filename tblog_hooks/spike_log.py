@@ -56,7 +56,7 @@ class SpikeLog:
         spikes = config.spike_config
         if spikes is None or (destination is None and not (ranks.reduce or any_split(watched))):
             return NoSpikes(off=spikes is None)
-        norms = StepNorms(watched, modules, spikes.steps, over_ranks=ranks.reduce, lead=ranks.lead, divisor=divisor)
+        norms = StepNorms(watched, modules, spikes.steps, over_ranks=ranks.reduce, first=ranks.first, divisor=divisor)
         handles.add(register_optimizer_step_pre_hook(norms.pre))
         handles.add(register_optimizer_step_post_hook(norms.post))
         watch = None if destination is None else SpikeWatch(spikes, modules, order)
@@ -71,14 +71,13 @@ class SpikeLog:
     def step(self, step: int, loss: object) -> bool:
         """The end of step ``step`` (``loss``: its loss, checked here); whether step ``step + 1``
         is logged in full."""
-        check_loss(loss)
-        loss = whole_loss(loss)  # type: ignore[arg-type]  # (checked)
+        checked = check_loss(loss)
         if self.watch is None:  # a rank that only joins the collectives (sharded norms, samples)
-            self.norms.drop(loss, self.samples.take())
+            self.norms.drop(checked, self.samples.take())
             if (step + 1) % self._every == 0:
                 self.norms.refresh()
             return False
-        queued = self.norms.end_step(step, loss, self.samples.take())
+        queued = self.norms.end_step(step, checked, self.samples.take())
         if self._failed:
             return False
         self._say_if_unjudged(queued)
@@ -154,9 +153,9 @@ class NoSpikes:
         self._off = off
 
     def step(self, step: int, loss: object) -> bool:
-        check_loss(loss)
+        checked = check_loss(loss)
         if not self._off:  # (a Partial DTensor loss's full value is a collective the writing rank makes)
-            whole_loss(loss)  # type: ignore[arg-type]  # (checked)
+            whole_loss(checked)
         elif loss is not None:
             warnings.warn(
                 "tblog_hooks: step(loss=...) is only used with spikes= (HookLogger(..., spikes=True)); "

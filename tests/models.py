@@ -129,16 +129,16 @@ class _Attention(nn.Module):
     """torchtitan's attention: query, key, value and output projections around SDPA, the heads
     rotated by a table that ``Llama`` passes in (``-1`` heads: this rank's, under tensor parallelism)."""
 
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, causal: bool) -> None:
         super().__init__()
-        self.head_dim = dim // heads
+        self.head_dim, self.causal = dim // heads, causal
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = (f(x).view(b, s, -1, self.head_dim) for f in (self.wq, self.wk, self.wv))
         q, k = q * freqs[:, None], k * freqs[:, None]
-        out = nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+        out = nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=self.causal)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # type: ignore[no-any-return]
 
 
@@ -153,10 +153,10 @@ class _FeedForward(nn.Module):
 
 
 class _Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, causal: bool) -> None:
         super().__init__()
         self.attention_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
-        self.attention, self.feed_forward = _Attention(dim, heads), _FeedForward(dim, 2 * dim)
+        self.attention, self.feed_forward = _Attention(dim, heads, causal), _FeedForward(dim, 2 * dim)
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), freqs)
@@ -180,11 +180,13 @@ class Llama(nn.Module):
     ``attention_norm``, ``attention.wq`` ... ``ffn_norm``, ``feed_forward.w1`` ...), the final norm
     and output projection inside ``head``; float64, seeded."""
 
-    def __init__(self, *, dim: int = 16, heads: int = 4, layers: int = 2, vocab: int = 32, seq: int = 8) -> None:
+    def __init__(
+        self, *, dim: int = 16, heads: int = 4, layers: int = 2, vocab: int = 32, seq: int = 8, causal: bool = True
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleDict({str(i): _Block(dim, heads) for i in range(layers)})
+        self.layers = nn.ModuleDict({str(i): _Block(dim, heads, causal) for i in range(layers)})
         self.head = _Head(dim, vocab)
         angles = torch.arange(seq)[:, None] * torch.linspace(0.1, 1.0, dim // heads)
         self.register_buffer("freqs", angles.cos() + 1.5, persistent=False)

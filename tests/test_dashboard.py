@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from graphlib import CycleError, TopologicalSorter
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -117,6 +119,41 @@ def test_tensorboard_lists_the_tab_active(server) -> None:
     listing = get(server, "/data/plugins_listing")["tblog_hooks"]  # type: ignore[index]
     assert listing["enabled"] is True and listing["tab_name"] == "Model health"
     assert listing["loading_mechanism"] == {"type": "IFRAME", "module_path": f"{ROUTE}/index.js"}
+
+
+#: The tab's files, which the plugin serves under its route, and the content type of each kind.
+STATIC = Path(documents.__file__).with_name("static")
+STATIC_TYPES = {".js": "application/javascript", ".css": "text/css"}
+#: What an ES module imports: ``import ... from '...'``, ``export ... from '...'``, ``import '...'``, ``import('...')``.
+_JS_IMPORT = re.compile(r"""\b(?:from|import)\s*\(?\s*(['"])([^'"]+)\1""")
+
+
+def _js_imports(path: Path) -> set[str]:
+    """The URL paths the module at ``path`` imports, resolved as the browser does from its own URL
+    (``{ROUTE}/{its name}``): statically and with ``import()``."""
+    text = path.read_text(encoding="utf-8")
+    return {urllib.parse.urljoin(f"{ROUTE}/{path.name}", spec) for _, spec in _JS_IMPORT.findall(text)}
+
+
+def test_the_tabs_modules_import_without_circles_and_are_all_served(tmp_path) -> None:
+    graph = {f"{ROUTE}/{path.name}": _js_imports(path) for path in STATIC.glob("*.js")}
+    assert any(f"{ROUTE}/compare.js" in imported for imported in graph.values())  # import() is read too
+    try:
+        TopologicalSorter(graph).prepare()
+    except CycleError as circle:
+        pytest.fail(f"import circle: {' -> '.join(circle.args[1])}")
+    plugin = _plugin(tmp_path)
+    apps = plugin.get_plugin_apps()
+    files = {f"/{path.name}": path for path in STATIC.iterdir() if path.suffix in STATIC_TYPES}
+    # The plugin serves every file of static/, each as it is, and no other file of the package.
+    assert {route for route in apps if "." in route} == set(files)
+    for route, path in files.items():
+        served = _app(plugin, route).get(route)
+        assert (served.status_code, served.mimetype) == (200, STATIC_TYPES[path.suffix]), route
+        assert served.get_data() == path.read_bytes(), route
+    # What the browser loads: the entry point and every module imported, each one of those files.
+    loaded = {f"{ROUTE}{plugin.frontend_metadata().es_module_path}", *(url for urls in graph.values() for url in urls)}
+    assert sorted(url for url in loaded if url.removeprefix(ROUTE) not in files) == []
 
 
 def _provider(logdir: Path) -> data_provider.MultiplexerDataProvider:

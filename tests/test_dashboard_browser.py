@@ -427,7 +427,7 @@ def test_tensorboards_reload_shows_new_runs_and_steps(page, logdir) -> None:
         assert time.monotonic() < deadline, "tensorboard did not load the later run"
         time.sleep(0.25)
     page.locator("app-header-reload button.reload-button").click()  # TensorBoard's own reload
-    _wait(page, "[...page.runSelect.options].some((o) => o.text === 'late [G]')")
+    _wait(page, "[...page.toolbar.runSelect.options].some((o) => o.text === 'late [G]')")
     assert "late [D]" in frame(page).locator("#compare option").all_text_contents()
     assert health(page, "page.model.name") == "net"  # the run shown stays
 
@@ -439,7 +439,7 @@ def test_a_browser_reload_keeps_the_run_statistic_comparison_and_selection(page)
     frame(page).locator('#modules tbody tr[data-module="2"]').click()
     assert "p.tblog_hooks.run=gan%20%5BG%5D" in page.url
     drawn = (
-        "page.seriesTitle.textContent === 'Module 2' && !page.opening && page.heatmap.stat === 'activation/std'"
+        "page.seriesCard.title.textContent === 'Module 2' && !page.opening && page.heatmap.stat === 'activation/std'"
         " && page.compare.stat === 'activation/std' && page.compare.marks.length && page.difference"
         " && page.requests.pending === 0"
     )
@@ -447,7 +447,7 @@ def test_a_browser_reload_keeps_the_run_statistic_comparison_and_selection(page)
     page.reload()
     frame(page).locator("#modules table").wait_for(timeout=READY_MS)
     _wait(page, "page.analysis && page.selection")
-    assert health(page, "[page.model.name, page.statSelect.value, page.compareModel().name]") == [
+    assert health(page, "[page.model.name, page.toolbar.statSelect.value, page.compareModel().name]") == [
         "gan [G]",
         "activation/std",
         "net",
@@ -797,12 +797,12 @@ def test_the_tab_follows_a_training_on_tensorboards_auto_reload(page, tmp_path) 
             frame(reading).locator(".zoom button", has_text="+").click()
             frame(reading).locator("#modules th", has_text="gradient/norm").click()
             view = (
-                "[page.heatmap.rowHeight, page.heatmap.scroller.scrollTop, page.findingsBox.scrollTop, window.scrollY,"
-                " [...document.querySelectorAll('#modules tbody tr')].map((r) => r.dataset.module)]"
+                "[page.heatmap.rowHeight, page.heatmap.scroller.scrollTop, page.findingsCard.box.scrollTop,"
+                " window.scrollY, [...document.querySelectorAll('#modules tbody tr')].map((r) => r.dataset.module)]"
             )
             left = health(
                 reading,
-                "(page.heatmap.scroller.scrollTop = 200, page.findingsBox.scrollTop = 300,"
+                "(page.heatmap.scroller.scrollTop = 200, page.findingsCard.box.scrollTop = 300,"
                 f" window.scrollTo(0, 150), {view})",
             )
             assert left[0] > 3 and left[1] == 200 and left[2] == 300 and left[3] == 150

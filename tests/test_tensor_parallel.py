@@ -172,35 +172,6 @@ def test_sequence_parallel_logs_what_one_process_logs(tmp_path: Path) -> None:
         assert_same_run(run, one, range(STEPS), roots)
 
 
-def _context_parallel(rank: int, root: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
-
-    model = nn.parallel.DistributedDataParallel(_model())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with HookLogger(model, log_dir=f"{root}/cp", every=1, optimizer=opt) as hooks:
-            for step in range(STEPS):
-                x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(step))
-                with context_parallel(init_device_mesh("cpu", (2,)), buffers=[x], buffer_seq_dims=[1]):
-                    model(x).square().mean().backward()  # x: this rank's half of the sequence
-                opt.step()
-                opt.zero_grad()
-                hooks.step()
-    if rank == 0:
-        (warning,) = [w for w in caught if "tblog_hooks" in str(w.message)]
-        assert "context parallelism is active" in str(warning.message)
-
-
-def test_context_parallel_is_said_and_module_statistics_left_out(tmp_path: Path) -> None:
-    """Under ``context_parallel`` every rank holds a shard of the sequence as a plain tensor."""
-    spawn_ranks(_context_parallel, tmp_path, 2)
-    tags = read_run(tmp_path / "cp").scalars
-    assert not [t for t in tags if t.startswith(("activation/", "gradient/", "input/"))]
-    assert "param_grad/global_norm" in tags
-
-
 def _vocabulary_parallel(rank: int, root: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module

@@ -81,7 +81,7 @@ def _tensor_parallel(rank: int, root: str) -> None:
     _train(parallelize_llama(Llama(), mesh), f"{root}/tp2_blocks", BLOCKS, [0], attention=True)
     lp = parallelize_llama(Llama(), mesh, loss_parallel=True)
     _train(lp, f"{root}/loss_parallel", EVERYTHING, [0], loss_parallel=True)
-    _train(_parallel_embedding(mesh), f"{root}/embedding", ["0", "1"], [0])
+    _train(_parallel_embedding(mesh), f"{root}/embedding", ["0", "1"], [0], reduce_ranks=True)
     compiled = parallelize_llama(Llama(), mesh)
     for key, block in compiled.layers.items():  # (torchtitan compiles each block)
         compiled.layers[key] = torch.compile(block, backend="eager")
@@ -89,6 +89,58 @@ def _tensor_parallel(rank: int, root: str) -> None:
         HookLogger(compiled, log_dir=f"{root}/compiled", modules=BLOCKS)
     outside = ["tok_embeddings", "head"]
     HookLogger(compiled, log_dir=f"{root}/compiled", modules=outside, parameters=False).close()
+
+
+def _compiled_after(rank: int, root: str) -> None:
+    """The whole tensor-parallel model compiled after the logger was made, as torchtitan compiles
+    (``fullgraph=False``), and with ``fullgraph=True``; each rank's warnings kept."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    for fullgraph in (False, True):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = parallelize_llama(Llama(), mesh)
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+            with HookLogger(model, log_dir=f"{root}/compiled_{fullgraph}", optimizer=opt, every=1) as hooks:
+                compiled = torch.compile(model, backend="eager", fullgraph=fullgraph)
+                for step in range(STEPS):
+                    _loss(compiled(_tokens(0, step)[0]), _tokens(0, step)[1]).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    hooks.step()
+        said = [str(w.message) for w in caught if str(w.message).startswith("tblog_hooks")]
+        Path(root, f"compiled_{fullgraph}_{rank}.said").write_text(repr(said))
+
+
+def test_a_tensor_parallel_model_compiled_after_the_logger_is_said_never_logged_as_pieces(tmp_path: Path) -> None:
+    """Compiled after the logger (whole model, ``fullgraph`` either way), a tensor-parallel model's
+    hooks run in compiled code, where one rank's pieces look whole: every watched module is said
+    once, on each rank, and none of its activation or gradient statistics is written; the
+    parameters are one process's (they are read outside compiled code), and training goes on."""
+    spawn_ranks(_compiled_after, tmp_path, 2)
+    one_dir = tmp_path / "one"
+    model = Llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with HookLogger(model, log_dir=str(one_dir), optimizer=opt, every=1) as hooks:
+        for step in range(STEPS):
+            _loss(model(_tokens(0, step)[0]), _tokens(0, step)[1]).backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step()
+    one = read_run(one_dir)
+    for fullgraph in (False, True):
+        run = read_run(tmp_path / f"compiled_{fullgraph}")
+        assert not [t for t in [*run.scalars, *run.histograms] if t.startswith(ACTIVATIONS)], fullgraph
+        assert_same_run(run, one, range(STEPS), ("param_grad/", "param/"))
+        for rank in range(2):
+            said = eval((tmp_path / f"compiled_{fullgraph}_{rank}.said").read_text())
+            compiled = [w for w in said if "traced into code torch.compile compiled in a tensor-parallel model" in w]
+            assert compiled and len(compiled) == len(set(compiled)), said
+            named = {w.split("'")[1] for w in compiled}
+            assert named >= {"tok_embeddings", "layers.0.attention.wq", "layers.1.attention.wv"}, said
 
 
 def _embedding() -> nn.Sequential:
@@ -119,10 +171,11 @@ def test_torchtitan_tensor_parallel_llama_logs_what_one_process_logs(tmp_path: P
     # The blocks alone, with attention=True: each rank attends over its own heads.
     one = read_run(_one_process(tmp_path, BLOCKS, [0], attention=True))
     assert_same_run(read_run(tmp_path / "tp2_blocks"), one, range(STEPS), (*ACTIVATIONS, *PARAMETERS, "attention/"))
-    # Every step's gradient norm counts the embedding's Replicate gradient once, not once a rank.
+    # Every step's gradient norm counts the embedding's Replicate gradient once, not once a rank;
+    # with reduce_ranks=True the loss of the whole logits, a copy on each rank, counts once too.
     _train(_embedding(), str(tmp_path / "one_embedding"), ["0", "1"], [0])
     run, one = read_run(tmp_path / "embedding"), read_run(tmp_path / "one_embedding")
-    assert_same_run(run, one, range(STEPS), (*ACTIVATIONS, *PARAMETERS, "step/grad_norm"))
+    assert_same_run(run, one, range(STEPS), (*ACTIVATIONS, *PARAMETERS, "step/grad_norm", "step/loss"))
 
 
 def _four_ranks(rank: int, root: str) -> None:

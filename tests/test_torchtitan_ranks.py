@@ -116,19 +116,23 @@ ROOTS = ("activation/", "input/", "gradient/", "param_grad/", "param/", "step/")
 
 def _pooled(model: torch.nn.Module, log_dir: str, dims: object, rows: slice | None) -> None:
     """Two SGD steps on the mean square of the logits over the whole batch: each rank's share of
-    it (its replica's rows, its vocabulary piece); one process (``dims`` ``None``) takes each
-    replica's rows in a call of its own (``rows`` ``None``) or all of them in one."""
+    it (its replica's rows, its vocabulary piece: a term of the loss), or under ``full_dtensor``
+    the loss of the whole batch as a ``DTensor`` (``step(loss=...)`` given either); one process
+    (``dims`` ``None``) takes each replica's rows in a call of its own (``rows`` ``None``) or all
+    of them in one."""
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    whole = dims is not None and dims.spmd_backend == "full_dtensor"  # type: ignore[attr-defined]
     with HookLogger(model, log_dir=log_dir, optimizer=opt, **OPTIONS) as hooks:  # type: ignore[arg-type]
         for step in range(2):
             tokens = _tokens(step)
             batches = [tokens[rows]] if rows is not None else [tokens[:BATCH], tokens[BATCH:]]
             with titan.spmd_context(dims):
-                loss = sum(titan.local(model(titan.inputs(b, dims))).square().sum() for b in batches) / NUMEL
+                outputs = [model(titan.inputs(b, dims)) for b in batches]
+                loss = sum((o if whole else titan.local(o)).square().sum() for o in outputs) / NUMEL
                 loss.backward()  # type: ignore[union-attr]
             opt.step()
             opt.zero_grad()
-            hooks.step()
+            hooks.step(loss=loss)  # type: ignore[arg-type]
 
 
 def _dp2_tp2(rank: int, root: str) -> None:
@@ -139,6 +143,8 @@ def _dp2_tp2(rank: int, root: str) -> None:
 
 
 def test_torchtitan_dp2_tp2_reduce_ranks_counts_each_replicated_value_once(tmp_path: Path) -> None:
+    """``step/loss`` too: the terms each rank's vocabulary piece gives (``partial_dtensor``) are
+    summed over every rank, the whole batch's ``DTensor`` loss (``full_dtensor``) counted once."""
     (tmp_path / "ranks").mkdir()
     spawn_ranks(_dp2_tp2, tmp_path / "ranks", 4, timeout=datetime.timedelta(seconds=120))
     # Every rank's calls pooled, each value once: the two replicas' batches as two calls of one

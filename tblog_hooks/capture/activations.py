@@ -15,7 +15,7 @@ from ..stats.numerics import Written
 from ..stats.packing import Record
 from ..stats.recipe import Source
 from ..stats.reductions import loggable
-from ..topology.parallel import CONTEXT_PARALLEL, TensorParallel, along_units
+from ..topology.parallel import TensorParallel, along_units
 from ..topology.sharding import Split
 from .output_gradients import OutputGradientRecorder
 from .passes import PassFilter
@@ -81,7 +81,7 @@ class ActivationRecorder:
         if mode is None or not mode.compiled:
             # Not while compiling: a set that grows would be one more guard and one more graph.
             self.called.add(name)
-        if name in self.buffer.disabled_names or mode is None or self._sequence_split(mode):
+        if name in self.buffer.disabled_names or mode is None:
             return None
         if not mode.compiled:
             if name not in self._fired:
@@ -97,7 +97,7 @@ class ActivationRecorder:
             tensors = loggable_leaves(output)
             if not tensors:
                 return None
-            pieces = self._pieces(module, tensors, units, mode)
+            pieces = self._pieces(module, tensors, units)
             if self.numerics is not None and not mode.compiled:  # (outputs recorded or not)
                 self.numerics.see(pieces[0][0].device.type)
             with torch.no_grad():
@@ -146,17 +146,12 @@ class ActivationRecorder:
             return  # without output counts the input count tells nothing
         training = module.training
         mode = self.buffer.now()
-        if (
-            mode is None
-            or self._sequence_split(mode)
-            or not self.passes.records_inputs(name, training, mode.in_backward())
-        ):
+        if mode is None or not self.passes.records_inputs(name, training, mode.in_backward()):
             return
         try:
             units = self.units.get(name, -1)
             leaves = loggable_leaves(inputs)
-            whole: list[tuple[Tensor, Split | None]] = [(t, None) for t in leaves]
-            pieces = whole if mode.compiled else self.parallel.inputs(module, leaves)
+            pieces = self.parallel.inputs(module, leaves)
             with torch.no_grad():
                 for t, split in pieces:
                     if self.inputs:
@@ -188,21 +183,8 @@ class ActivationRecorder:
         self._trained = self._evaluated = False
         self.parallel.end()
 
-    def _sequence_split(self, mode: Mode) -> bool:
-        """Under context parallelism no module's statistics are recorded (said once, see
-        ``topology/parallel.py``)."""
-        if mode.compiled or not self.parallel.sequence_split():
-            return False
-        self.buffer.fail(Part.MODULE_STATISTICS, RuntimeError(CONTEXT_PARALLEL))
-        self.buffer.disabled_names.update(self.units)
-        return True
-
-    def _pieces(
-        self, module: nn.Module, tensors: list[Tensor], units: int, mode: Mode
-    ) -> list[tuple[Tensor, Split | None]]:
+    def _pieces(self, module: nn.Module, tensors: list[Tensor], units: int) -> list[tuple[Tensor, Split | None]]:
         """The outputs as this rank's pieces, each with how it is split over ranks (``None``: whole)."""
-        if mode.compiled:
-            return [(t, None) for t in tensors]
         return [(t, along_units(split, units, t.dim())) for t, split in self.parallel.outputs(module, tensors)]
 
     def _remember(self, mode: Mode, t: Tensor, values: Computed) -> None:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .._compat import flex_attention_file, function_mode_on_top, varlen_attention_ops
+from .._compat import context_parallel_mesh, flex_attention_file, function_mode_on_top, varlen_attention_ops
 from ..stats.attention import (
     attention_statistics,
     flex_arguments,
@@ -51,6 +51,12 @@ from .step import Part, StepBuffer
 from .watched import _Hook
 
 Statistics = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+#: Why attention statistics are not recorded under context parallelism.
+CONTEXT_PARALLEL = (
+    "context parallelism is active: each rank holds a shard of the sequence's queries and keys, and its queries "
+    "attend over every rank's keys inside the attention call, which no hook sees without a collective; "
+    "attention/* is left out while it is (every other statistic pools the ranks' shards)"
+)
 #: Reads one attention call: ``(args, kwargs) -> (its query, its statistics)``, or ``None`` for a
 #: call that is not recorded.
 Reader = Callable[[tuple[Any, ...], dict[str, Any]], tuple[torch.Tensor, Statistics] | None]
@@ -180,6 +186,9 @@ class AttentionRecorder:
             self._compiled = True
             return
         if mode is None or Part.ATTENTION in self.buffer.disabled_parts:
+            return
+        if context_parallel_mesh() is not None:
+            self.buffer.fail(Part.ATTENTION, RuntimeError(CONTEXT_PARALLEL))
             return
         try:
             running = self._running()

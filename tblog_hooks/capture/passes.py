@@ -16,15 +16,30 @@ per call of a watched module:
   own recompute with gradients follows and is the one matched);
 - any other call (eval mode, or ``no_grad`` that no recompute matches) is an evaluation
   pass, recorded only with ``eval_passes=True`` — then a matching recompute adds its output
-  gradient but not its activations again.
+  gradient but not its activations again;
+- under a ``torch.distributed.pipelining`` schedule, a stage's shape inference (a forward of
+  its first microbatch on later stages' made-up inputs, before its first step) is no pass at
+  all: skipped.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from typing import NamedTuple
 
 import torch
+
+from .._compat import pipeline_pass
+
+#: Said once by a logger whose model runs as a stage of a pipeline schedule.
+PIPELINED = (
+    "tblog_hooks: the model runs as a stage of a torch.distributed.pipelining schedule, so this logger sees its "
+    "stage's modules only: what it writes is theirs, as one process with the whole batch has them (the microbatches "
+    "pooled, the stage's shape inference left out), but param_grad/global_norm and step/grad_norm are of this "
+    "stage's parameters alone; the other stages' modules are written by their ranks' loggers given a writer= of "
+    "their own (rank 0 writes by default)"
+)
 
 
 class Counted(NamedTuple):
@@ -44,6 +59,11 @@ class PassFilter:
     def __init__(self, *, eval_passes: bool) -> None:
         self.eval_passes = eval_passes
         self._unmatched: Counter[str] = Counter()  # training-mode no_grad calls, per module
+        #: What the pipeline schedule the latest training pass ran under divides the stage's
+        #: gradients by (its microbatch count; 1 without one): the output gradients, of each
+        #: microbatch's loss, are divided by it too, as one process's of the whole batch's mean.
+        self.microbatches = 1
+        self._pipelined = False  # whether a pipeline schedule was seen (said once)
 
     def classify(self, name: str, training: bool, in_backward: bool) -> Counted:
         """What to record of a call of module ``name`` (``in_backward``: it runs inside backward)."""
@@ -53,7 +73,7 @@ class PassFilter:
             self._unmatched[name] -= 1
             return Counted(not self.eval_passes, True)
         if training and torch.is_grad_enabled():
-            return _TRAINING
+            return _SKIP if self._inferring() else _TRAINING
         if training:
             self._unmatched[name] += 1
         return Counted(self.eval_passes, False)
@@ -63,7 +83,19 @@ class PassFilter:
         sees the call): exactly when its activations will be."""
         if in_backward:
             return self._unmatched[name] > 0 and not self.eval_passes and torch.is_grad_enabled()
-        return self.eval_passes or (training and torch.is_grad_enabled())
+        return self.eval_passes or (training and torch.is_grad_enabled() and not self._inferring())
+
+    def _inferring(self) -> bool:
+        """Whether a training call runs in a pipeline stage's shape inference (and the schedule's
+        gradient divisor noted, :attr:`microbatches`)."""
+        found = pipeline_pass()
+        if found is None:
+            return False
+        inference, self.microbatches = found
+        if not self._pipelined:
+            self._pipelined = True
+            warnings.warn(PIPELINED, RuntimeWarning, stacklevel=4)
+        return inference
 
     def reset(self) -> None:
         self._unmatched.clear()

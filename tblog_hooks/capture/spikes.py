@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from .._compat import grad_scale, in_backward, step_closure
+from .._compat import context_parallel_mesh, grad_scale, in_backward, step_closure
 from ..errors import HookLoggerError
 from ..stats.reductions import loggable, stacked_norms
 from ..topology.sharding import is_dtensor, is_partial, local
@@ -64,16 +64,17 @@ class StepNorms:
         steps: int,
         *,
         over_ranks: bool = False,
-        lead: bool = True,
+        first: int = 0,
         divisor: Callable[[], float] = lambda: 1.0,
     ) -> None:
         """``over_ranks`` (``reduce_ranks=True`` over several ranks): each step's samples are summed
-        over the ranks, those of the first rank of each tensor-parallel group (``lead``), and so are
-        their losses, divided by ``divisor()`` (what the data-parallel reduction divides the summed
-        gradients by, ``distributed.gradient_divisor``): the loss whose gradients the optimizer applies."""
+        over the ranks, those of the first rank of each tensor-parallel group (``first``, its global
+        rank), and so are their losses (:meth:`_pooled`), divided by ``divisor()`` (what the
+        data-parallel reduction divides the summed gradients by, ``distributed.gradient_divisor``):
+        the loss whose gradients the optimizer applies."""
         self.watched, self.modules, self.steps = watched, tuple(modules), steps
         self._width = len(self.modules) + 1  # squares per watched module, then the other parameters'
-        self._over_ranks, self._lead, self._divisor = over_ranks, lead, divisor
+        self._over_ranks, self._first, self._divisor = over_ranks, first, divisor
         # id(parameter) -> (slot: group-set index * width + module index, parameter, whether it is a
         # DTensor, whose gradient is one too); None: look up again.
         self._owners: dict[int, tuple[int, Tensor, bool]] | None = None
@@ -162,24 +163,37 @@ class StepNorms:
     def _pooled(
         self, loss: Tensor | float | None, samples: int | None
     ) -> tuple[Tensor | float | None, Tensor | int | None]:
-        """``loss`` and ``samples``, or with ``over_ranks`` the sum of the ranks' losses (of the
-        first rank of each tensor-parallel group) divided by ``divisor()`` (NaN where no rank gave
-        one) and of their samples: one ``all_reduce`` of three values, on every rank at each step,
-        failed or not (the other ranks make it too); nothing read."""
+        """``loss`` (made whole, :func:`whole_loss`) and ``samples``, or with ``over_ranks`` those of
+        the step over every rank: one ``all_gather`` of four values a rank, on every rank at each
+        step, failed or not (the other ranks make it too); nothing read.
+
+        Samples are counted on the first rank of each tensor-parallel group. A loss counts once
+        where ranks hold copies of it and on each rank where they hold terms of it: of the ranks
+        that may hold a copy of one rank's loss (its tensor-parallel group for a plain loss, which
+        holds copies where the model's output is ``Replicate`` and terms where the ranks compute
+        the loss of their pieces; the ranks of its mesh for a ``DTensor`` loss, made whole), that
+        rank's counts alone where they are all equal, else each. Their sum is divided by ``divisor()``
+        (NaN where no rank gave a loss)."""
+        mine = _held_by(loss, self._first)
+        loss = whole_loss(loss)
         if not self._over_ranks:
             return loss, samples
         try:
-            row = torch.zeros(3, dtype=torch.float64, device=collective_device())
-            if self._lead:  # (fills on the device, and the loss added there: no copy, nothing read)
-                row[0], row[2] = float(samples or 0), float(loss is not None)
-                row[1] = loss.detach().reshape(()) if isinstance(loss, Tensor) else (loss or 0.0)
-            dist.all_reduce(row)
+            device = collective_device()
+            row = torch.zeros(4, dtype=torch.float64, device=device)
+            # (filled on the device, the loss added there: no copy, nothing read)
+            counts = self._first == dist.get_rank()
+            row[0], row[2], row[3] = float(samples or 0) * counts, float(loss is not None), mine
+            row[1] = loss.detach().reshape(()) if isinstance(loss, Tensor) else (loss or 0.0)
+            gathered = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, row)
+            rows = torch.stack(gathered)
         except Exception as error:  # a broken process group: no collective from now on
             self._over_ranks = False
             self._fail(error)
             return None, None
-        total = torch.where(row[2:] > 0, row[1:2] / self._divisor(), math.nan)
-        return (total if loss is not None else None), row[:1]
+        total = torch.where(rows[:, 2].sum() > 0, _once_each(rows[:, 1], rows[:, 3].long()) / self._divisor(), math.nan)
+        return (total.reshape(1) if loss is not None else None), rows[:, 0].sum().reshape(1)
 
     def _combined(self) -> Tensor | None:
         """The step's per-module squares, over every optimizer that stepped and, for sharded
@@ -370,7 +384,8 @@ class Samples(_Hook):
     """The model's forward pre-hook: the samples of a step's training passes, the first dim of
     each call's first tensor argument (shape metadata, nothing read from the device); of a
     ``DTensor`` (torchtitan's ``full_dtensor`` batch, split over the data-parallel ranks), this
-    rank's piece's, as a plain batch is this rank's."""
+    rank's piece's, as a plain batch is this rank's. Under context parallelism the ranks of its
+    mesh each hold a shard of the sequence of the same samples: counted on its first rank only."""
 
     __slots__ = ("count",)
 
@@ -381,7 +396,8 @@ class Samples(_Hook):
         if not (module.training and torch.is_grad_enabled()) or in_backward():
             return
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
-        if first is not None and first.dim() > 0:
+        sequence = context_parallel_mesh()
+        if first is not None and first.dim() > 0 and (sequence is None or sequence.get_local_rank() == 0):
             self.count += (first.to_local() if is_dtensor(first) else first).shape[0]
 
     def rewinder(self) -> Callable[[], None]:
@@ -431,15 +447,32 @@ def _events(*tensors: Tensor | float | None) -> tuple[torch.cuda.Event, ...]:
     return tuple(events)
 
 
-def check_loss(loss: object) -> None:
-    """``step(loss=...)`` takes a one-element tensor, a Python or NumPy number, or ``None``."""
+def check_loss(loss: object) -> Tensor | float | None:
+    """``loss`` as ``step(loss=...)`` takes it: a one-element tensor, a Python or NumPy number
+    (as a float), or ``None``; else ``HookLoggerError``."""
     if loss is None or (isinstance(loss, (int, float, np.floating)) and not isinstance(loss, bool)):
-        return
-    if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-        what = repr(loss) if not isinstance(loss, Tensor) else f"a tensor of shape {tuple(loss.shape)}, {loss.dtype}"
-        raise HookLoggerError(
-            f"step(loss=...) takes the step's loss as a one-element floating-point tensor (or a number), got {what}"
-        )
+        return None if loss is None else float(loss)
+    if isinstance(loss, Tensor) and loss.numel() == 1 and loss.is_floating_point():
+        return loss
+    what = repr(loss) if not isinstance(loss, Tensor) else f"a tensor of shape {tuple(loss.shape)}, {loss.dtype}"
+    raise HookLoggerError(
+        f"step(loss=...) takes the step's loss as a one-element floating-point tensor (or a number), got {what}"
+    )
+
+
+def _held_by(loss: Tensor | float | None, first: int) -> int:
+    """The global rank whose loss this rank's may be a copy of (see ``StepNorms._pooled``): of a
+    ``DTensor`` loss the first rank of its mesh, else ``first`` (of this rank's tensor-parallel group)."""
+    return int(loss.device_mesh.mesh.reshape(-1)[0]) if is_dtensor(loss) else first
+
+
+def _once_each(losses: Tensor, held_by: Tensor) -> Tensor:
+    """The sum of ``losses`` (one a rank) counting copies once: where the ranks ``held_by`` the
+    same rank all hold its value, that rank's alone; where any differs, each (terms of a sum)."""
+    differs = (losses != losses[held_by]).double()
+    anywhere = torch.zeros_like(losses).index_reduce_(0, held_by, differs, "amax")
+    counted = (held_by == torch.arange(len(losses), device=losses.device)) | (anywhere[held_by] > 0)
+    return (losses * counted).sum()
 
 
 def whole_loss(loss: Tensor | float | None) -> Tensor | float | None:

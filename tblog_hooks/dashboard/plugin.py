@@ -6,8 +6,8 @@ Routes (JSON, documented in ``docs/dashboard.md``): ``runs``, ``overview``, ``sc
 ``spikes?run=``, ``heads?run=&step=``, ``numerics?run=&step=``, ``compare?run=&other=``; each
 route of one run also takes ``prefix=`` (needed only when the run holds several loggers'
 prefixes), and ``heatmap``, ``findings`` and ``series`` take ``format=csv`` or ``format=json`` for
-a download. The page itself is ``index.js`` (an ES module; its difference view in
-``compare.js``) and ``style.css``.
+a download. The page itself is the ES modules and the style sheet of ``static/`` (``index.js``
+the one TensorBoard loads; docs/architecture.md lists them), each served under its own name.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 import re
 from collections.abc import Callable, Iterable
 from importlib import resources
+from pathlib import PurePosixPath
 from typing import Any
 
 from tensorboard import errors, plugin_util
@@ -35,7 +36,14 @@ from .source import DEFAULT_SCALARS_KEPT, Model, Source, names_of
 PLUGIN_NAME = TABLE_PLUGIN
 #: A step number as a query gives it: ASCII digits, optionally negative (``int()`` takes more).
 _STEP = re.compile(r"-?[0-9]+")
-_STATIC = {"/index.js": "application/javascript", "/compare.js": "application/javascript", "/style.css": "text/css"}
+#: The content type of each kind of file in ``static/`` that is served (no other file is).
+_CONTENT_TYPES = {".js": "application/javascript", ".css": "text/css"}
+#: The page's files, by route: every file of ``static/`` with one of those suffixes, under its name.
+_STATIC = {
+    f"/{file.name}": _CONTENT_TYPES[PurePosixPath(file.name).suffix]
+    for file in resources.files(__package__).joinpath("static").iterdir()
+    if file.is_file() and PurePosixPath(file.name).suffix in _CONTENT_TYPES
+}
 
 #: What TensorBoard serves a route with: a WSGI application.
 WSGIApp = Callable[[dict[str, Any], Any], Iterable[bytes]]

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .._compat import context_parallel, parallel_output, prepared_input, tree_flatten
+from .._compat import parallel_output, prepared_input, tree_flatten
 from . import titan
 from .sharding import Split, is_dtensor, local, placed
 
@@ -33,11 +33,13 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.placement_types import Placement
 
-#: Why module statistics are not recorded under context parallelism.
-CONTEXT_PARALLEL = (
-    "context parallelism is active (scaled_dot_product_attention is replaced), so every rank holds a shard of the "
-    "sequence as a plain tensor and its statistics would describe that shard only; activation, input and "
-    "output-gradient statistics are not recorded while it is (parameter statistics are)"
+#: Where a watched module of a tensor-parallel model runs in code ``torch.compile`` compiled.
+COMPILED = (
+    "its hooks are traced into code torch.compile compiled in a tensor-parallel model, where they see this rank's "
+    "pieces as plain tensors that say nothing of how they are split over the ranks, so their statistics would be "
+    "one rank's piece taken for the whole; its activation, input and output-gradient statistics are left out "
+    "(parameter statistics are logged); watch modules outside the compiled code, or compile the model only in "
+    "runs that do not watch them"
 )
 #: Where a tensor-parallel style's output placements are not known here.
 UNKNOWN_STYLE = (
@@ -74,6 +76,9 @@ class TensorParallel:
         self._flow: list[tuple[Split | None, torch.Size]] | ValueError | None = None
         self._strict = False  # whether a tensor of no such size is unknown (past a torchtitan layout), not whole
         self._following = False
+        #: Whether the model is tensor-parallel (:attr:`tensor_parallel`), as of the logged step's
+        #: beginning: read by hooks traced by ``torch.compile`` (one attribute, one guard).
+        self.split_data = False
 
     def look_up(self) -> None:
         """Look the styles up (modules parallelized after attaching count)."""
@@ -103,6 +108,7 @@ class TensorParallel:
         """A logged step begins: look the styles up, follow the data from the model's input on."""
         self.look_up()
         self._flow, self._strict, self._following = None, False, True
+        self.split_data = self.tensor_parallel
 
     def end(self) -> None:
         """A logged step ended: stop following the data."""
@@ -144,26 +150,25 @@ class TensorParallel:
         model = self._model()
         return bool(self._styles) or (model is not None and any(is_dtensor(p) for p in model.parameters()))
 
-    def first_of_groups(self) -> bool:
-        """Whether this rank is the first of each tensor-parallel group of the styles found at the
-        latest :meth:`look_up` and of torchtitan's tensor-parallel mesh (under any backend: under
-        ``partial_dtensor`` no module has a style): of the ranks of one group, which hold the same
-        unsplit values, its values count once."""
+    def first_of_group(self) -> int:
+        """The global rank of the first of this rank's tensor-parallel group (of the styles found
+        at the latest :meth:`look_up`, or torchtitan's tensor-parallel mesh under any backend:
+        under ``partial_dtensor`` no module has a style); this rank's own without one. The ranks
+        of one group hold the same unsplit values: counted once, the first's."""
         model = self._model()
         meshes = [mesh for mesh, _ in self._styles.values()]
         titans = None if model is None else titan.parallelized_mesh(model)
         meshes += [] if titans is None else [titans]
-        return all(mesh.get_local_rank(d) == 0 for mesh in meshes for d in range(mesh.ndim))
-
-    @staticmethod
-    def sequence_split() -> bool:
-        """Whether every rank holds a shard of the sequence that no tensor says it is a shard of
-        (``CONTEXT_PARALLEL``)."""
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and context_parallel()
+        if not meshes:
+            return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return min(int(mesh.mesh.reshape(-1)[0]) for mesh in meshes)
 
     def outputs(self, module: nn.Module, tensors: Sequence[Tensor]) -> list[tuple[Tensor, Split | None]]:
         """Each output tensor of ``module`` as this rank's piece and its split. Raises
-        ``ValueError`` for an output no piece can tell about (``Partial``, an unknown style)."""
+        ``ValueError`` for an output no piece can tell about (``Partial``, an unknown style,
+        compiled code of a tensor-parallel model)."""
+        if torch.compiler.is_compiling():
+            return self._compiled(tensors)
         self._check_region(module)
         style = self._styles.get(id(module))
         out = []
@@ -190,8 +195,17 @@ class TensorParallel:
         """Each input tensor of ``module`` (whose forward is about to run) as this rank's piece
         and its split. Raises ``ValueError`` as :meth:`outputs` for a module that returns terms
         of a sum over ranks (its statistics are left out whole: its inputs too)."""
+        if torch.compiler.is_compiling():
+            return self._compiled(tensors)
         self._check_region(module)
         return [local(t) if is_dtensor(t) else (t, self._placed_as_flow(t)) for t in tensors]
+
+    def _compiled(self, tensors: Sequence[Tensor]) -> list[tuple[Tensor, Split | None]]:
+        """Tensors a hook traced by ``torch.compile`` sees: whole, but in a tensor-parallel model,
+        where no boundary is followed in compiled code and a piece looks whole, ``ValueError``."""
+        if self.split_data:
+            raise ValueError(COMPILED)
+        return [(t, None) for t in tensors]
 
     def _check_region(self, module: nn.Module) -> None:
         """Raises ``ValueError`` for a module inside a torchtitan local-tensor region whose

@@ -104,13 +104,15 @@ class Told(NamedTuple):
 class Ranks:
     """The collectives of a logged step, made identically on every rank."""
 
-    def __init__(self, *, reduce: bool, split: bool, lead: bool = True) -> None:
+    def __init__(self, *, reduce: bool, split: bool, first: int | None = None) -> None:
         """``split``: the model holds tensors split over ranks (``DTensor`` parameters or
-        tensor-parallel modules); ``lead``: this rank is the first of its tensor-parallel groups."""
+        tensor-parallel modules); ``first``: the global rank of the first of this rank's
+        tensor-parallel group (``None``: this rank)."""
         self.rank, self.world = rank_and_world()
         self.reduce = reduce and self.world > 1
         self.split = split and self.world > 1
-        self.lead = lead
+        self.first = self.rank if first is None else first
+        self.lead = self.first == self.rank
 
     @property
     def needed(self) -> bool:
@@ -212,7 +214,8 @@ class Ranks:
             raise RuntimeError(
                 "the ranks recorded different calls of the watched modules or different pieces of split tensors "
                 f"(records to combine, by rank: {counts}); every rank must call the same watched modules in a "
-                "logged step"
+                "logged step (the stages of a pipeline hold different modules: there, leave reduce_ranks off and "
+                "give each stage's rank a writer= of its own)"
             )
         return told  # type: ignore[return-value]  # (none is None)
 

@@ -1,9 +1,17 @@
-// The difference view of *Compare with*: the chosen statistic of two runs as one heatmap coloured
-// by how far apart they are, where they part (the `compare` route, `tblog-hooks compare --json`)
-// outlined and named above it, each module's first differing step marked on its row. index.js
-// imports this module when a run is compared (after it has loaded itself).
+/**
+ * @file The difference view of *Compare with*: the chosen statistic of two runs as one heatmap
+ * coloured by how far apart they are, where they part (the `compare` route, `tblog-hooks compare
+ * --json`) outlined and named above it, each module's first differing step marked on its row.
+ * page.js imports this module when a run is compared.
+ */
 
-import { Heatmap, Scale, el, escapeHtml, fetchJson, format, legend, showTooltip } from './index.js';
+import { el, escapeHtml } from './dom.js';
+import { Heatmap } from './heatmap.js';
+import { legend } from './legend.js';
+import { fetchJson } from './routes.js';
+import { Scale } from './scales.js';
+import { showTooltip, tooltip } from './tooltip.js';
+import { format } from './values.js';
 
 const FIRST_RGB = '#00b8d4';  // the outline of where the runs part: apart from the red marks and viridis
 
@@ -42,7 +50,6 @@ class DifferenceMap extends Heatmap {
       + `<br>${escapeHtml(nameA)}: ${escapeHtml(format(a))}<br>${escapeHtml(nameB)}: ${escapeHtml(format(b))}`
       + `<br>difference ${escapeHtml(format(value))}`;
     showTooltip(event, html, value === null ? '' : value);
-    const tooltip = document.getElementById('tooltip');
     tooltip.dataset.a = a === null ? '' : String(a);
     tooltip.dataset.b = b === null ? '' : String(b);
     this.draw();
@@ -115,14 +122,14 @@ function describe(compared, stat) {
 
 const views = new WeakMap();
 
-// The hook index.js calls when *Compare with* shows `other`'s heatmap of `stat` under the run's
+// The hook page.js calls when *Compare with* shows `other`'s heatmap of `stat` under the run's
 // (both documents as drawn, the filter applied); without `other`, the view is hidden.
 export async function showDifference(page, other, stat, doc, otherDoc) {
   let view = views.get(page);
   if (!view) {
     view = new DifferenceView(page);
     views.set(page, view);
-    page.compareCard.append(view.node);
+    page.compareCard.node.append(view.node);
     page.difference = view;  // for scripts and the browser tests
   }
   view.node.style.display = other ? '' : 'none';

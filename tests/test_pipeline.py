@@ -1,0 +1,110 @@
+"""Pipeline parallelism (``torch.distributed.pipelining``) on CPU processes with gloo, in float64:
+each stage's rank logs its stage's modules as one process with the whole batch logs them (the
+microbatches pooled, the output gradients of the whole batch's mean loss, the stage's shape
+inference on made-up inputs left out), into a writer of its own, and says once what it cannot
+have: the other stages' parameters in its global norm."""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import functools
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import Run, assert_same_run, read_run, spawn_ranks
+from torch import nn
+from torch.utils.tensorboard import SummaryWriter
+
+from tblog_hooks import HookLogger
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+pipelining = pytest.importorskip("torch.distributed.pipelining")
+
+STEPS, MICROBATCHES = 2, 4
+STAGES = (("0", "1"), ("2", "3", "4"))  # the Sequential's children each stage holds, under their names
+STAGES_INTERLEAVED = (("0",), ("1", "2"), ("3",), ("4",))
+ROOTS = ("activation/", "input/", "gradient/", "param_grad/norm/", "param/")
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(8, 4, generator=g, dtype=torch.float64)
+
+
+def _stages(rank: int, root: str, schedule: str, **options: object) -> None:
+    children = dict(_model().named_children())
+    if schedule == "ScheduleInterleaved1F1B":  # (two stages a rank: the first and the third, the second and the fourth)
+        held = [STAGES_INTERLEAVED[rank], STAGES_INTERLEAVED[rank + 2]]
+        chunks = [nn.Sequential(collections.OrderedDict((n, children[n]) for n in names)) for names in held]
+        stages = [pipelining.PipelineStage(c, rank + 2 * i, 4, torch.device("cpu")) for i, c in enumerate(chunks)]
+        runs = pipelining.ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=nn.functional.mse_loss)
+        part = nn.Sequential(collections.OrderedDict((n, children[n]) for names in held for n in names))
+    else:
+        part = nn.Sequential(collections.OrderedDict((n, children[n]) for n in STAGES[rank]))
+        stage = pipelining.PipelineStage(part, rank, len(STAGES), torch.device("cpu"))
+        runs = getattr(pipelining, schedule)(stage, MICROBATCHES, loss_fn=nn.functional.mse_loss)
+    opt = torch.optim.SGD(part.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        writer = SummaryWriter(f"{root}/../{schedule}_{rank}")
+        with HookLogger(part, writer=writer, optimizer=opt, every=1, inputs=True, **options) as hooks:  # type: ignore[arg-type]
+            for step in range(STEPS):
+                x, y = _batch(step)
+                runs.step(x) if rank == 0 else runs.step(target=y)
+                opt.step()
+                opt.zero_grad()
+                hooks.step()
+        writer.close()
+    said = [str(w.message) for w in caught if str(w.message).startswith("tblog_hooks")]
+    Path(root, f"../{schedule}_{rank}.said").write_text(repr(said))
+
+
+def _of(run: Run, modules: tuple[str, ...]) -> Run:
+    """``run`` with only the tags of ``modules``."""
+
+    def keep(tags: dict) -> dict:  # type: ignore[type-arg]
+        return {t: v for t, v in tags.items() if t.rsplit("/", 1)[-1].split(".")[0] in modules}
+
+    return Run(keep(run.scalars), keep(run.histograms))
+
+
+@pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B"])
+def test_each_pipeline_stage_logs_its_modules_as_one_process(tmp_path: Path, schedule: str) -> None:
+    (tmp_path / "ranks").mkdir()
+    spawn_ranks(functools.partial(_stages, schedule=schedule), tmp_path / "ranks", 2, datetime.timedelta(seconds=60))
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with HookLogger(model, log_dir=str(tmp_path / "one"), optimizer=opt, every=1, inputs=True) as hooks:
+        for step in range(STEPS):
+            x, y = _batch(step)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step()
+    one = read_run(tmp_path / "one")
+    held = STAGES
+    if schedule == "ScheduleInterleaved1F1B":
+        held = tuple((*a, *b) for a, b in zip(STAGES_INTERLEAVED, STAGES_INTERLEAVED[2:]))
+    for rank, modules in enumerate(held):
+        assert_same_run(_of(read_run(tmp_path / f"{schedule}_{rank}"), modules), _of(one, modules), range(STEPS), ROOTS)
+        said = eval((tmp_path / f"{schedule}_{rank}.said").read_text())
+        assert len(said) == 1 and "param_grad/global_norm and step/grad_norm are of this stage's" in said[0], said
+
+
+def test_pooling_the_ranks_of_pipeline_stages_says_what_to_do_instead(tmp_path: Path) -> None:
+    """``reduce_ranks=True``: the stages' ranks hold different modules, so there is nothing to pool."""
+    (tmp_path / "ranks").mkdir()
+    stages = functools.partial(_stages, schedule="Schedule1F1B", reduce_ranks=True)
+    spawn_ranks(stages, tmp_path / "ranks", 2, datetime.timedelta(seconds=60))
+    for rank in range(2):
+        said = eval((tmp_path / f"Schedule1F1B_{rank}.said").read_text())
+        assert any("leave reduce_ranks off and give each stage's rank a writer=" in s for s in said), said
