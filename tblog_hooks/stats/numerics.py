@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..keywords import is_off
 from . import reductions, sampling
 from .formats import DEFAULT, FORWARD, SPECS, Spec
 from .reductions import acc_dtype
@@ -406,7 +407,7 @@ def check(numerics: object) -> tuple[str, ...] | None:
     """``numerics=`` as the formats it names (``()``: the run's own, see :class:`Written`), or
     ``None`` when off; raises ``ValueError`` saying what is valid."""
     valid = ", ".join(map(repr, FORMATS))
-    if numerics is False:
+    if is_off(numerics):
         return None
     if numerics is True:
         return ()
