@@ -249,7 +249,7 @@ class Recording:
             if not samples:
                 raise
             buffer.fail(Part.HISTOGRAMS, error)
-            buffer.kinds = frozenset()
+            buffer.stop_histograms()
             return pack_step(records, [], buffer.kinds, buffer.indices, buffer.recipe, buffer.kernels)
 
     def check_stepped(self, step: int) -> None:

@@ -113,6 +113,21 @@ class StepBuffer:
         """A device value logged under the tag ``key`` as it is (the first, if recorded twice)."""
         self._records.append(Record(self._scalar, key, 1, (value,)))
 
+    def append(self, item: Recorded) -> None:
+        """Keep an eager hook's record or histogram sample until the step is packed, noting the
+        stream its tensor was made on (the step's end waits for it)."""
+        if isinstance(item, Sample):
+            self.streams.note(item.sample)
+            self._samples.append(item)
+        else:
+            self.streams.note(item.values[0])
+            self._records.append(item)
+
+    def stop_histograms(self) -> None:
+        """This logged step is packed without histograms (its binning failed); the next ones take
+        none either once ``Part.HISTOGRAMS`` is switched off (:meth:`begin`)."""
+        self.kinds = _NO_KINDS
+
     def mark(self) -> Mark:
         """Where the records of this step end now, for :meth:`rewind`."""
         return Mark(len(self._records), len(self._samples), self.traced.sink.mark())
@@ -287,13 +302,7 @@ class Eager(Mode):
         return self.buffer.kinds
 
     def add(self, item: Recorded) -> None:
-        buffer = self.buffer
-        if isinstance(item, Sample):
-            buffer.streams.note(item.sample)
-            buffer._samples.append(item)
-        else:
-            buffer.streams.note(item.values[0])
-            buffer._records.append(item)
+        self.buffer.append(item)
 
     def sample(self, t: Tensor) -> Tensor:
         return sampling.sample(t, self.buffer.indices)
