@@ -28,7 +28,6 @@ from ..stats.binning import Sample
 from ..stats.kinds import Computed, Kind
 from ..stats.packing import Record
 from ..stats.recipe import Recipe, Source
-from ..stats.sampling import IndexCache
 from ..stats.schedule import Histograms
 from ..stats.tags import Root, Stat
 from ..transport.streams import Streams
@@ -78,7 +77,7 @@ class StepBuffer:
         self.disabled: set[str | Part] = set()
         self._old_compile_warned = False
         self._failed: list[tuple[str | Part, BaseException]] = []  # failures of compiled hooks, not yet reported
-        self.indices = IndexCache()  # sample and histogram-row indices, made once per size
+        self.indices = recipe.indices  # sample and histogram-row indices, made once per size
         self._schedule = histograms
         self.kinds = _NO_KINDS  # histogram kinds of the current logged step
         self._records: list[Record] = []
