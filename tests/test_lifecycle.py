@@ -307,13 +307,15 @@ def _optimizer_hooks() -> tuple[int, int]:
 
 
 def _one_logged_step(log_dir, width: int) -> weakref.ref[HookLogger]:
-    """A logger with ``numerics=`` and ``optimizer=`` on a model whose first output has ``64 *
-    width`` elements (above ``sampling.SAMPLE_CAP`` its median is taken of a sample, whose
-    indices are made once per size), one logged step written, closed; the model, its optimizer
-    and the logger are dropped on return."""
+    """A logger with ``numerics=``, ``spikes=`` and ``optimizer=`` (each with optimizer hooks of
+    its own) on a model whose first output has ``64 * width`` elements (above
+    ``sampling.SAMPLE_CAP`` its median is taken of a sample, whose indices are made once per
+    size), one logged step written, closed; the model, its optimizer and the logger are dropped
+    on return."""
     model = mlp(4, width, 1, act=nn.ReLU, seed=width)
-    opt = _sgd(model)
-    hooks = HookLogger(model, log_dir=log_dir / str(width), every=1, numerics=True, optimizer=opt)
+    opt, before = _sgd(model), _optimizer_hooks()
+    hooks = HookLogger(model, log_dir=log_dir / str(width), every=1, numerics=True, spikes=True, optimizer=opt)
+    assert all(now > was for now, was in zip(_optimizer_hooks(), before))
     train(hooks, [model(torch.randn(64, 4)).square().mean()], opt)
     hooks.close()
     assert "activation/median_abs/0" in read_run(log_dir / str(width)).scalars
