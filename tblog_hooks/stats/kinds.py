@@ -14,7 +14,6 @@ Kinds and measures are immutable; which kinds a logger records, with which measu
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 import warnings
@@ -194,9 +193,9 @@ def _takes_given(compute: Callable[..., Named]) -> bool:
 
 
 def _given_left_out(compute: Callable[[Tensor, int], Named]) -> Compute:
-    """A deprecated ``compute(t, units)`` called as every measure's is."""
+    """A deprecated ``compute(t, units)`` called as every measure's is (not ``functools.wraps``:
+    its signature, which :func:`_takes_given` reads, is the new one)."""
 
-    @functools.wraps(compute)
     def taking_given(t: Tensor, units: int, given: Named) -> Named:
         return compute(t, units)
 
