@@ -7,7 +7,8 @@ scale with the loss.
 A :class:`Recipe` is immutable and belongs to one logger: recording (``capture/*``), the compiled
 probes' layout, packing and pooling over calls and ranks, unscaling, summarising and the docs'
 tag table read it; nothing reads a module-level registry, so extending one logger's recipe
-(``HookLogger(..., measures={"output": [measure]})``) never touches another's.
+(``HookLogger(..., measures={"output": [measure]})``) never touches another's. It carries the
+one thing its measures keep between steps, the logger's sample indices (made once per size).
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ Extra = Mapping["Source | str", Sequence[Measure]]
 
 @dataclass(frozen=True, eq=False)
 class Recipe:
-    """A logger's kinds of record, by source; immutable. Build one with :meth:`build`."""
+    """A logger's kinds of record, by source (immutable), and its sample indices. Build one with
+    :meth:`build`."""
 
     #: Every source's kind (:attr:`Source.INPUT` only with ``inputs=True``, else
     #: :attr:`Source.NONFINITE_INPUT`).
