@@ -6,7 +6,9 @@ TensorBoard's ``EventAccumulator``, as JSON.
     python scripts/golden.py compare tests/golden.json  # exit 1, naming what differs
 
 ``tests/test_golden.py`` runs the comparison, so a refactor that keeps every tag, figure and
-finding keeps it green.
+finding keeps it green. Both run in a process of their own whose numbers are the same on every
+x86-64 machine (:data:`REPRODUCIBLE`): a float32 training's last bits follow the CPU's vector
+width, and a few steps make them every figure's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import argparse
 import hashlib
 import json
 import math
+import os
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -37,6 +41,16 @@ from tblog_hooks.cli.demo import run_demo
 LAYOUT_TAG = "custom_scalars__config__"
 #: Relative tolerance of a float's comparison (exact up to float rounding).
 REL = 1e-9
+#: The environment in which :func:`main` records: ATen's unvectorised kernels (its AVX2 and
+#: AVX-512 ones sum in other orders), MKL's code path that is the same on every x86-64 CPU, one
+#: thread (a reduction is split by the thread count). Read when torch starts, so set for a
+#: process of its own; oneDNN, whose kernels follow the CPU too, is switched off while recording.
+REPRODUCIBLE = {
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_CBWR": "COMPATIBLE",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
 
 
 def _demo(scenario: str, steps: int, every: int) -> Callable[[Path], Path]:
@@ -168,8 +182,14 @@ def read(run: Path) -> dict[str, object]:
 
 
 def record_all() -> dict[str, object]:
-    with tempfile.TemporaryDirectory() as tmp:
-        return {name: read(run(Path(tmp) / name)) for name, run in RUNS.items()}
+    """Every run, read back (one thread, without oneDNN; the thread count is put back after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.backends.mkldnn.flags(enabled=False), tempfile.TemporaryDirectory() as tmp:
+            return {name: read(run(Path(tmp) / name)) for name, run in RUNS.items()}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def differences(expected: object, got: object, where: str = "") -> list[str]:
@@ -194,6 +214,8 @@ def main() -> int:
     parser.add_argument("action", choices=("record", "compare"))
     parser.add_argument("path", type=Path)
     args = parser.parse_args()
+    if any(os.environ.get(name) != value for name, value in REPRODUCIBLE.items()):
+        return subprocess.run([sys.executable, *sys.argv], env={**os.environ, **REPRODUCIBLE}).returncode
     got = record_all()
     if args.action == "record":
         args.path.write_text(json.dumps(got, sort_keys=True, separators=(",", ":")))

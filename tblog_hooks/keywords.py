@@ -2,7 +2,8 @@
 checked by one class decorator, :func:`keywords`: an unknown keyword is a :class:`HookLoggerError`
 naming the closest valid one, and a renamed keyword keeps working for a release with a
 ``DeprecationWarning`` that names the new one (and, where the meaning changed, how to convert),
-then it is removed.
+then it is removed. And the values of the options that switch a watch off, read one way
+(:func:`is_off`, :func:`switched`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from .errors import HookLoggerError
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # (typing's own from Python 3.13)
+
 T = TypeVar("T")
+C = TypeVar("C")
 #: A converter: the old keyword's value and the call's other keywords (new names, defaults filled
 #: in) to the new keyword's value.
 Convert = Callable[[Any, Mapping[str, Any]], Any]
@@ -111,3 +116,23 @@ def _old_attribute(owner: str, old: str, new: str) -> property:
         return getattr(self, new)
 
     return property(read, doc=f"Deprecated: the old name of :attr:`{new}`.")
+
+
+def is_off(value: object) -> TypeIs[Literal[False] | None]:
+    """Whether an option's value switches its watch off: ``False`` or ``None``, alike for every
+    option that switches one off (``histograms``, ``feature_maps``, ``attention``, ``health``,
+    ``spikes``, ``numerics``, ``logits``)."""
+    return value is False or value is None
+
+
+def switched(value: object, config: type[C], otherwise: Callable[[object], C | None]) -> C | None:
+    """An option that is off (:func:`is_off`), on with its defaults (``True``: ``config()``) or
+    configured (a ``config``), as a ``config``; ``None`` when off. Any other value is
+    ``otherwise``'s: another form the option takes, or its error."""
+    if isinstance(value, config):
+        return value
+    if value is True:
+        return config()
+    if is_off(value):
+        return None
+    return otherwise(value)

@@ -23,6 +23,7 @@ from .capture.watched import Watched, ours
 from .diagnostics.findings import Finding
 from .diagnostics.per_step import Diagnostics
 from .errors import HookLoggerError
+from .keywords import is_off
 from .options import Options, check_names, logger_signature
 from .output.destination import Destination
 from .output.event_files import frame
@@ -366,7 +367,7 @@ def _select(model: nn.Module, config: Options) -> tuple[dict[str, nn.Module], di
     """The watched modules, those of them whose feature maps are taken, and those whose logits are measured."""
     selected = select_modules(model, config.modules)
     maps = config.feature_maps
-    mapped = {} if maps is None or maps is False else select_modules(model, maps, "feature_maps")
+    mapped = {} if is_off(maps) else select_modules(model, maps, "feature_maps")
     if set(mapped) - set(selected):
         raise HookLoggerError(
             f"feature_maps= selects modules that are not watched: {sorted(set(mapped) - set(selected))!r}; "
@@ -378,9 +379,9 @@ def _select(model: nn.Module, config: Options) -> tuple[dict[str, nn.Module], di
 def _logit_modules(model: nn.Module, config: Options, selected: dict[str, nn.Module]) -> frozenset[str]:
     """The watched modules whose output logits ``logits=`` asks for (``True``: the last watched one)."""
     chosen = config.logits
-    if chosen is None or chosen is False:
+    if is_off(chosen):
         return frozenset()
-    if chosen is True:
+    if isinstance(chosen, bool):  # (True)
         return frozenset(list(selected)[-1:])
     named = select_modules(model, chosen, "logits")
     if set(named) - set(selected):

@@ -5,7 +5,8 @@ are the option list. They are also the constructors' signatures (:func:`logger_s
 fields of :class:`WatchOptions`.
 
 "Off" is spelled ``False`` or ``None`` alike for every option that switches a watch off
-(``histograms``, ``feature_maps``, ``attention``, ``health``, ``spikes``, ``numerics``, ``logits``).
+(``histograms``, ``feature_maps``, ``attention``, ``health``, ``spikes``, ``numerics``, ``logits``):
+:func:`~tblog_hooks.keywords.is_off` reads it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import inspect
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, NoReturn, ParamSpec, TypeVar
 
 import torch
 from torch.utils.tensorboard import SummaryWriter
@@ -24,7 +25,7 @@ from ._compat import writer_closed
 from .diagnostics.findings import Thresholds
 from .diagnostics.spikes import Spikes, spikes_option
 from .errors import HookLoggerError
-from .keywords import unknown_keywords
+from .keywords import switched, unknown_keywords
 from .stats import numerics
 from .stats.kinds import Measure
 from .stats.recipe import Recipe
@@ -141,15 +142,7 @@ class WatchOptions:
     @functools.cached_property
     def thresholds(self) -> Thresholds | None:
         """``health=`` as a :class:`~tblog_hooks.Thresholds`; ``None``: no findings."""
-        health = self.health
-        if isinstance(health, Thresholds) or health is None:
-            return health
-        if health is True or health is False:
-            return Thresholds() if health else None
-        raise HookLoggerError(
-            f"health must be a tblog_hooks.Thresholds (True: the defaults), or False or None to switch findings "
-            f"off, got {health!r}"
-        )
+        return switched(self.health, Thresholds, _not_thresholds)
 
     @functools.cached_property
     def histogram_schedule(self) -> Histograms | None:
@@ -164,8 +157,6 @@ class WatchOptions:
     @functools.cached_property
     def numerics_formats(self) -> tuple[str, ...] | None:
         """``numerics=`` as the formats it names (``()``: the run's own), ``None``: off."""
-        if self.numerics is None:
-            return None
         try:
             return numerics.check(self.numerics)
         except ValueError as error:
@@ -321,6 +312,13 @@ def _signed(source: Any, shown: Mapping[str, str], init: Init) -> Init:
     ]
     init.__signature__ = inspect.Signature([*own, *options], return_annotation=None)  # type: ignore[attr-defined]
     return init
+
+
+def _not_thresholds(health: object) -> NoReturn:
+    raise HookLoggerError(
+        f"health must be a tblog_hooks.Thresholds (True: the defaults), or False or None to switch findings "
+        f"off, got {health!r}"
+    )
 
 
 def _check_optimizers(optimizer: object) -> None:

@@ -5,8 +5,10 @@ calls of a module and over two ranks, and, when it does not scale with the loss,
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -24,11 +26,11 @@ PEAK_RATIO = Measure(
     fields=(Field(name="absmax", pool=MAX), Field(name="l2", pool=NORM)),
     stats=("peak_ratio",),
     scalars=lambda v, n: {"peak_ratio": float(v["absmax"][0] / v["l2"][0])},
-    compute=lambda g, units: {"absmax": g.abs().amax().float(), "l2": torch.linalg.vector_norm(g.float())},
+    compute=lambda g, units, given: {"absmax": g.abs().amax().float(), "l2": torch.linalg.vector_norm(g.float())},
 )
 
 
-def _central(x: torch.Tensor, units: int) -> dict[str, torch.Tensor]:
+def _central(x: torch.Tensor, units: int, given: object) -> dict[str, torch.Tensor]:
     x = x.double()
     mean = x.mean()
     c = x - mean
@@ -48,7 +50,7 @@ KURTOSIS = Measure(
     stats=("kurtosis",),
     scalars=_kurtosis,
     compute=_central,
-    counted=True,
+    needs_numel=True,
 )
 
 
@@ -132,7 +134,7 @@ def test_a_second_logger_in_the_process_is_untouched(tmp_path: Path) -> None:
 def test_a_measure_a_source_cannot_take_is_refused_at_construction() -> None:
     model = Twice()
     with pytest.raises(HookLoggerError, match="element count"):  # (the recipe puts ELEMENTS before it)
-        Kind(name="gradient", counts=False, measures=(KURTOSIS,))
+        Kind(name="gradient", host_knows_numel=False, measures=(KURTOSIS,))
     twice = Measure(name="my min", fields=(Field(name="min", pool=MAX),), scalars=lambda v, n: {}, compute=_central)
     with pytest.raises(HookLoggerError, match=r"my min.*extremes|extremes.*my min"):
         HookLogger(model, measures={"output": [twice]})
@@ -163,8 +165,8 @@ def test_a_fused_measure_of_a_value_the_kernels_do_not_give_is_refused_where_dec
             fields=(Field(name="outliers", pool=SUM),),
             stats=("outlier_frac",),
             scalars=lambda v, n: {"outlier_frac": float(v["outliers"][0]) / n},
-            compute=lambda x, units: {"outliers": (x.abs() > 6 * x.std()).sum()},
-            counted=True,
+            compute=lambda x, units, given: {"outliers": (x.abs() > 6 * x.std()).sum()},
+            needs_numel=True,
             fused=True,
         )
     said = str(refused.value)
@@ -205,7 +207,7 @@ def test_a_measure_uses_what_the_measures_before_it_computed(tmp_path: Path) -> 
         HookLogger(model, measures={"output": [unknown]})
 
 
-def _tiny_frac(x: torch.Tensor, units: int) -> dict[str, torch.Tensor]:
+def _tiny_frac(x: torch.Tensor, units: int, given: object) -> dict[str, torch.Tensor]:
     return {"tiny": (x.abs() < 0.1).sum()}
 
 
@@ -217,7 +219,7 @@ NAMED_LIKE_A_FORMAT = Measure(
     stats=("underflow_fp16",),
     scalars=lambda v, n: {"underflow_fp16": float(v["tiny"][0]) / n},
     compute=_tiny_frac,
-    counted=True,
+    needs_numel=True,
 )
 
 
@@ -236,6 +238,56 @@ def test_a_declared_statistic_named_like_a_format_is_written_as_declared(tmp_pat
     run = read_run(tmp_path)
     assert run.scalar("input/underflow_fp16/0", 0) == pytest.approx(float((x.abs() < 0.1).double().mean()), rel=1e-6)
     assert "activation/underflow_fp16/0" not in run.scalars  # (the built-in one: fp16 is not written)
+
+
+def test_the_old_spellings_of_a_measure_keep_working_with_a_deprecation_warning(tmp_path: Path) -> None:
+    """``counted=`` is the old name of ``needs_numel=``, and a ``compute(t, units)`` the old calling
+    convention: each still declares the same measure, with a ``DeprecationWarning`` naming the new
+    spelling; the logged values are those of the new spellings."""
+    fields, stats = (Field(name="l2", pool=NORM),), ("root_mean_square",)
+
+    def scalars(v: dict, n: int) -> dict[str, float]:  # type: ignore[type-arg]
+        return {"root_mean_square": float(v["l2"][0]) / n**0.5}
+
+    with pytest.warns(DeprecationWarning) as caught:
+        old = Measure(
+            name="rms",
+            fields=fields,
+            stats=stats,
+            scalars=scalars,
+            compute=lambda x, units: {"l2": torch.linalg.vector_norm(x.double())},
+            counted=True,
+        )
+    said = [str(w.message) for w in caught]
+    assert any("Measure(counted=...) is deprecated" in m and "use needs_numel=" in m for m in said), said
+    assert any("compute taking (t, units) is deprecated" in m and "(t, units, given)" in m for m in said), said
+    new = Measure(
+        name="rms",
+        fields=fields,
+        stats=stats,
+        scalars=scalars,
+        compute=lambda x, units, given: {"l2": torch.linalg.vector_norm(x.double())},
+        needs_numel=True,
+    )
+    assert old.needs_numel and new.needs_numel
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dataclasses.replace(old, name="root mean square")  # (its compute called the new way: no warning)
+    with pytest.warns(DeprecationWarning, match=r"Measure\.counted is deprecated.*Measure\.needs_numel"):
+        assert old.counted is True  # type: ignore[attr-defined]
+    with pytest.raises(HookLoggerError, match="both counted= and needs_numel="):
+        Measure(name="rms", fields=fields, scalars=scalars, counted=True, needs_numel=True)  # type: ignore[call-arg]
+    x = torch.randn(16, 6)
+    for measure, run in ((old, "old"), (new, "new")):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 3))
+        with HookLogger(model, log_dir=tmp_path / run, every=1, measures={"output": [measure]}) as hooks:
+            model(x).sum().backward()
+            hooks.step()
+    out = model(x).detach().double()
+    expected = float(out.square().mean().sqrt())
+    for run in ("old", "new"):
+        assert read_run(tmp_path / run).scalar("activation/root_mean_square/0", 0) == pytest.approx(expected, rel=1e-6)
 
 
 def _batch(rank: int) -> torch.Tensor:

@@ -494,11 +494,11 @@ def _toy_statistics(calls: Counter[str]) -> tuple[Measure, Measure]:
     path they give it, its ``compute`` is torch's), and the mean |x|, which they do not (its
     ``compute`` on both paths); ``calls`` counts each ``compute``'s calls."""
 
-    def norm(x: Tensor, units: int) -> dict[str, Tensor]:
+    def norm(x: Tensor, units: int, given: object) -> dict[str, Tensor]:
         calls["toy rms"] += 1
         return {"norm": reductions.norm(x)}
 
-    def absolute_sum(x: Tensor, units: int) -> dict[str, Tensor]:
+    def absolute_sum(x: Tensor, units: int, given: object) -> dict[str, Tensor]:
         calls["toy mean |x|"] += 1
         return {"absolute_sum": x.abs().sum(dtype=torch.float64)}
 
@@ -508,7 +508,7 @@ def _toy_statistics(calls: Counter[str]) -> tuple[Measure, Measure]:
         stats=("toy_rms",),
         scalars=lambda v, n: {"toy_rms": float(v["norm"][0]) / math.sqrt(n)},
         compute=norm,
-        counted=True,
+        needs_numel=True,
         fused=True,
     )
     mean_abs = Measure(
@@ -517,7 +517,7 @@ def _toy_statistics(calls: Counter[str]) -> tuple[Measure, Measure]:
         stats=("toy_mean_abs",),
         scalars=lambda v, n: {"toy_mean_abs": float(v["absolute_sum"][0]) / n},
         compute=absolute_sum,
-        counted=True,
+        needs_numel=True,
     )
     return rms, mean_abs
 

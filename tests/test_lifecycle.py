@@ -20,10 +20,12 @@ from models import conv_net, mlp, train
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from torch.optim.swa_utils import AveragedModel
 from torch.utils.tensorboard import SummaryWriter
 
 from tblog_hooks import HookLogger, HookLoggerError
+from tblog_hooks.output import destination
 
 
 def _shaped_net() -> nn.Sequential:
@@ -293,3 +295,88 @@ def test_writer_closed_by_the_user_mid_run_is_not_reopened(tmp_path) -> None:
     assert len(caught) == 1
     assert len(list(tmp_path.iterdir())) == 1 and _writer_threads() == threads
     assert set(read_run(tmp_path).scalars["activation/mean/0.0"]) == {0, 1}
+
+
+def _live_tensors() -> int:
+    """The tensors the garbage collector tracks (every tensor a Python object holds)."""
+    return sum(issubclass(type(o), torch.Tensor) for o in gc.get_objects())
+
+
+def _optimizer_hooks() -> tuple[int, int]:
+    return len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)
+
+
+def _one_logged_step(log_dir, width: int) -> weakref.ref[HookLogger]:
+    """A logger with ``numerics=``, ``spikes=`` and ``optimizer=`` (each with optimizer hooks of
+    its own) on a model whose first output has ``64 * width`` elements (above
+    ``sampling.SAMPLE_CAP`` its median is taken of a sample, whose indices are made once per
+    size), one logged step written, closed; the model, its optimizer and the logger are dropped
+    on return."""
+    model = mlp(4, width, 1, act=nn.ReLU, seed=width)
+    opt, before = _sgd(model), _optimizer_hooks()
+    hooks = HookLogger(model, log_dir=log_dir / str(width), every=1, numerics=True, spikes=True, optimizer=opt)
+    assert all(now > was for now, was in zip(_optimizer_hooks(), before))
+    train(hooks, [model(torch.randn(64, 4)).square().mean()], opt)
+    hooks.close()
+    assert "activation/median_abs/0" in read_run(log_dir / str(width)).scalars
+    return weakref.ref(hooks)
+
+
+def test_closed_loggers_leave_nothing_behind(tmp_path) -> None:
+    """20 loggers with ``numerics=`` on differently shaped models, each closed: afterwards none of
+    them, none of their tensors (the sample indices of each size among them), optimizer hooks or
+    live destinations is left in the process."""
+    _one_logged_step(tmp_path, 150)  # (what torch itself makes on first use, made before counting)
+    gc.collect()
+    tensors, hooks, live = _live_tensors(), _optimizer_hooks(), set(destination._LIVE)
+    loggers = [_one_logged_step(tmp_path, width) for width in range(200, 220)]
+    gc.collect()
+    assert [logger() for logger in loggers] == [None] * 20
+    assert _optimizer_hooks() == hooks
+    assert set(destination._LIVE) == live
+    assert _live_tensors() == tensors
+
+
+def _two_runs(root, *, together: bool) -> None:
+    """A logger with ``numerics=`` and one without, each on its own model and writer (directory),
+    trained on the same batches: alive at once and stepped in turn, or one after the other."""
+    models = {"a": mlp(4, 200, 1, act=nn.ReLU, seed=0), "b": mlp(4, 8, 8, 1, seed=1)}
+    options = {"a": {"numerics": True}, "b": {"histograms": 1, "inputs": True}}
+    batches = [torch.randn(64, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+    def attach(name: str) -> HookLogger:
+        return HookLogger(models[name], log_dir=root / name, every=1, **options[name])  # type: ignore[arg-type]
+
+    def step(name: str, hooks: HookLogger, x: torch.Tensor) -> None:
+        models[name](x).square().mean().backward()
+        hooks.step()
+
+    if together:
+        both = {name: attach(name) for name in models}
+        assert len(destination._LIVE) == 2
+        for x in batches:
+            for name, hooks in both.items():
+                step(name, hooks, x)
+        for hooks in both.values():
+            hooks.close()
+    else:
+        for name in models:
+            with attach(name) as hooks:
+                for x in batches:
+                    step(name, hooks, x)
+
+
+def test_two_loggers_on_two_writers_alive_at_once_stay_independent(tmp_path) -> None:
+    """Each run of two loggers alive at once, on two writers, is what its logger writes alone:
+    its scalars, histograms and chart layout (no chart of the other's), and none is left live."""
+    live = set(destination._LIVE)
+    _two_runs(tmp_path / "together", together=True)
+    _two_runs(tmp_path / "alone", together=False)
+    assert set(destination._LIVE) == live
+    for name in ("a", "b"):
+        together, alone = tmp_path / "together" / name, tmp_path / "alone" / name
+        assert read_run(together).scalars == read_run(alone).scalars, name
+        assert read_tags(together) == read_tags(alone), name
+        assert _layouts(together)[-1] == _layouts(alone)[-1], name
+    assert "activation/median_abs/0" in read_run(tmp_path / "together" / "a").scalars
+    assert not any("median_abs" in tag for tag in read_run(tmp_path / "together" / "b").scalars)

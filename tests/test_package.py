@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,130 @@ def test_imports_run_downhill_without_circles() -> None:
 
     for module in graph:
         visit(module, ())
+
+
+#: The only state the package keeps for the whole process, each with why: every other piece of
+#: state belongs to one logger, so that a closed or collected logger leaves nothing behind
+#: (``tests/test_lifecycle.py``). Keys: ``{module}:{name}``, the module relative to the package.
+_PROCESS_WIDE = {
+    "output/destination.py:_LIVE": "the live loggers' destinations, held weakly and each removed at close: loggers "
+    "sharing a run directory write one merged custom-scalars layout, and a second logger writing the same tags "
+    "into it is warned about",
+    "output/destination.py:_LIVE_LOCK": "_LIVE's lock: loggers are made and closed (or collected) on any thread",
+    "kernels/fused.py:_constants": "the kernels' rounding boundaries, a handful of numbers per (device, dtype), "
+    "the same for every logger",
+    "__init__.py:globals()": "PEP 562: each public name kept once it was first imported",
+}
+#: What makes a mutable value: the constructors of containers, caches, registries and locks.
+_MUTABLE_CALLS = re.compile(
+    r"(?:dict|list|set|bytearray|OrderedDict|defaultdict|deque|Counter|ChainMap|local|\w*Cache|\w*Registry"
+    r"|WeakSet|WeakValueDictionary|WeakKeyDictionary|Lock|RLock|Condition|Semaphore|Event|Queue)"
+)
+#: The methods that change a container in place.
+_MUTATORS = frozenset(
+    [
+        "append",
+        "add",
+        "update",
+        "setdefault",
+        "pop",
+        "popitem",
+        "clear",
+        "extend",
+        "insert",
+        "remove",
+        "discard",
+        "appendleft",
+        "extendleft",
+        "sort",
+        "reverse",
+        "move_to_end",
+        "__setitem__",
+        "__delitem__",
+        "__ior__",
+    ]
+)
+#: Annotations of what a cache must not keep for the whole process: tensors (device memory),
+#: modules and optimizers (a model), devices.
+_HEAVY = re.compile(r"\b(?:Tensor|Module|Optimizer|device|Parameter)\b")
+
+
+def _mutable(value: ast.expr | None) -> bool:
+    """Whether ``value`` makes a mutable container, cache, registry or lock."""
+    if isinstance(value, (ast.Dict, ast.DictComp, ast.List, ast.ListComp, ast.Set, ast.SetComp)):
+        return True
+    return isinstance(value, ast.Call) and bool(_MUTABLE_CALLS.fullmatch(ast.unparse(value.func).split(".")[-1]))
+
+
+def _bodies(tree: ast.Module) -> Iterator[ast.stmt]:
+    """The statements that run once per process: the module's and its classes' bodies (and the
+    ``if``/``try``/``with`` blocks in them), not function bodies."""
+    todo: list[ast.stmt] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.ClassDef):
+            todo += node.body
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            todo += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", [])]
+            todo += [s for handler in getattr(node, "handlers", []) for s in handler.body]
+
+
+def _changed(tree: ast.Module) -> Iterator[str]:
+    """The names (or attributes, by their last name) that ``tree`` changes in place anywhere."""
+
+    def name(node: ast.expr) -> str | None:
+        return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Subscript):
+                    yield name(target.value) or ""
+                elif isinstance(node, ast.AugAssign):
+                    yield name(target) or ""
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS:
+            yield name(node.func.value) or ""
+
+
+def _process_wide(tree: ast.Module, changed: set[str]) -> Iterator[str]:
+    """``{name}`` of each piece of process-wide mutable state ``tree`` keeps: a mutable value
+    bound once per process that is made by a registry, cache or lock constructor or changed
+    somewhere in the package; ``global`` and ``globals()``; a cache decorator on a function
+    of the module or its classes that takes or gives tensors, modules or devices."""
+    for node in _bodies(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and _mutable(node.value):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            # A registry, cache or lock is state however it is changed (handed to the code that changes it).
+            kept = isinstance(node.value, ast.Call) and ast.unparse(node.value.func) not in ("dict", "list", "set")
+            yield from (t.id for t in targets if isinstance(t, ast.Name) and (kept or t.id in changed))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            cached = any(re.search(r"\b(?:cache|lru_cache)\b", ast.unparse(d)) for d in node.decorator_list)
+            signature = ast.unparse(node.args) + " -> " + (ast.unparse(node.returns) if node.returns else "")
+            if cached and _HEAVY.search(signature):
+                yield node.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            yield from (f"global {n}" for n in node.names)
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "globals":
+            yield "globals()"
+
+
+def test_no_process_wide_state_but_the_listed() -> None:
+    """Module-level (and class-level) mutable state outlives every logger: a registry, a cache, a
+    lock, a container changed in place, a ``global``, a cache of tensors or models. None is kept
+    but :data:`_PROCESS_WIDE`'s, each with its reason; and each of those is still there."""
+    trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in SOURCES}
+    changed = {name for tree in trees.values() for name in _changed(tree)}
+    found = {
+        f"{path.relative_to(ROOT).as_posix()}:{name}"
+        for path, tree in trees.items()
+        for name in _process_wide(tree, changed)
+    }
+    assert sorted(found - set(_PROCESS_WIDE)) == [], "process-wide state: make it the logger's, or list it with why"
+    assert sorted(set(_PROCESS_WIDE) - found) == [], "listed, but no longer there"
+    assert all(reason.strip() for reason in _PROCESS_WIDE.values())
 
 
 #: What reads runs back (``tblog-hooks report``, the TensorBoard plugin) imports these.

@@ -14,6 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from .._compat import found_inf, initial_scale, loss_scale
 from ..kernels import Kernels
+from ..keywords import is_off
 from ..stats.binning import Sample
 from ..stats.numerics import Written
 from ..stats.packing import Record, StepLayout, pack_step
@@ -77,7 +78,7 @@ class Recording:
             AttentionRecorder(
                 self.buffer, model, config.attention, eval_passes=config.eval_passes, parallel=self.parallel
             )
-            if config.attention is not False and config.attention is not None
+            if not is_off(config.attention)
             else None
         )
         #: With ``optimizer=``, parameters are read when an optimizer steps them; else during backward.
@@ -248,7 +249,7 @@ class Recording:
             if not samples:
                 raise
             buffer.fail(Part.HISTOGRAMS, error)
-            buffer.kinds = frozenset()
+            buffer.stop_histograms()
             return pack_step(records, [], buffer.kinds, buffer.indices, buffer.recipe, buffer.kernels)
 
     def check_stepped(self, step: int) -> None:

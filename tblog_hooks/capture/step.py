@@ -28,7 +28,6 @@ from ..stats.binning import Sample
 from ..stats.kinds import Computed, Kind
 from ..stats.packing import Record
 from ..stats.recipe import Recipe, Source
-from ..stats.sampling import IndexCache
 from ..stats.schedule import Histograms
 from ..stats.tags import Root, Stat
 from ..transport.streams import Streams
@@ -80,7 +79,7 @@ class StepBuffer:
         self.disabled_parts: set[Part] = set()
         self._old_compile_warned = False
         self._failed: list[tuple[str | Part, BaseException]] = []  # failures of compiled hooks, not yet reported
-        self.indices = IndexCache()  # sample and histogram-row indices, made once per size
+        self.indices = recipe.indices  # sample and histogram-row indices, made once per size
         self._schedule = histograms
         self.kinds = _NO_KINDS  # histogram kinds of the current logged step
         self._records: list[Record] = []
@@ -114,6 +113,21 @@ class StepBuffer:
     def record_scalar(self, key: str, value: Tensor) -> None:
         """A device value logged under the tag ``key`` as it is (the first, if recorded twice)."""
         self._records.append(Record(self._scalar, key, 1, (value,)))
+
+    def append(self, item: Recorded) -> None:
+        """Keep an eager hook's record or histogram sample until the step is packed, noting the
+        stream its tensor was made on (the step's end waits for it)."""
+        if isinstance(item, Sample):
+            self.streams.note(item.sample)
+            self._samples.append(item)
+        else:
+            self.streams.note(item.values[0])
+            self._records.append(item)
+
+    def stop_histograms(self) -> None:
+        """This logged step is packed without histograms (its binning failed); the next ones take
+        none either once ``Part.HISTOGRAMS`` is switched off (:meth:`begin`)."""
+        self.kinds = _NO_KINDS
 
     def mark(self) -> Mark:
         """Where the records of this step end now, for :meth:`rewind`."""
@@ -295,13 +309,7 @@ class Eager(Mode):
         return self.buffer.kinds
 
     def add(self, item: Recorded) -> None:
-        buffer = self.buffer
-        if isinstance(item, Sample):
-            buffer.streams.note(item.sample)
-            buffer._samples.append(item)
-        else:
-            buffer.streams.note(item.values[0])
-            buffer._records.append(item)
+        self.buffer.append(item)
 
     def sample(self, t: Tensor) -> Tensor:
         return sampling.sample(t, self.buffer.indices)

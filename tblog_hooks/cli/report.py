@@ -111,6 +111,7 @@ class _EventFile:
 def _read_file(path: Path) -> _EventFile:
     """The logged steps and forward orders of one event file (other tags are left out)."""
     file = _EventFile((math.inf, path.name), [], {})
+    plans: dict[tuple[str, ...], _Plan] = {}
     try:
         for record in read_records(path):
             event = event_pb2.Event.FromString(record)
@@ -118,7 +119,7 @@ def _read_file(path: Path) -> _EventFile:
             if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
                 file.purges.append(event.step)
             values = event.summary.value
-            plan = _plan(values)
+            plan = _plan(values, plans)
             numbers = [v.simple_value for v in values]
             by_prefix = {
                 prefix: dict(zip(own, map(numbers.__getitem__, at), strict=True)) for prefix, own, at in plan.scalars
@@ -149,17 +150,12 @@ class _Plan:
     texts: list[tuple[str, int]]
 
 
-#: The plan of each sequence of tags read (a logger writes the same tags at every logged step, so
-#: a run's events share a few plans); cleared when it grows past a few hundred.
-_PLANS: dict[tuple[str, ...], _Plan] = {}
-
-
-def _plan(values: Sequence[summary_pb2.Summary.Value]) -> _Plan:
+def _plan(values: Sequence[summary_pb2.Summary.Value], plans: dict[tuple[str, ...], _Plan]) -> _Plan:
+    """The plan of an event's values: made once per sequence of tags, kept in ``plans`` (one file's:
+    a logger writes the same tags at every logged step, so its events share a few plans)."""
     tags = tuple(v.tag for v in values)
-    plan = _PLANS.get(tags)
+    plan = plans.get(tags)
     if plan is None:
-        if len(_PLANS) > 256:
-            _PLANS.clear()
         by_prefix: dict[str, tuple[list[str], list[int]]] = {}
         orders: list[tuple[str, int]] = []
         texts: list[tuple[str, int]] = []
@@ -173,7 +169,7 @@ def _plan(values: Sequence[summary_pb2.Summary.Value]) -> _Plan:
                     texts.append((match["prefix"] or "", i))
                 elif _of_plugin(value):
                     orders.append((match["prefix"] or "", i))
-        plan = _PLANS[tags] = _Plan([(p, own, at) for p, (own, at) in by_prefix.items()], orders, texts)
+        plan = plans[tags] = _Plan([(p, own, at) for p, (own, at) in by_prefix.items()], orders, texts)
     return plan
 
 

@@ -19,11 +19,12 @@ import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 
 from ..errors import HookLoggerError
-from ..keywords import keywords
+from ..keywords import keywords, switched
 from ..stats.tags import GRAD_NORM_TAG, LOSS_TAG, SAMPLES_TAG, Root, Stat, by_name, tag
 from .findings import Finding, FindingKind, Trailing, check_fields
 
@@ -110,12 +111,10 @@ def _warmup_past_window(window: int, warmup: int) -> str:
 
 def spikes_option(value: object) -> Spikes | None:
     """``HookLogger(spikes=...)`` as a :class:`Spikes` (``None``: off)."""
-    if isinstance(value, Spikes):
-        return value
-    if value is True:
-        return Spikes()
-    if value is False or value is None:
-        return None
+    return switched(value, Spikes, _not_spikes)
+
+
+def _not_spikes(value: object) -> NoReturn:
     raise HookLoggerError(f"spikes must be True, a tblog_hooks.Spikes, or False or None (off), got {value!r}")
 
 

@@ -7,15 +7,19 @@ computed together): its device function, returning named tensors; its :class:`Fi
 how each pools over the records of one module (several calls, micro-batches, ranks: sum, min, max,
 norm, moments up to the fourth); the scalars it yields and their :class:`~tblog_hooks.stats.tags.Stat`
 names; whether they scale with the loss under a ``GradScaler``; whether they need the record's
-element count. Kinds and measures are immutable; which kinds a logger records, with which
-measures, is its :class:`~tblog_hooks.stats.recipe.Recipe`.
+element count. Every measure's device function is called one way, ``compute(t, units, given)``.
+Kinds and measures are immutable; which kinds a logger records, with which measures, is its
+:class:`~tblog_hooks.stats.recipe.Recipe`.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -24,8 +28,10 @@ from torch import Tensor
 from ..errors import HookLoggerError
 from ..kernels import outputs as kernel_outputs
 from ..kernels.outputs import Fused
+from ..keywords import keywords
 from . import numerics, reductions
 from .formats import FORWARD
+from .sampling import IndexCache
 from .tags import HISTOGRAM_KINDS as HISTOGRAM_KINDS  # (its home is tags.py: the dashboard reads it without torch)
 from .tags import Lost, Stat, per_format
 
@@ -35,6 +41,10 @@ Named = Mapping[str, Tensor]
 #: Every measure's device values of a tensor, by name: where the fused kernels gave some, those
 #: lie in their one buffer (``kernels.outputs.Fused``).
 Computed = dict[str, Tensor] | Fused
+#: A measure's device function: ``(t, units, given) -> {name: value}`` (:attr:`Measure.compute`).
+Compute = Callable[[Tensor, int, Named], Named]
+#: What a measure that uses nothing is given.
+_NOTHING: Named = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -117,6 +127,7 @@ class Field:
         return self.parts or (self.name,)
 
 
+@keywords(counted="needs_numel")
 @dataclass(frozen=True, kw_only=True)
 class Measure:
     """One statistic, or a few computed together, declared once."""
@@ -130,10 +141,11 @@ class Measure:
     #: (its pooled fields, elements in all records) -> ``{stat: value}``; the stat ``""`` tags a
     #: record by its own name (a whole tag, e.g. ``amp/loss_scale``).
     scalars: Callable[[Values, int], Mapping[str, float]]
-    #: The record's device values of a tensor, by name (call under ``no_grad``), given the dim that
-    #: holds its units (``reductions.units_dim``); ``None`` for values recorded by their own hooks.
-    #: With :attr:`uses`, called ``compute(t, units, given)``.
-    compute: Callable[..., Named] | None = None
+    #: The record's device values of a tensor ``t``, by name (called under ``no_grad``):
+    #: ``compute(t, units, given)``, ``units`` the dim that holds its units
+    #: (``reductions.units_dim``), ``given`` the values of :attr:`uses` (empty without);
+    #: ``None`` for values recorded by their own hooks.
+    compute: Compute | None = None
     #: Device values of the measures before it in its kind that ``compute`` takes rather than
     #: computing them again (``given``, by name): the one computation of a tensor shared.
     uses: tuple[str, ...] = ()
@@ -141,7 +153,7 @@ class Measure:
     #: are divided by the scale on the host); ``False`` for counts, fractions and ratios.
     scaled: bool = False
     #: Its scalars need the records' element count (a count of its fields only is not one).
-    counted: bool = False
+    needs_numel: bool = False
     #: A whole-model scalar ``{kind}/{total}``: the L2 norm over every record's (one) field.
     total: str | None = None
     #: The fused kernels give its device values, by the names ``compute`` gives them
@@ -151,6 +163,15 @@ class Measure:
     fused: bool = False
 
     def __post_init__(self) -> None:
+        if self.compute is not None and not _takes_given(self.compute):
+            warnings.warn(
+                f"{describe(self)}: a Measure's compute taking (t, units) is deprecated and will not be called so in "
+                "the next release: take (t, units, given) (given: the values of uses=, empty without)",
+                DeprecationWarning,
+                stacklevel=4,  # (the declaration: past __init__ and keywords')
+            )
+            old: Callable[[Tensor, int], Named] = self.compute  # type: ignore[assignment]  # (checked above)
+            object.__setattr__(self, "compute", _given_left_out(old))  # (a frozen field, set once)
         missing = [n for f in self.fields for n in f.names if n not in kernel_outputs.OUTPUTS] if self.fused else []
         if missing:
             raise HookLoggerError(
@@ -160,12 +181,43 @@ class Measure:
             )
 
 
+def _takes_given(compute: Callable[..., Named]) -> bool:
+    """Whether ``compute`` takes three positional arguments (``(t, units, given)``)."""
+    try:
+        parameters = inspect.signature(compute).parameters.values()
+    except (TypeError, ValueError):  # (a callable without a signature: taken as it is)
+        return True
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    spread = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters)
+    return spread or sum(p.kind in positional for p in parameters) >= 3
+
+
+def _given_left_out(compute: Callable[[Tensor, int], Named]) -> Compute:
+    """A deprecated ``compute(t, units)`` called as every measure's is (not ``functools.wraps``:
+    its signature, which :func:`_takes_given` reads, is the new one)."""
+
+    def taking_given(t: Tensor, units: int, given: Named) -> Named:
+        return compute(t, units)
+
+    return taking_given
+
+
 class Kind:
     """A kind of record: its measures, and how its records travel. Immutable, validated when made;
     compared and hashed by identity (a logger's :class:`~tblog_hooks.stats.recipe.Recipe` makes
     its own, looked up for every record of a step)."""
 
-    __slots__ = ("_computed", "_unfused", "counts", "fields", "measures", "name", "norms", "per_call", "stats")
+    __slots__ = (
+        "_computed",
+        "_unfused",
+        "fields",
+        "host_knows_numel",
+        "measures",
+        "name",
+        "norms",
+        "per_call",
+        "stats",
+    )
 
     def __init__(
         self,
@@ -173,7 +225,7 @@ class Kind:
         name: str,
         per_call: bool = False,
         norms: bool = False,
-        counts: bool = True,
+        host_knows_numel: bool = True,
         measures: tuple[Measure, ...] = (),
     ) -> None:
         #: The tag root of its scalars (``{name}/{stat}/{module}``) and histograms; kinds whose
@@ -187,7 +239,7 @@ class Kind:
         #: The host knows its records' element count; else (an output gradient summed by a compiled
         #: probe) a record carries it on the device, as the field of :data:`ELEMENTS`, where its
         #: measures need it.
-        self.counts = counts
+        self.host_knows_numel = host_knows_numel
         _check(self, measures)
         self.measures: tuple[Measure, ...] = measures
         self.fields: tuple[Field, ...] = tuple(f for m in measures for f in m.fields)
@@ -197,7 +249,7 @@ class Kind:
 
     def __setattr__(self, key: str, value: object) -> None:
         if hasattr(self, key):
-            raise AttributeError(f"{self!r} is immutable: make a new one with Kind.extended")
+            raise AttributeError(f"{self!r} is immutable: make a new one")
         object.__setattr__(self, key, value)
 
     def __repr__(self) -> str:
@@ -212,13 +264,13 @@ class Kind:
         out: Computed = {} if given is None else given.copy()
         for m in self._unfused if unfused else self._computed:
             assert m.compute is not None  # (the computed measures)
-            out.update(m.compute(t, units, out) if m.uses else m.compute(t, units))
+            out.update(m.compute(t, units, {n: out[n] for n in m.uses} if m.uses else _NOTHING))
         return out
 
     def numel(self, fields: Values, numel: int) -> int:
         """The elements a record (its fields, read back) describes: ``numel`` where the host knows
         it, else its :data:`ELEMENTS` field."""
-        return numel if self.counts or ELEMENTS_FIELD not in fields else int(fields[ELEMENTS_FIELD][0])
+        return numel if self.host_knows_numel or ELEMENTS_FIELD not in fields else int(fields[ELEMENTS_FIELD][0])
 
     def values(self, named: Named) -> tuple[Tensor, ...]:
         """A record's values in field order, from their names."""
@@ -238,15 +290,15 @@ def describe(measure: Measure) -> str:
 
 
 def _check(kind: Kind, measures: tuple[Measure, ...]) -> None:
-    """No name (field, device value or statistic) given by two measures; counted measures only
-    where records know their element count (on the host, or by :data:`ELEMENTS` before them)."""
+    """No name (field, device value or statistic) given by two measures; measures that need the
+    element count only where records know their element count (on the host, or by :data:`ELEMENTS` before them)."""
     owner: dict[str, tuple[int, Measure]] = {}
     values: set[str] = set()  # the device values of the measures so far
     for i, measure in enumerate(measures):
-        if measure.counted and not kind.counts and ELEMENTS_FIELD not in values:
+        if measure.needs_numel and not kind.host_knows_numel and ELEMENTS_FIELD not in values:
             raise HookLoggerError(
                 f"{kind!r} records do not know their element count on the host, which {describe(measure)} needs "
-                f"(counted=True): put {describe(ELEMENTS)} before it"
+                f"(needs_numel=True): put {describe(ELEMENTS)} before it"
             )
         missing = [n for n in measure.uses if n not in values]
         if missing:
@@ -287,9 +339,9 @@ MEAN_STD = Measure(
     fields=(Field(name="moments", pool=MOMENTS, parts=("mean", "centred_norm")),),
     stats=(Stat.MEAN, Stat.STD),
     scalars=lambda v, n: {Stat.MEAN: float(v["moments"][0]), Stat.STD: _std(float(v["moments"][1]), n)},
-    compute=reductions.mean_and_centred_norm,
+    compute=lambda x, units, given: reductions.mean_and_centred_norm(x, units),
     scaled=True,
-    counted=True,
+    needs_numel=True,
     fused=True,
 )
 #: The smallest and largest element (exact; also a histogram's range).
@@ -298,7 +350,7 @@ EXTREMES = Measure(
     fields=(Field(name="min", pool=MIN), Field(name="max", pool=MAX)),
     stats=(Stat.MIN, Stat.MAX),
     scalars=lambda v, n: {Stat.MIN: float(v["min"][0]), Stat.MAX: float(v["max"][0])},
-    compute=reductions.extremes,
+    compute=lambda x, units, given: reductions.extremes(x, units),
     scaled=True,
     fused=True,
 )
@@ -308,8 +360,8 @@ ZERO_FRAC = Measure(
     fields=(Field(name="nonzero", pool=SUM),),
     stats=(Stat.ZERO_FRAC,),
     scalars=lambda v, n: {Stat.ZERO_FRAC: float((n - v["nonzero"][0]) / n)},
-    compute=lambda x, units: {"nonzero": torch.count_nonzero(x)},
-    counted=True,
+    compute=lambda x, units, given: {"nonzero": torch.count_nonzero(x)},
+    needs_numel=True,
     fused=True,
 )
 #: The NaN/Inf count, from the finite count (the host knows the elements: NaN/Inf are the rest).
@@ -318,8 +370,8 @@ NONFINITE = Measure(
     fields=(Field(name="finite", pool=SUM),),
     stats=(Stat.NONFINITE,),
     scalars=lambda v, n: {Stat.NONFINITE: float(n - v["finite"][0])},
-    compute=lambda x, units: {"finite": reductions.finite(x)},
-    counted=True,
+    compute=lambda x, units, given: {"finite": reductions.finite(x)},
+    needs_numel=True,
     fused=True,
 )
 
@@ -336,7 +388,7 @@ DEAD_FRAC = Measure(
     fields=(Field(name="peak", pool=MAX, per_unit=True),),
     stats=(Stat.DEAD_FRAC,),
     scalars=_dead_fraction,
-    compute=reductions.unit_peaks,
+    compute=lambda x, units, given: reductions.unit_peaks(x, units),
     fused=True,
 )
 
@@ -348,18 +400,18 @@ GRADIENT_NORM = Measure(
     fields=(Field(name="norm", pool=NORM),),
     stats=(Stat.NORM,),
     scalars=lambda v, n: {Stat.NORM: float(v["norm"][0])},
-    compute=lambda g, units: {"norm": reductions.norm(g)},
+    compute=lambda g, units, given: {"norm": reductions.norm(g)},
     scaled=True,
     fused=True,
 )
 #: The element count of a record, on the device, for kinds whose host does not know it
-#: (``Kind.counts``): a compiled probe sums it over a module's calls with the other fields.
+#: (``Kind.host_knows_numel``): a compiled probe sums it over a module's calls with the other fields.
 ELEMENTS_FIELD = "elements"
 ELEMENTS = Measure(
     name="element count",
     fields=(Field(name=ELEMENTS_FIELD, pool=SUM),),
     scalars=lambda v, n: {},
-    compute=lambda t, units: {ELEMENTS_FIELD: reductions.elements(t)},
+    compute=lambda t, units, given: {ELEMENTS_FIELD: reductions.elements(t)},
 )
 #: The NaN/Inf count of an output gradient, recorded as it is (``gradient/nonfinite``; a
 #: probe's records know their element count only where numerics need it, :data:`ELEMENTS`).
@@ -368,7 +420,7 @@ GRADIENT_NONFINITE = Measure(
     fields=(Field(name="nonfinite", pool=SUM),),
     stats=(Stat.NONFINITE,),
     scalars=lambda v, n: {Stat.NONFINITE: float(v["nonfinite"][0])},
-    compute=lambda g, units: {"nonfinite": reductions.nonfinite(g)},
+    compute=lambda g, units, given: {"nonfinite": reductions.nonfinite(g)},
     fused=True,
 )
 #: A parameter's final gradient's norm (``param_grad/norm``) and the whole-model
@@ -457,26 +509,29 @@ LOG_PARTITION = Measure(
     ),
     stats=(Stat.LOG_Z, Stat.LOG_Z_MAX, Stat.Z_LOSS),
     scalars=_log_partition,
-    compute=reductions.log_partition,
+    compute=lambda z, units, given: reductions.log_partition(z, units),
 )
 
 
-#: The median |x| of an output with ``numerics=`` (its scalar is ``numeric_measures``'s).
-MEDIAN_ABS = Measure(
-    name="numerics (median)",
-    fields=(Field(name="median", pool=MAX),),
-    scalars=lambda v, n: {},
-    compute=numerics.median_abs,
-)
+def median_abs(indices: IndexCache) -> Measure:
+    """The median |x| of an output with ``numerics=`` (its scalar is :func:`numeric_measures`'),
+    of the sample ``indices`` take (the logger's)."""
+    return Measure(
+        name="numerics (median)",
+        fields=(Field(name="median", pool=MAX),),
+        scalars=lambda v, n: {},
+        compute=lambda x, units, given: numerics.median_abs(x, indices),
+    )
 
 
 def numeric_measures(*, zero_frac: bool, channels: bool, base: tuple[Measure, ...] = ()) -> tuple[Measure, ...]:
     """With ``numerics=``, a tensor's low-precision health (``stats/numerics.py``), as measures
     of its kind after ``base`` (its source's own): the max |x| and RMS, which scale with the loss
     under a ``GradScaler``, and the kurtosis and per-format fractions, which do not (they are
-    judged at the loss scale, as the format sees the gradients). What ``base`` computes of the
-    tensor (``numerics.SHARED``: the non-zero count, the extremes) they take
-    rather than compute again."""
+    judged at the loss scale, as the format sees the gradients); with ``channels``, the per-unit
+    peaks too (and the median |x|, :func:`median_abs`, which the recipe adds with the logger's
+    sample indices). What ``base`` computes of the tensor (``numerics.SHARED``: the non-zero
+    count, the extremes) they take rather than compute again."""
     magnitude = (Stat.AMAX, Stat.RMS)
     every = numerics.stats(zero_frac=zero_frac, channels=channels)
     given = {n for m in base for f in m.fields for n in f.names}
@@ -484,18 +539,14 @@ def numeric_measures(*, zero_frac: bool, channels: bool, base: tuple[Measure, ..
     own_field = (Field(name="nonzero", pool=SUM),) * ("nonzero" not in uses)
     per_unit = (Field(name="unit_amax", pool=MAX, per_unit=True),) * channels
 
-    def compute(x: Tensor, units: int, shared: Named | None = None) -> Named:
-        given = None if shared is None else {n: shared[n] for n in uses}
-        return numerics.measure(x, units, channels=channels, given=given)
-
     shape = Measure(
         name="numerics (counts)",
         fields=(*own_field, Field(name=numerics.COUNTS, pool=SUM, size=len(numerics.COUNTED)), *per_unit),
         stats=tuple(s for s in every if s not in magnitude),
         scalars=lambda v, n: numerics.statistics(v, n, zero_frac=zero_frac),
-        compute=compute,
+        compute=lambda x, units, given: numerics.measure(x, units, channels=channels, given=given),
         uses=uses,
-        counted=True,
+        needs_numel=True,
         fused=True,
     )
     size = Measure(
@@ -504,10 +555,10 @@ def numeric_measures(*, zero_frac: bool, channels: bool, base: tuple[Measure, ..
         stats=magnitude,
         scalars=numerics.sizes,
         scaled=True,
-        counted=True,
+        needs_numel=True,
         fused=True,
     )
-    return (shape, size, MEDIAN_ABS) if channels else (shape, size)
+    return shape, size
 
 
 def fp8_cast_measure(casts: numerics.Casts) -> Measure:
@@ -523,6 +574,6 @@ def fp8_cast_measure(casts: numerics.Casts) -> Measure:
         fields=tuple(Field(name=c, pool=SUM) for c in counts),
         stats=tuple(per_format(lost, FORWARD, axis) for axis in casts for lost in (Lost.UNDERFLOW, Lost.OVERFLOW)),
         scalars=lambda v, n: numerics.fp8_statistics(v, n, tuple(casts)),
-        compute=lambda x, units: numerics.fp8_cast(x, casts),
-        counted=True,
+        compute=lambda x, units, given: numerics.fp8_cast(x, casts),
+        needs_numel=True,
     )

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..keywords import is_off
 from . import reductions, sampling
 from .formats import DEFAULT, FORWARD, SPECS, Spec
 from .reductions import acc_dtype
@@ -296,24 +297,19 @@ def fp8_statistics(v: Values, count: int, axes: Sequence[str | None]) -> dict[st
     return out
 
 
-#: The sample indices :func:`median` takes, by size: made on the host once per size, as the
-#: histograms' (a function of the size alone, shared by every logger of the process).
-_SAMPLES = sampling.IndexCache()
-
-
-def median_abs(x: Tensor, units: int) -> dict[str, Tensor]:
+def median_abs(x: Tensor, indices: sampling.IndexCache) -> dict[str, Tensor]:
     """The median of ``|x|`` (``median``, :func:`median`): a selection, which no fused kernel
     computes (``kernels/fused.py``), so a measure of its own."""
-    return {"median": median(x)}
+    return {"median": median(x, indices)}
 
 
-def median(x: Tensor) -> Tensor:
+def median(x: Tensor, indices: sampling.IndexCache) -> Tensor:
     """The median of ``|x|`` (the lower of the two middle values, as ``torch.median``): of every
     element up to ``sampling.SAMPLE_CAP`` of them, else of the histograms' jittered sample of that
     many (``sampling.sample``, taken before the magnitudes), so its cost is bounded whatever the
-    tensor's size."""
+    tensor's size. ``indices``: the logger's sample indices (the histograms' too)."""
     if x.numel() > sampling.SAMPLE_CAP:
-        x = sampling.traced_sample(x) if torch.compiler.is_compiling() else sampling.sample(x, _SAMPLES)
+        x = sampling.traced_sample(x) if torch.compiler.is_compiling() else sampling.sample(x, indices)
     return absolute(x).median()
 
 
@@ -412,7 +408,7 @@ def check(numerics: object) -> tuple[str, ...] | None:
     """``numerics=`` as the formats it names (``()``: the run's own, see :class:`Written`), or
     ``None`` when off; raises ``ValueError`` saying what is valid."""
     valid = ", ".join(map(repr, FORMATS))
-    if numerics is False:
+    if is_off(numerics):
         return None
     if numerics is True:
         return ()

@@ -7,7 +7,8 @@ scale with the loss.
 A :class:`Recipe` is immutable and belongs to one logger: recording (``capture/*``), the compiled
 probes' layout, packing and pooling over calls and ranks, unscaling, summarising and the docs'
 tag table read it; nothing reads a module-level registry, so extending one logger's recipe
-(``HookLogger(..., measures={"output": [measure]})``) never touches another's.
+(``HookLogger(..., measures={"output": [measure]})``) never touches another's. It carries the
+one thing its measures keep between steps, the logger's sample indices (made once per size).
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ from .kinds import (
     Measure,
     describe,
     fp8_cast_measure,
+    median_abs,
     numeric_measures,
 )
 from .numerics import FORMAT_OF, GRADIENT_CASTS, SCALINGS
+from .sampling import IndexCache
 from .tags import Lost, Root, per_format
 
 
@@ -88,21 +91,6 @@ class Source(enum.StrEnum):
 #: The sources a measure of one's own may be added to: those whose records a measure's device
 #: function computes from the tensor (the others' records are built by hand).
 EXTENSIBLE = (Source.OUTPUT, Source.INPUT, Source.OUTPUT_GRADIENT)
-#: The sources whose tensors ``numerics=`` measures in a kind of their own: (zero fraction,
-#: per-unit peaks, pooled over ranks) of each (a parameter gradient's records are built by
-#: ``capture/parameters.py``, after its own). An output's and an output gradient's numerics are
-#: measures of their own kinds (:data:`NUMERIC_MEASURES`), computed with their other statistics.
-NUMERIC_SOURCES = {
-    Source.PARAM_GRAD: (False, False, False),
-}
-#: With ``numerics=``, the measures added to a source's kind: an output's per-unit peaks and
-#: median |x| too, sharing the non-zero count and the extremes of its statistics; an output
-#: gradient's zero fraction (for fp16 underflow), with its element count on the device
-#: (``Kind.counts``).
-NUMERIC_MEASURES = {
-    Source.OUTPUT: numeric_measures(zero_frac=False, channels=True, base=TENSOR_MEASURES),
-    Source.OUTPUT_GRADIENT: numeric_measures(zero_frac=True, channels=False),
-}
 #: The sources whose scaled statistics carry the ``GradScaler``'s loss scale (parameter
 #: gradients only where they are read before ``unscale_``, see ``output/scaling.py``).
 LOSS_SCALED = (Source.OUTPUT_GRADIENT, Source.PARAM_GRAD, Source.UNWATCHED_PARAM_GRAD)
@@ -121,7 +109,7 @@ _TRAVEL: dict[Source, dict[str, object]] = {
     Source.OUTPUT: {"name": Root.ACTIVATION, "per_call": True},
     Source.INPUT: {"name": Root.INPUT, "per_call": True},
     Source.NONFINITE_INPUT: {"name": Root.INPUT, "per_call": True},
-    Source.OUTPUT_GRADIENT: {"name": Root.GRADIENT, "per_call": True, "counts": False},
+    Source.OUTPUT_GRADIENT: {"name": Root.GRADIENT, "per_call": True, "host_knows_numel": False},
     Source.PARAM_GRAD: {"name": Root.PARAM_GRAD, "norms": True},
     Source.UNWATCHED_PARAM_GRAD: {"name": Root.PARAM_GRAD, "norms": True},
     Source.UPDATE: {"name": Root.PARAM, "norms": True},
@@ -159,19 +147,24 @@ Extra = Mapping["Source | str", Sequence[Measure]]
 
 @dataclass(frozen=True, eq=False)
 class Recipe:
-    """A logger's kinds of record, by source; immutable. Build one with :meth:`build`."""
+    """A logger's kinds of record, by source (immutable), and its sample indices. Build one with
+    :meth:`build`."""
 
     #: Every source's kind (:attr:`Source.INPUT` only with ``inputs=True``, else
     #: :attr:`Source.NONFINITE_INPUT`).
     kinds: Mapping[Source, Kind]
     #: With ``numerics=``, the low-precision health of a source's tensors measured in a kind of
-    #: its own, by that source (:data:`NUMERIC_SOURCES`, :data:`FP8_SOURCES`; an output's and an
-    #: output gradient's are in their own kinds); empty without.
+    #: its own, by that source (a parameter gradient's, whose records ``capture/parameters.py``
+    #: builds after its own, and :data:`FP8_SOURCES`; an output's and an output gradient's are
+    #: measures of their own kinds, :func:`_numeric_measures`); empty without.
     numerics: Mapping[Source, Kind]
     #: With ``numerics=``, by kind, the per-format statistics of its ``numerics=`` measures (a
     #: tensor's as a whole: ``underflow_fp16``, not ``underflow_e4m3_rows``) with their format;
     #: a measure of one's own has none, whatever its statistics are named. Empty without.
     formats: Mapping[Kind, Mapping[str, str]]
+    #: The logger's sample indices, made on the host once per size: its histograms' and its
+    #: outputs' median |x| (emptied when the logger closes, ``Recording.release``).
+    indices: IndexCache
 
     @classmethod
     def build(
@@ -184,19 +177,17 @@ class Recipe:
         extra = _extra(measures or {}, inputs=inputs)
         skipped = (Source.NONFINITE_INPUT if inputs else Source.INPUT, *FP8_SOURCES)
         wanted = [s for s in Source if s not in skipped]
-        added = NUMERIC_MEASURES if numerics else {}
+        indices = IndexCache()
+        added = _numeric_measures(indices) if numerics else {}
         kinds = {
-            s: Kind(**_TRAVEL[s], measures=_counted(s, (*_MEASURES[s], *added.get(s, ()), *extra.get(s, ()))))  # type: ignore[arg-type]
+            s: Kind(**_TRAVEL[s], measures=_with_numel(s, (*_MEASURES[s], *added.get(s, ()), *extra.get(s, ()))))  # type: ignore[arg-type]
             for s in wanted
         }
         numeric: dict[Source, Kind] = {}
         if numerics:
-            for source, (zero_frac, channels, per_call) in NUMERIC_SOURCES.items():
-                numeric[source] = Kind(
-                    name=_TRAVEL[source]["name"],  # type: ignore[arg-type]
-                    per_call=per_call,
-                    measures=numeric_measures(zero_frac=zero_frac, channels=channels),
-                )
+            numeric[Source.PARAM_GRAD] = Kind(
+                name=Root.PARAM_GRAD, measures=numeric_measures(zero_frac=False, channels=False)
+            )
             cast = fp8_cast_measure(SCALINGS["rowwise" if rowwise else "tensorwise"])
             casts = {Source.FP8_INPUT: cast, Source.FP8_WEIGHT: cast}
             if rowwise:  # (the tensorwise recipe casts it per tensor to e5m2: the gradient's own numerics)
@@ -205,7 +196,7 @@ class Recipe:
                 numeric[source] = Kind(**_TRAVEL[source], measures=(cast,))  # type: ignore[arg-type]
         by_numerics = [(kinds[s], added[s]) for s in added if s in kinds] + [(k, k.measures) for k in numeric.values()]
         formats = {kind: MappingProxyType(_formats(measures)) for kind, measures in by_numerics}
-        recipe = cls(MappingProxyType(kinds), MappingProxyType(numeric), MappingProxyType(formats))
+        recipe = cls(MappingProxyType(kinds), MappingProxyType(numeric), MappingProxyType(formats), indices)
         recipe._check_tags()
         return recipe
 
@@ -263,10 +254,21 @@ def _formats(measures: Sequence[Measure]) -> dict[str, str]:
     return {stat: FORMAT_OF[stat] for m in measures for stat in m.stats if stat in FORMAT_OF}
 
 
-def _counted(source: Source, measures: tuple[Measure, ...]) -> tuple[Measure, ...]:
+def _numeric_measures(indices: IndexCache) -> dict[Source, tuple[Measure, ...]]:
+    """With ``numerics=``, the measures added to a source's kind: an output's per-unit peaks and
+    median |x| too (of the samples ``indices`` take), sharing the non-zero count and the extremes
+    of its statistics; an output gradient's zero fraction (for fp16 underflow), with its element
+    count on the device (``Kind.host_knows_numel``)."""
+    return {
+        Source.OUTPUT: (*numeric_measures(zero_frac=False, channels=True, base=TENSOR_MEASURES), median_abs(indices)),
+        Source.OUTPUT_GRADIENT: numeric_measures(zero_frac=True, channels=False),
+    }
+
+
+def _with_numel(source: Source, measures: tuple[Measure, ...]) -> tuple[Measure, ...]:
     """``measures`` of ``source``, after :data:`~tblog_hooks.stats.kinds.ELEMENTS` where its
     records do not tell the host their element count and a measure needs it."""
-    on_device = _TRAVEL[source].get("counts") is False and any(m.counted for m in measures)
+    on_device = _TRAVEL[source].get("host_knows_numel") is False and any(m.needs_numel for m in measures)
     return (ELEMENTS, *measures) if on_device else measures
 
 

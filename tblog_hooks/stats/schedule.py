@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..errors import HookLoggerError
-from ..keywords import Renamed, keywords
+from ..keywords import Renamed, keywords, switched
 from .tags import HISTOGRAM_KINDS, Root
 
 #: All but ``gradient``: the linear histogram of an output gradient is mostly one spike at zero
@@ -115,12 +115,11 @@ def _named(kind: object) -> str:
 
 def schedule(value: object) -> Histograms | None:
     """``HookLogger(histograms=...)`` as a :class:`Histograms` (``None``: no histograms)."""
-    if isinstance(value, Histograms):
-        return value
-    if value is True:
-        return Histograms()
-    if value is False or value is None:
-        return None
+    return switched(value, Histograms, _every_nth)
+
+
+def _every_nth(value: object) -> Histograms:
+    """``histograms=n``: histograms on every ``n``-th logged step, weights on every ``2n``-th."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return Histograms(every_logged=value, weights_every_logged=2 * value)
     raise HookLoggerError(
