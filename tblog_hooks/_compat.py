@@ -435,9 +435,11 @@ def pipeline_pass() -> tuple[bool, int] | None:
     """Where the calling code runs under a ``torch.distributed.pipelining`` schedule: whether in a
     stage's shape inference (``_PIPELINE_INFERENCE``), and what the schedule divides the stage's
     gradients by (its microbatch count, ``scale_grads=True``, its default; else 1); ``None``
-    outside a schedule. Read off the calling frames (the schedule holds the stage, not the module
-    the logger was given, and says nothing to its hooks); a few frame hops a call, logged steps only."""
-    if "torch.distributed.pipelining" not in sys.modules:
+    outside a schedule, and in code ``torch.compile`` traces (frames are no part of a graph: a walk
+    of them would break it). Read off the calling frames (the schedule holds the stage, not the
+    module the logger was given, and says nothing to its hooks); a few frame hops a call, logged
+    steps only."""
+    if "torch.distributed.pipelining" not in sys.modules or torch.compiler.is_compiling():
         return None
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 

@@ -17,6 +17,11 @@ from tblog_hooks import Histograms, HookLogger, HookLoggerError
 from tblog_hooks.capture.step import COMPILE_VERIFIED, TORCH_VERSION
 from tblog_hooks.stats.tags import HISTOGRAM_KINDS as KINDS
 
+if torch.distributed.is_available():
+    # As in a pipeline-parallel training's process: the hooks look for a pipeline schedule only
+    # outside traced code (a walk of the frames in it would recompile every step).
+    import torch.distributed.pipelining
+
 #: Below the version the compiled hooks are verified on, the logger says so (tests/test_torch_versions.py)
 #: and these tests do not hold (a GPU's torch 2.11 recompiled each step): what they check is not claimed there.
 pytestmark = pytest.mark.skipif(
