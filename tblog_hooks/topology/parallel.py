@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from .._compat import parallel_output, prepared_input, tree_flatten
@@ -150,18 +149,16 @@ class TensorParallel:
         model = self._model()
         return bool(self._styles) or (model is not None and any(is_dtensor(p) for p in model.parameters()))
 
-    def first_of_group(self) -> int:
+    def first_of_group(self) -> int | None:
         """The global rank of the first of this rank's tensor-parallel group (of the styles found
         at the latest :meth:`look_up`, or torchtitan's tensor-parallel mesh under any backend:
-        under ``partial_dtensor`` no module has a style); this rank's own without one. The ranks
-        of one group hold the same unsplit values: counted once, the first's."""
+        under ``partial_dtensor`` no module has a style); ``None`` without one. The ranks of one
+        group hold the same unsplit values: counted once, the first's."""
         model = self._model()
         meshes = [mesh for mesh, _ in self._styles.values()]
         titans = None if model is None else titan.parallelized_mesh(model)
         meshes += [] if titans is None else [titans]
-        if not meshes:
-            return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        return min(int(mesh.mesh.reshape(-1)[0]) for mesh in meshes)
+        return min((int(mesh.mesh.reshape(-1)[0]) for mesh in meshes), default=None)
 
     def outputs(self, module: nn.Module, tensors: Sequence[Tensor]) -> list[tuple[Tensor, Split | None]]:
         """Each output tensor of ``module`` as this rank's piece and its split. Raises

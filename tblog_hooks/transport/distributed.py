@@ -107,7 +107,7 @@ class Ranks:
     def __init__(self, *, reduce: bool, split: bool, first: int | None = None) -> None:
         """``split``: the model holds tensors split over ranks (``DTensor`` parameters or
         tensor-parallel modules); ``first``: the global rank of the first of this rank's
-        tensor-parallel group (``None``: this rank)."""
+        tensor-parallel group (``None``, without one: this rank)."""
         self.rank, self.world = rank_and_world()
         self.reduce = reduce and self.world > 1
         self.split = split and self.world > 1
