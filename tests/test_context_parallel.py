@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -71,13 +71,15 @@ def _context_parallel(rank: int, root: str) -> None:
     freqs = model.freqs
     fully_shard(model, mesh=mesh)
 
-    def shard(tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> Iterator[None]:
+    def shard(
+        tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor
+    ) -> contextlib.AbstractContextManager[None]:
         buffers = [tokens, labels, positions, freqs]
         return context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 0, 0], no_restore_buffers={*buffers[:3]})
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        held = _train(model, f"{root}/cp", shard, reduce_ranks=True)  # type: ignore[arg-type]
+        held = _train(model, f"{root}/cp", shard, reduce_ranks=True)
     if rank == 0:
         (Path(root) / "held.json").write_text(json.dumps([p.tolist() for p in held]))
         (warning,) = [str(w.message) for w in caught if "tblog_hooks" in str(w.message)]
