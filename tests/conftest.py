@@ -158,7 +158,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     importable)."""
     fused = pytest.importorskip("tblog_hooks.kernels.fused", reason="Triton is not importable")
     launched: Counter[str] = Counter()
-    for name in ("_partials", "_combine", "_scaled_counts", "_buckets"):
+    for name in ("_partials", "_combine", "_scaled_counts", "_buckets", "_gather_samples"):
         kernel = getattr(fused, name)
 
         def run(*args: object, _run: object = kernel.run, _name: str = name, **kwargs: object) -> object:

@@ -30,8 +30,9 @@ from torch import Tensor, nn
 
 from tblog_hooks import Histograms, HookLogger, HookLoggerError
 from tblog_hooks.kernels import VARIABLE, Kernels, outputs
-from tblog_hooks.stats import numerics, reductions
+from tblog_hooks.stats import numerics, reductions, sampling
 from tblog_hooks.stats.kinds import NORM, SUM, Field, Measure
+from tblog_hooks.stats.sampling import SAMPLE_CAP
 from tblog_hooks.stats.tags import HISTOGRAM_KINDS
 
 fused = pytest.importorskip("tblog_hooks.kernels.fused", reason="Triton is not importable")
@@ -212,6 +213,36 @@ def test_bucket_counts_equal_histc_and_the_deterministic_count() -> None:
         torch.use_deterministic_algorithms(False)
 
 
+@pytest.mark.parametrize("numel", [1, 37, SAMPLE_CAP, SAMPLE_CAP + 1, 100_003, 1 << 20], ids=str)
+def test_the_kernels_copy_the_histogram_samples_torch_takes(numel: int) -> None:
+    """A tensor's histogram sample, copied by its second launch and by the one launch of many
+    tensors: the elements ``sampling.sample`` takes (every one up to ``SAMPLE_CAP``, a hashed one
+    per stretch beyond), bit for bit, for every element size (NaN payloads too); the programs
+    share the copy (blocks of 512 elements, taken in turn)."""
+    g = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=g)
+    x[numel // 3] = math.nan
+    cache = sampling.IndexCache()
+    tensors = [x, x.view(torch.int32).bitwise_or(0x7FC00001).view(torch.float32)]  # (NaNs with payloads)
+    tensors += [x.bfloat16(), x.half(), x.double(), x.to(torch.float8_e4m3fn)]
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # (take has no float8 kernel)
+    want = [sampling.sample(t.view(ints[t.element_size()]), cache) for t in tensors]
+    on = [t.to(DEVICE) for t in tensors]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused, "SAMPLE_BLOCK", 512)
+        patch.setattr(fused, "UNIT_CHUNK", 1)  # (a program a unit)
+        got = fused.histogram_samples(on)
+        for t, w in zip(on[:5], want):  # (per unit, of two units where it can: two programs copy)
+            by_unit = t.view(-1, 1) if numel % 2 else t.view(-1, 2)
+            taken = fused.statistics(by_unit, -1, per_unit=True, numerics=False, sample=True).sample
+            assert taken is not None and _bits(taken) == _bits(w)
+    assert [_bits(t) for t in got] == [_bits(w) for w in want]
+
+
+def _bits(t: Tensor) -> bytes:
+    return t.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
 def test_compiled_code_traces_the_kernels_as_one_op() -> None:
     """Under ``torch.compile`` (fullgraph: no graph break) the custom op's fake implementation
     gives the shapes, and the compiled call gives the eager values."""
@@ -271,12 +302,14 @@ for x, acc in (("*bf16", tl.float32), ("*fp64", tl.float64)):
         compile(f._partials, {"x_ptr": x, "part_ptr": "*fp64", "count_ptr": "*i32", "unit_ptr": a, "const_ptr": a,
                               **sizes}, dict(BR=64, BU=64, **common))
         compile(f._combine, {"part_ptr": "*fp64", "count_ptr": "*i32", "unit_ptr": a, "out_ptr": "*fp64",
-                             "P": "i32", "PR": "i32", "U": "i32", "NUMEL": "i64"},
-                dict(C=1024, CN=64, CR=32, CU=32, **common))
+                             "x_ptr": x, "sample_ptr": x, "P": "i32", "PR": "i32", "U": "i32", "NUMEL": "i64",
+                             "K": "i32"}, dict(C=1024, CN=64, CR=32, CU=32, SAMPLE=numerics, SB=1024, **common))
     compile(f._scaled_counts, {"x_ptr": x, "out_ptr": "*fp64", "const_ptr": a, "NUMEL": "i64"},
             dict(BLOCK=4096, ACC=acc))
     compile(f._buckets, {"v_ptr": a, "row_ptr": "*i64", "half_start_ptr": a, "scale_ptr": a, "count_ptr": "*i32",
                          "N": "i64"}, dict(BINS=32, BLOCK=4096))
+for bits in f._BITS.values():
+    compile(f._gather_samples, {"table_ptr": "*i64", "T": "i32"}, dict(BITS=bits, SB=1024))
 print("compiled")
 """
 
@@ -430,21 +463,24 @@ def test_the_kernels_path_launches_fewer_kernels_than_the_torch_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launches: Counter[str], name: str
 ) -> None:
     """Every module watched, a logged step's launches plus aten ops on the kernels' path: at
-    most half the torch path's aten ops without histograms, at most two thirds with the default
-    histograms (the histogram samples, a ``take`` of each tensor, and the binning's range stay
+    most half the torch path's aten ops, with the default histograms and without (the samples
+    copied by the kernels: each watched tensor's by its second launch, the parameters' and their
+    gradients' by one launch each; the bins counted by one; the binning's range and head stay
     torch ops); with ``numerics=`` on four formats at most 3 launches a watched tensor. Each
     tensor's values are one buffer of the kernels, packed whole: no view of it is made."""
     torch_steps = _logged_steps(tmp_path, monkeypatch, launches, name, "torch", False)
     kernel_steps = _logged_steps(tmp_path, monkeypatch, launches, name, "triton", False)
-    assert [bool(on["_buckets"]) for _, on in kernel_steps] == [True, False]  # (histograms on the first only)
-    for (want, _), (ops, launched), most in zip(torch_steps, kernel_steps, (2 / 3, 1 / 2)):
-        assert not ops["aten.unbind"], ops
-        assert ops.total() + launched.total() <= most * want.total(), (ops, launched, want.total())
+    assert [on["_buckets"] for _, on in kernel_steps] == [1, 0]  # (histograms on the first only)
+    assert [on["_gather_samples"] for _, on in kernel_steps] == [2, 0]  # (the weights, their gradients)
+    for (want, _), (ops, launched) in zip(torch_steps, kernel_steps):
+        assert not ops["aten.unbind"] and not ops["aten.take"], ops
+        assert ops.total() + launched.total() <= want.total() / 2, (ops, launched, want.total())
     formats = ("fp16", "bf16", "e4m3", "e5m2")
     for _, launched in _logged_steps(tmp_path, monkeypatch, launches, name, "triton", formats):
         tensors = launched["_partials"]
         assert launched["_combine"] == tensors and launched["_scaled_counts"] <= tensors
-        assert launched.total() - launched["_buckets"] <= 3 * tensors, launched
+        per_step = launched["_buckets"] + launched["_gather_samples"]
+        assert launched.total() - per_step <= 3 * tensors, launched
 
 
 @interpreted

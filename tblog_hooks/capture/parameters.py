@@ -242,10 +242,14 @@ class ParameterRecorder:
         eager = self.buffer.eager
         if not eager.takes_histogram(kind):
             return {}
-        return {
-            key: Sample(kind, key, eager.sample(t), t.numel(), None, None, split=split)
+        taken = [
+            (key, t, split)
             for key, t, split in zip(keys, tensors, splits)
             if (t.numel() or split is not None) and key not in self._unwatched
+        ]
+        sampled = eager.samples([t for _, t, _ in taken])
+        return {
+            key: Sample(kind, key, s, t.numel(), None, None, split=split) for (key, t, split), s in zip(taken, sampled)
         }
 
     def _gradient(self, key: str, p: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor, Split | None] | None:

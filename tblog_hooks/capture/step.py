@@ -259,8 +259,9 @@ class Mode(abc.ABC):
         output gradient (``units``: the dim that holds the module's units; ``split``: how ``t``,
         one rank's piece, is split over ranks), and with ``numerics`` (its ``numerics=`` kind)
         those too, computed together; returns the values, by name."""
-        named = self.measure(kind, name, t, units, split, numerics)
-        if self.takes_histogram(kind.name):
+        sampled = self.takes_histogram(kind.name)
+        named = self.measure(kind, name, t, units, split, numerics, sample=sampled)
+        if sampled:
             lo: Tensor | None
             hi: Tensor | None
             at = None
@@ -273,7 +274,9 @@ class Mode(abc.ABC):
                 lo, hi = torch.aminmax(t)
             else:
                 lo = hi = None
-            self.add(Sample(kind.name, name, self.sample(t), t.numel(), lo, hi, split=split, at=at))
+            taken = named.sample if isinstance(named, Fused) else None  # (the kernels' copy)
+            sample = self.sample(t) if taken is None else taken
+            self.add(Sample(kind.name, name, sample, t.numel(), lo, hi, split=split, at=at))
         return named
 
     def measure(
@@ -284,10 +287,12 @@ class Mode(abc.ABC):
         units: int = -1,
         split: Split | None = None,
         numerics: Kind | None = None,
+        sample: bool = False,
     ) -> Computed:
-        """Statistics of ``t`` (as for :meth:`record`) without a histogram sample; returns the values, by name."""
+        """Statistics of ``t`` (as for :meth:`record`); returns the values, by name, and where the
+        kernels take ``t``, with ``sample`` its histogram sample too (``Fused.sample``)."""
         kinds = (kind,) if numerics is None else (kind, numerics)
-        named = self.buffer.kernels.compute(kinds, t, units)
+        named = self.buffer.kernels.compute(kinds, t, units, sample)
         for each in kinds:
             self.add(Record.of(each, name, t.numel(), named, split=split))
         return named
@@ -313,6 +318,11 @@ class Eager(Mode):
 
     def sample(self, t: Tensor) -> Tensor:
         return sampling.sample(t, self.buffer.indices)
+
+    def samples(self, tensors: list[Tensor]) -> list[Tensor]:
+        """Histogram samples of several tensors (a step's parameters or their gradients): where
+        the kernels take them, copied with one launch (``Kernels.samples``)."""
+        return self.buffer.kernels.samples(tensors, self.sample)
 
     def in_backward(self) -> bool:
         return in_backward()

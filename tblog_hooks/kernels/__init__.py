@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -78,18 +78,22 @@ class Kernels:
             self._fused = _import_fused()
         return self._fused
 
-    def compute(self, kinds: Sequence[Kind], t: Tensor, units: int) -> Computed:
+    def compute(self, kinds: Sequence[Kind], t: Tensor, units: int, sample: bool = False) -> Computed:
         """Every measure's device values of ``t`` for ``kinds`` (of one tensor: its own and its
         ``numerics=`` kind), by name: where the kernels take ``t``, those of the measures they
         fuse from one kernel call, in its one buffer (``outputs.Fused``, with its extremes, for
-        the histogram's range), the others' by their own ``compute``; else every measure's
-        ``compute`` (call under ``no_grad``)."""
+        the histogram's range, and with ``sample`` its histogram sample), the others' by their
+        own ``compute``; else every measure's ``compute`` (call under ``no_grad``)."""
         fused = {n for kind in kinds for m in kind.measures if m.fused for f in m.fields for n in f.names}
         out: Computed | None = None
         if fused and self.takes(t):
             try:
                 out = self.fused.statistics(
-                    t, units, per_unit=bool(fused & set(outputs.PER_UNIT)), numerics=outputs.FORMAT_COUNTS in fused
+                    t,
+                    units,
+                    per_unit=bool(fused & set(outputs.PER_UNIT)),
+                    numerics=outputs.FORMAT_COUNTS in fused,
+                    sample=sample,
                 )
             except Exception as error:  # (Triton unusable here: a driver, a compiler)
                 self.fail(error)
@@ -98,6 +102,24 @@ class Kernels:
             out = kind.compute(t, units, unfused=unfused, given=out)
         assert out is not None  # (kinds: one at least)
         return out
+
+    def samples(self, tensors: list[Tensor], sample: Callable[[Tensor], Tensor]) -> list[Tensor]:
+        """The histogram samples of ``tensors`` (``sampling.sample``'s elements): those the kernels
+        take (contiguous, not empty) copied by ``fused.histogram_samples``, one launch per device
+        and element size; the others, or all where the kernels failed, by ``sample``."""
+        taken: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(tensors):
+            if t.numel() and t.is_contiguous() and self.takes(t):
+                taken.setdefault(t.device, []).append(i)
+        out: list[Tensor | None] = [None] * len(tensors)
+        try:
+            for at in taken.values():
+                for i, copied in zip(at, self.fused.histogram_samples([tensors[i] for i in at])):
+                    out[i] = copied
+        except Exception as error:  # (Triton unusable here: a driver, a compiler)
+            self.fail(error)
+            out = [None] * len(tensors)
+        return [sample(t) if s is None else s for t, s in zip(tensors, out)]
 
     def bucket_counts(
         self, values: Tensor, rows: Tensor, half_start: Tensor, scale: Tensor, bins: int

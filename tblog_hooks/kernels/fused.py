@@ -9,7 +9,10 @@ centred sum of squares, the powers rescaled to the largest amax as ``numerics.po
 does, every count in one pass), so the result is the same on every run: no float atomics.
 With ``numerics=`` a third launch, :func:`_scaled_counts`, counts the float8 formats' boundaries
 after scaling by the per-tensor scale the second one found (a first-pass result); its integer
-atomics add exactly, in any order.
+atomics add exactly, in any order. Where the tensor's histogram is taken, the second launch also
+copies its histogram sample (``sampling.sample``'s elements, their positions worked out in the
+kernel); :func:`_gather_samples` copies the samples of many tensors (parameters and their
+gradients) in one launch, and :func:`_buckets` counts a step's histogram buckets.
 
 The kernels are registered as custom ops (``torch.library``) with fake implementations, so
 compiled hooks trace them as one node each. Import this module only where Triton is importable
@@ -29,6 +32,7 @@ from torch import Tensor
 
 from ..stats import numerics
 from ..stats.reductions import acc_dtype
+from ..stats.sampling import SAMPLE_CAP, device_index
 from . import outputs
 from .outputs import COUNTS, PER_UNIT, SCALARS, TOTALS, Fused
 
@@ -43,6 +47,11 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 BLOCK, CHUNK, UNIT_CHUNK = (1 << 20, 1 << 14, 1 << 12) if INTERPRETED else (4096, 1024, 32)
 #: Units a first-pass tile spans at most (the rest of the tile is rows: elements of the same units).
 TILE_UNITS = 1 << 12 if INTERPRETED else 64
+#: Histogram sample elements a program copies at a time.
+SAMPLE_BLOCK = SAMPLE_CAP if INTERPRETED else 1024
+_CAP = tl.constexpr(SAMPLE_CAP)
+#: Integer types of each element size: samples are copied as bits (NaN payloads and float8 alike).
+_BITS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
 def _slots(names: tuple[str, ...], *which: str) -> tuple[tl.constexpr, ...]:
@@ -196,14 +205,17 @@ def _partials(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _combine(  # type: ignore[no-untyped-def]
-    part_ptr, count_ptr, unit_ptr, out_ptr, P, PR, U, NUMEL,
+    part_ptr, count_ptr, unit_ptr, out_ptr, x_ptr, sample_ptr, P, PR, U, NUMEL, K,
     C: tl.constexpr, CN: tl.constexpr, CR: tl.constexpr, CU: tl.constexpr, ACC: tl.constexpr,
-    UNITS: tl.constexpr, NUMERICS: tl.constexpr,
+    UNITS: tl.constexpr, NUMERICS: tl.constexpr, SAMPLE: tl.constexpr, SB: tl.constexpr,
 ):  # fmt: skip
     """The partials as the tensor's values, in a fixed order: program 0 the scalars (``C``
     partials at a time) and counts (``CN`` partials at a time), every program ``CU`` units'
-    peaks and amax (``CR`` rows of partials at a time)."""
+    peaks and amax (``CR`` rows of partials at a time); with ``SAMPLE``, the programs share the
+    copy of the ``K`` elements of the histogram sample of ``x`` (:func:`_copy_sample`)."""
     pid = tl.program_id(0)
+    if SAMPLE:
+        _copy_sample(x_ptr, sample_ptr, NUMEL, K, pid, tl.num_programs(0), SB)
     if UNITS:
         cols = pid * CU + tl.arange(0, CU)[None, :]
         for which in tl.static_range(_N_PER_UNIT):  # (their partials and outputs laid out as PER_UNIT)
@@ -330,6 +342,45 @@ def _scaled_counts(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _sample_position(i, NUMEL, K):  # type: ignore[no-untyped-def]
+    """The flat positions in a tensor of ``NUMEL`` elements of its ``K``-element histogram
+    sample's elements ``i`` (``sampling._sample_index``, computed as it is: the same float64
+    operations, so the same positions): all elements in order up to ``_CAP``, else one at a
+    hashed place in each of ``_CAP`` equal stretches."""
+    h = (i + 1).to(tl.int64)
+    low = tl.full((), 4294967295, tl.int64)  # (2**32 - 1: a 32-bit hash in int64)
+    for _ in tl.static_range(2):
+        h = (((h >> 16) ^ h) * 0x45D9F3B) & low
+    h = (h >> 16) ^ h
+    jitter = h.to(tl.float64) / 4294967296.0
+    stretch = NUMEL.to(tl.float64) / _CAP
+    return tl.where(NUMEL > K, ((i.to(tl.float64) + jitter) * stretch).to(tl.int64), i.to(tl.int64))
+
+
+@triton.jit
+def _copy_sample(src, dst, NUMEL, K, first, stride, SB: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Elements ``first * SB ...`` (every ``stride * SB``) of the ``K``-element histogram sample of
+    ``src`` (``NUMEL`` elements, contiguous) copied to ``dst``, as they are."""
+    for start in range(first * SB, K, stride * SB):
+        i = start + tl.arange(0, SB)
+        m = i < K
+        tl.store(dst + i, tl.load(src + _sample_position(i, NUMEL, K), mask=m), mask=m)
+
+
+@triton.jit
+def _gather_samples(table_ptr, T, BITS: tl.constexpr, SB: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The histogram samples of ``T`` tensors of one element size, each copied as bits: program
+    ``(t, j)`` copies part ``j`` of tensor ``t``'s, read from the table's columns (the tensor's
+    address, its sample's, its element count, the sample's length)."""
+    t = tl.program_id(0)
+    kind = tl.pointer_type(BITS)
+    src = tl.load(table_ptr + t).to(kind, bitcast=True)
+    dst = tl.load(table_ptr + T + t).to(kind, bitcast=True)
+    _copy_sample(src, dst, tl.load(table_ptr + 2 * T + t), tl.load(table_ptr + 3 * T + t),
+                 tl.program_id(1), tl.num_programs(1), SB)  # fmt: skip
+
+
+@triton.jit
 def _buckets(  # type: ignore[no-untyped-def]
     v_ptr, row_ptr, half_start_ptr, scale_ptr, count_ptr, N, BINS: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -368,12 +419,18 @@ def _width(x: Tensor, units: int, per_unit: bool) -> int:
     return x.shape[units % x.dim()] if per_unit and x.dim() >= 2 else 0
 
 
+def _sampled(x: Tensor, sample: bool) -> int:
+    """Elements of ``x``'s histogram sample (0: none taken)."""
+    return min(x.numel(), SAMPLE_CAP) if sample else 0
+
+
 @torch.library.custom_op("tblog_hooks::tensor_statistics", mutates_args=())
-def tensor_statistics(x: Tensor, units: int, per_unit: bool, numerics: bool) -> Tensor:
+def tensor_statistics(x: Tensor, units: int, per_unit: bool, numerics: bool, sample: bool) -> tuple[Tensor, Tensor]:
     """``x``'s values in one float64 buffer laid out as ``outputs.slots``: its ``outputs.SCALARS``,
     ``outputs.COUNTS`` and, with ``per_unit`` and 2+ dims, its ``outputs.PER_UNIT`` values along
-    dim ``units`` (a row each, a value per unit). ``x`` is contiguous; without ``numerics`` the
-    per-format counts are 0."""
+    dim ``units`` (a row each, a value per unit); and with ``sample`` its histogram sample
+    (``sampling.sample``'s elements, in ``x``'s dtype; else empty). ``x`` is contiguous; without
+    ``numerics`` the per-format counts are 0."""
     acc = acc_dtype(x.dtype)
     rest, width, inner = _layout(x, units, per_unit)
     has_units = per_unit and x.dim() >= 2
@@ -384,6 +441,7 @@ def tensor_statistics(x: Tensor, units: int, per_unit: bool, numerics: bool) -> 
     part_counts = x.new_empty((pr * pu, len(_PARTIAL_COUNTS)), dtype=torch.int32)
     unit_parts = x.new_empty((len(PER_UNIT), pr, width) if has_units else (1,), dtype=acc)
     out = x.new_empty(outputs.size(_width(x, units, per_unit)), dtype=torch.float64)
+    sampled = x.new_empty(_sampled(x, sample))
     constants = _constants(x.device, acc)
     kind = tl.float64 if acc == torch.float64 else tl.float32
     common = {"ACC": kind, "UNITS": has_units, "NUMERICS": numerics}
@@ -393,17 +451,39 @@ def tensor_statistics(x: Tensor, units: int, per_unit: bool, numerics: bool) -> 
     grid = (triton.cdiv(width, unit_chunk) if has_units else 1,)
     chunk, rows = min(_pow2(pr * pu), CHUNK), min(_pow2(pr), CHUNK // unit_chunk)
     count_rows = min(_pow2(pr * pu), max(CHUNK // _COUNT_LANES.value, 1))
-    _combine[grid](parts, part_counts, unit_parts, out, pr * pu, pr, width, x.numel(),
-                   C=chunk, CN=count_rows, CR=rows, CU=unit_chunk, **common)  # fmt: skip
+    _combine[grid](parts, part_counts, unit_parts, out, x, sampled, pr * pu, pr, width, x.numel(), sampled.numel(),
+                   C=chunk, CN=count_rows, CR=rows, CU=unit_chunk, SAMPLE=sample, SB=SAMPLE_BLOCK,
+                   **common)  # fmt: skip
     if numerics:
         block = min(BLOCK, _pow2(x.numel()))
         _scaled_counts[(triton.cdiv(x.numel(), block),)](x, out, constants, x.numel(), BLOCK=block, ACC=kind)
-    return out
+    return out, sampled
 
 
 @tensor_statistics.register_fake
-def _(x: Tensor, units: int, per_unit: bool, numerics: bool) -> Tensor:
-    return x.new_empty(outputs.size(_width(x, units, per_unit)), dtype=torch.float64)
+def _(x: Tensor, units: int, per_unit: bool, numerics: bool, sample: bool) -> tuple[Tensor, Tensor]:
+    return x.new_empty(outputs.size(_width(x, units, per_unit)), dtype=torch.float64), x.new_empty(_sampled(x, sample))
+
+
+@torch.library.custom_op("tblog_hooks::histogram_samples", mutates_args=())
+def histogram_samples(tensors: list[Tensor]) -> list[Tensor]:
+    """The histogram sample of each of ``tensors`` (contiguous, of one device; ``sampling.sample``'s
+    elements), copied with one launch per element size."""
+    out = [t.new_empty(_sampled(t, True)) for t in tensors]
+    sizes: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        sizes.setdefault(t.element_size(), []).append(i)
+    for size, at in sizes.items():
+        columns = [[t.data_ptr(), o.data_ptr(), t.numel(), o.numel()] for t, o in ((tensors[i], out[i]) for i in at)]
+        table = device_index(np.array(columns, dtype=np.int64).T.reshape(-1), tensors[at[0]].device)
+        grid = (len(at), triton.cdiv(SAMPLE_CAP, SAMPLE_BLOCK))
+        _gather_samples[grid](table, len(at), BITS=_BITS[size], SB=SAMPLE_BLOCK)
+    return out
+
+
+@histogram_samples.register_fake
+def _(tensors: list[Tensor]) -> list[Tensor]:
+    return [t.new_empty(_sampled(t, True)) for t in tensors]
 
 
 @torch.library.custom_op("tblog_hooks::bucket_counts", mutates_args=())
@@ -424,10 +504,12 @@ def _(values: Tensor, rows: Tensor, half_start: Tensor, scale: Tensor, bins: int
     return values.new_empty((half_start.shape[0], bins), dtype=torch.int32)
 
 
-def statistics(x: Tensor, units: int, *, per_unit: bool, numerics: bool) -> Fused:
+def statistics(x: Tensor, units: int, *, per_unit: bool, numerics: bool, sample: bool = False) -> Fused:
     """The values of ``x`` the kernels give, by the names the torch reductions give them
-    (``outputs.OUTPUTS``; with ``per_unit`` only, ``outputs.PER_UNIT``), in one buffer."""
+    (``outputs.OUTPUTS``; with ``per_unit`` only, ``outputs.PER_UNIT``), in one buffer; with
+    ``sample``, its histogram sample too."""
     if not x.is_contiguous():
         x = x.contiguous()
     width = _width(x, units, per_unit) if per_unit else None
-    return Fused(tensor_statistics(x, units, per_unit, numerics), outputs.slots(width))
+    buffer, sampled = tensor_statistics(x, units, per_unit, numerics, sample)
+    return Fused(buffer, outputs.slots(width), sampled if sample else None)

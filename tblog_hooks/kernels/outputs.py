@@ -51,16 +51,20 @@ class Fused(MutableMapping[str, Tensor]):
     """A tensor's device values by name, those of the kernels lying in their one ``buffer`` (at
     :func:`slots`), the others (``compute`` of the measures the kernels do not give) tensors of
     their own. A value of the buffer is a view of it made when first read; a record takes the
-    buffer whole (``packing.Record.of``), so that packing copies it with one op and makes no view."""
+    buffer whole (``packing.Record.of``), so that packing copies it with one op and makes no view.
+    ``sample``: the tensor's histogram sample, where the kernels took it."""
 
-    def __init__(self, buffer: Tensor, slots: dict[str, tuple[int, int, tuple[int, ...]]]) -> None:
+    def __init__(
+        self, buffer: Tensor, slots: dict[str, tuple[int, int, tuple[int, ...]]], sample: Tensor | None = None
+    ) -> None:
         self.buffer = buffer
         self.slots = slots
+        self.sample = sample
         self.own: dict[str, Tensor] = {}  # (set after the kernels: a value of the buffer replaced)
         self._views: dict[str, Tensor] = {}
 
     def copy(self) -> Fused:
-        out = Fused(self.buffer, self.slots)
+        out = Fused(self.buffer, self.slots, self.sample)
         out.own.update(self.own)
         return out
 

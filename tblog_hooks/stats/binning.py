@@ -149,7 +149,7 @@ def bin_rows(
     # BINS / half_span stays finite.
     half_span = (hi / 2 - lo / 2).clamp_min_(torch.finfo(dtype).tiny * BINS)
     wide = hi > lo  # false for constant rows and rows with no finite element
-    start = torch.where(wide, lo, torch.where(torch.isfinite(lo), lo - 0.5, 0.0))
+    start = torch.where(wide, lo, torch.where(lo < inf, lo - 0.5, 0.0))  # (lo: finite or +inf)
     half_span = torch.where(wide, half_span, 0.5)
     # Row r's bucket b becomes the number r * BINS + b + 0.5, so one count covers every row.
     # The scale stops just short of BINS, so the maximum lands in the last bucket; NaN and
