@@ -505,6 +505,14 @@ def test_compiled_hooks_trace_the_kernels_and_log_what_the_torch_path_logs(
     assert launches["_partials"] > 0
     del eager.scalars["gradient/amax/shared"]  # (two calls: a maximum does not add up in the probe)
     _assert_same_scalars(compiled, eager, ("activation/", "param_grad/", "input/", "gradient/"))
+    # The histograms, of the samples the kernels copied (the probes' too): bucket for bucket.
+    compared = {tag for tag in eager.histograms if not (tag.startswith("gradient") and tag.endswith("/shared"))}
+    assert {"gradient/block.fc", "activation/block.fc", "param_grad/block.fc.weight"} <= compared
+    for tag in compared:
+        for step, want in eager.histograms[tag].items():
+            got = compiled.histograms[tag][step]
+            assert (got.num, list(got.bucket)) == (want.num, list(want.bucket)), (tag, step)
+            assert list(got.bucket_limit) == pytest.approx(list(want.bucket_limit), rel=1e-4, abs=1e-7), (tag, step)
 
 
 @interpreted

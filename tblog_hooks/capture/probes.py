@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ..kernels import Kernels
+from ..kernels.outputs import copied_sample
 from ..stats.kinds import Kind
 from ..stats.sampling import traced_sample
 from .watched import Handles
@@ -59,16 +60,17 @@ class _Tap(torch.autograd.Function):
 
 def summary(grad: Tensor, width: int, kind: Kind, kernels: Kernels) -> Tensor:
     """``[1, elements, kind's fields..., min, max]`` of ``grad`` in float64, then its histogram
-    sample (``sampling.traced_sample``: it runs in the compiled backward) padded with NaN to
-    ``width`` (0: no histogram)."""
-    named = kernels.compute((kind,), grad, -1)
+    sample (the kernels' copy, else ``sampling.traced_sample``: it runs in the compiled backward)
+    padded with NaN to ``width`` (0: no histogram)."""
+    named = kernels.compute((kind,), grad, -1, sample=bool(width))
     wide = torch.float64
     values = torch.cat([named[n].to(wide).reshape(f.size) for f in kind.fields for n in f.names])
     lo, hi = (named["min"], named["max"]) if "min" in named else torch.aminmax(grad)  # (the kernels give them)
     measured = torch.cat([*_each_field(kind, values, forward=True), torch.stack([lo.to(wide), hi.to(wide)])])
     parts = [torch.tensor([1.0, grad.numel()], dtype=wide, device=grad.device), measured]
     if width:
-        sample = traced_sample(grad).to(wide)
+        copied = copied_sample(named)
+        sample = (traced_sample(grad) if copied is None else copied).to(wide)
         parts += [sample, sample.new_full((width - sample.numel(),), math.nan)]
     return torch.cat(parts)
 

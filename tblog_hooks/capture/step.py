@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 
 from .._compat import TORCH_VERSION, in_backward, in_functorch_transform, step_closure
 from ..kernels import Kernels
-from ..kernels.outputs import Fused
+from ..kernels.outputs import Fused, copied_sample
 from ..stats import sampling
 from ..stats.binning import Sample
 from ..stats.kinds import Computed, Kind
@@ -274,8 +274,8 @@ class Mode(abc.ABC):
                 lo, hi = torch.aminmax(t)
             else:
                 lo = hi = None
-            taken = named.sample if isinstance(named, Fused) else None  # (the kernels' copy)
-            sample = self.sample(t) if taken is None else taken
+            copied = copied_sample(named)
+            sample = self.sample(t) if copied is None else copied
             self.add(Sample(kind.name, name, sample, t.numel(), lo, hi, split=split, at=at))
         return named
 

@@ -6,7 +6,7 @@ not give)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 
 from torch import Tensor
 
@@ -96,3 +96,9 @@ class Fused(MutableMapping[str, Tensor]):
         """``(offset, length)`` of a value that lies in the buffer, as the kernels gave it; else ``None``."""
         at = None if name in self.own else self.slots.get(name)
         return None if at is None else at[:2]
+
+
+def copied_sample(named: Mapping[str, Tensor]) -> Tensor | None:
+    """The histogram sample the kernels copied with a tensor's values ``named``; ``None`` where
+    they did not (the torch path, or no sample asked for)."""
+    return named.sample if isinstance(named, Fused) else None
