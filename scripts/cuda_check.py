@@ -1,4 +1,4 @@
-"""The CUDA check, one command (under 10 minutes on one GPU): every CUDA test of the suite (the
+"""The CUDA check, one command, saying how long each part took: every CUDA test of the suite (the
 tests marked ``cuda``: each one ``conftest.needs_cuda`` skips without a device); the two paths of
 the statistics (``TBLOG_HOOKS_KERNELS=torch`` and ``triton``) on W1, W2 and a small GPT-2, each
 without and with ``numerics=True``: the CUDA kernels a logged step adds per watched tensor
@@ -31,7 +31,10 @@ PATH_WORKLOADS = ("w1", "w2", "gpt2")
 
 def run(*args: str) -> int:
     print("+", " ".join(args), flush=True)
-    return subprocess.call([sys.executable, *args], cwd=ROOT)
+    start = time.perf_counter()
+    failed = subprocess.call([sys.executable, *args], cwd=ROOT)
+    print(f"({time.perf_counter() - start:.0f} s)", flush=True)
+    return failed
 
 
 def main() -> int:
@@ -48,6 +51,7 @@ def main() -> int:
     if args.paths_only:
         print(paths_table(torch.device("cuda")), flush=True)
         return 0
+    start = time.perf_counter()
     failed = run("-m", "pytest", "-q", "-m", "cuda", "--durations=10", "tests")
     print(paths_table(torch.device("cuda")), flush=True)
     for workload, batch in (("w1", 128), ("w2", 4096)):
@@ -56,6 +60,7 @@ def main() -> int:
                       "--steps", "100", "--every", "5", "--rss-steps", "300", *extra)  # fmt: skip
     extra = ["--json", f"{Path(args.json).with_suffix('')}-numerics.json"] if args.json else []
     failed |= run("scripts/bench.py", "--device", "cuda", "--numerics", "--steps", "40", "--block", "10", *extra)
+    print(f"the CUDA check took {time.perf_counter() - start:.0f} s", flush=True)
     return failed
 
 
@@ -104,12 +109,13 @@ def _median_time(run: Callable[[], None], steps: int, device: object) -> float:
 def paths_table(device: object, steps: int = 20) -> str:
     """Per workload and path: CUDA kernels a logged step adds per watched tensor (the outputs and
     output gradients of the watched modules; ``every=1``, no histograms) and the median logged
-    step over the median step without the logger."""
+    step over the median step without the logger; then the seconds the table took."""
+    start = time.perf_counter()
     rows = ["| workload | path | kernels added per logged step | per watched tensor | logged step | ratio |",
             "|---|---|---|---|---|---|"]  # fmt: skip
     for name in PATH_WORKLOADS:
         rows += _path_rows(name, device, steps)
-    return "\n".join(rows)
+    return "\n".join([*rows, f"({time.perf_counter() - start:.0f} s)"])
 
 
 def _path_rows(name: str, device: object, steps: int) -> list[str]:
