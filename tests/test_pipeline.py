@@ -2,7 +2,8 @@
 each stage's rank logs its stage's modules as one process with the whole batch logs them (the
 microbatches pooled, the output gradients of the whole batch's mean loss, the stage's shape
 inference on made-up inputs left out), into a writer of its own, and says once what it cannot
-have: the other stages' parameters in its global norm."""
+have: the other stages' parameters in its global norm. With ``reduce_ranks=True`` rank 0 alone
+writes every stage's modules, and the global norm over them all, as that one process does."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ STEPS, MICROBATCHES = 2, 4
 STAGES = (("0", "1"), ("2", "3", "4"))  # the Sequential's children each stage holds, under their names
 STAGES_INTERLEAVED = (("0",), ("1", "2"), ("3",), ("4",))
 ROOTS = ("activation/", "input/", "gradient/", "param_grad/norm/", "param/")
+SCHEDULES = ["Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B"]
 
 
 def _model() -> nn.Sequential:
@@ -40,7 +42,9 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(8, 4, generator=g, dtype=torch.float64)
 
 
-def _stages(rank: int, root: str, schedule: str, **options: object) -> None:
+def _stages(rank: int, root: str, schedule: str, merged: bool = False) -> None:
+    """Train ``STEPS`` steps as ``rank``'s stages of ``schedule``, logged into a writer of this
+    rank's own; ``merged``: with ``reduce_ranks=True``, rank 0 alone writing (into its own)."""
     children = dict(_model().named_children())
     if schedule == "ScheduleInterleaved1F1B":  # (two stages a rank: the first and the third, the second and the fourth)
         held = [STAGES_INTERLEAVED[rank], STAGES_INTERLEAVED[rank + 2]]
@@ -55,15 +59,17 @@ def _stages(rank: int, root: str, schedule: str, **options: object) -> None:
     opt = torch.optim.SGD(part.parameters(), lr=0.1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        writer = SummaryWriter(f"{root}/../{schedule}_{rank}")
-        with HookLogger(part, writer=writer, optimizer=opt, every=1, inputs=True, **options) as hooks:  # type: ignore[arg-type]
+        writer = None if merged else SummaryWriter(f"{root}/../{schedule}_{rank}")
+        options = {"reduce_ranks": True, "log_dir": f"{root}/../{schedule}_{rank}"} if merged else {"writer": writer}
+        with HookLogger(part, optimizer=opt, every=1, inputs=True, **options) as hooks:  # type: ignore[arg-type]
             for step in range(STEPS):
                 x, y = _batch(step)
                 runs.step(x) if rank == 0 else runs.step(target=y)
                 opt.step()
                 opt.zero_grad()
                 hooks.step()
-        writer.close()
+        if writer is not None:
+            writer.close()
     said = [str(w.message) for w in caught if str(w.message).startswith("tblog_hooks")]
     Path(root, f"../{schedule}_{rank}.said").write_text(repr(said))
 
@@ -77,20 +83,25 @@ def _of(run: Run, modules: tuple[str, ...]) -> Run:
     return Run(keep(run.scalars), keep(run.histograms))
 
 
-@pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B"])
-def test_each_pipeline_stage_logs_its_modules_as_one_process(tmp_path: Path, schedule: str) -> None:
-    (tmp_path / "ranks").mkdir()
-    spawn_ranks(functools.partial(_stages, schedule=schedule), tmp_path / "ranks", 2, datetime.timedelta(seconds=60))
+def _one_process(root: Path) -> Run:
+    """The whole model trained on the whole batches in one process, logged as the stages are."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with HookLogger(model, log_dir=str(tmp_path / "one"), optimizer=opt, every=1, inputs=True) as hooks:
+    with HookLogger(model, log_dir=str(root), optimizer=opt, every=1, inputs=True) as hooks:
         for step in range(STEPS):
             x, y = _batch(step)
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
             hooks.step()
-    one = read_run(tmp_path / "one")
+    return read_run(root)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_each_pipeline_stage_logs_its_modules_as_one_process(tmp_path: Path, schedule: str) -> None:
+    (tmp_path / "ranks").mkdir()
+    spawn_ranks(functools.partial(_stages, schedule=schedule), tmp_path / "ranks", 2, datetime.timedelta(seconds=60))
+    one = _one_process(tmp_path / "one")
     held = STAGES
     if schedule == "ScheduleInterleaved1F1B":
         held = tuple((*a, *b) for a, b in zip(STAGES_INTERLEAVED, STAGES_INTERLEAVED[2:]))
@@ -100,11 +111,19 @@ def test_each_pipeline_stage_logs_its_modules_as_one_process(tmp_path: Path, sch
         assert len(said) == 1 and "param_grad/global_norm and step/grad_norm are of this stage's" in said[0], said
 
 
-def test_pooling_the_ranks_of_pipeline_stages_says_what_to_do_instead(tmp_path: Path) -> None:
-    """``reduce_ranks=True``: the stages' ranks hold different modules, so there is nothing to pool."""
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_reduce_ranks_writes_every_pipeline_stage_as_one_process(tmp_path: Path, schedule: str) -> None:
+    """``reduce_ranks=True``: rank 0 writes every stage's modules (their scalars and histograms)
+    and ``param_grad/global_norm`` over every stage's parameters, as one process; rank 1 nothing."""
     (tmp_path / "ranks").mkdir()
-    stages = functools.partial(_stages, schedule="Schedule1F1B", reduce_ranks=True)
+    stages = functools.partial(_stages, schedule=schedule, merged=True)
     spawn_ranks(stages, tmp_path / "ranks", 2, datetime.timedelta(seconds=60))
+    one = _one_process(tmp_path / "one")
+    merged = read_run(tmp_path / f"{schedule}_0")
+    assert_same_run(merged, one, range(STEPS), (*ROOTS, "param_grad/global_norm"))
+    modules = {t.rsplit("/", 1)[-1].split(".")[0] for t in merged.scalars if t.startswith(ROOTS)}
+    assert modules & set(STAGES[0]) and modules & set(STAGES[1]), modules  # (both stages' watched modules)
+    assert not (tmp_path / f"{schedule}_1").exists()
     for rank in range(2):
-        said = eval((tmp_path / f"Schedule1F1B_{rank}.said").read_text())
-        assert any("leave reduce_ranks off and give each stage's rank a writer=" in s for s in said), said
+        said = eval((tmp_path / f"{schedule}_{rank}.said").read_text())
+        assert len(said) == 1 and "param_grad/global_norm over every stage's parameters" in said[0], said
