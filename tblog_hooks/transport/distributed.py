@@ -1,4 +1,5 @@
-"""Several processes (DDP, FSDP2, tensor parallelism): who writes, and the collectives of a logged step.
+"""Several processes (DDP, FSDP2, tensor parallelism, pipeline stages): who writes, and the
+collectives of a logged step.
 
 Rank 0 writes (other ranks only when given their own ``writer=``). Every rank records its
 logged step as usual; then, on all ranks together, at the end of each logged step:
@@ -23,7 +24,14 @@ logged step as usual; then, on all ranks together, at the end of each logged ste
   split over some mesh dims (a ``full_dtensor`` batch's, over the data-parallel ranks), the
   first's over the mesh's other dims, where it is ``Replicate`` (``Split.first_of_replicas``).
   Parameter gradients (averaged over the data-parallel ranks) and histograms are the writing
-  rank's own.
+  rank's own;
+- with ``reduce_ranks=True`` over the stages of a pipeline schedule, whose ranks record
+  different modules, the description carries each rank's packed step whole (:class:`Held`), and
+  one ``all_gather`` of every rank's packed values (padded to the largest) gives the writer the
+  other stages' records, added to its own as records of modules it does not hold: their
+  statistics, parameter gradients and histograms as their stage's first rank has them, the
+  per-call values of each of a stage's ranks (``Ranks._merged``). What the writer reads is then
+  one model's, ``param_grad/global_norm`` over every stage's parameters.
 """
 
 from __future__ import annotations
