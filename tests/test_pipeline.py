@@ -3,7 +3,8 @@ each stage's rank logs its stage's modules as one process with the whole batch l
 microbatches pooled, the output gradients of the whole batch's mean loss, the stage's shape
 inference on made-up inputs left out), into a writer of its own, and says once what it cannot
 have: the other stages' parameters in its global norm. With ``reduce_ranks=True`` rank 0 alone
-writes every stage's modules, and the global norm over them all, as that one process does."""
+writes every stage's modules, and the global norm over them all, as that one process does, on
+data-parallel replicas of the pipeline too."""
 
 from __future__ import annotations
 
@@ -126,4 +127,44 @@ def test_reduce_ranks_writes_every_pipeline_stage_as_one_process(tmp_path: Path,
     assert not (tmp_path / f"{schedule}_1").exists()
     for rank in range(2):
         said = eval((tmp_path / f"{schedule}_{rank}.said").read_text())
+        assert len(said) == 1 and "param_grad/global_norm over every stage's parameters" in said[0], said
+
+
+def _replicated_stages(rank: int, root: str) -> None:
+    """Two stages (``Schedule1F1B``) on each of two data-parallel replicas, ``DistributedDataParallel``
+    over the ranks of each stage: rank ``stage + 2 * replica``, the replica the half ``replica`` of
+    each batch; ``reduce_ranks=True``, rank 0 alone writing."""
+    stage, replica = rank % 2, rank // 2
+    pipes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    children = dict(_model().named_children())
+    part = nn.Sequential(collections.OrderedDict((n, children[n]) for n in STAGES[stage]))
+    wrapped = nn.parallel.DistributedDataParallel(part, process_group=replicas[stage])
+    piped = pipelining.PipelineStage(wrapped, stage, 2, torch.device("cpu"), group=pipes[replica])
+    runs = pipelining.Schedule1F1B(piped, MICROBATCHES, loss_fn=nn.functional.mse_loss)
+    opt = torch.optim.SGD(part.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with HookLogger(wrapped, log_dir=f"{root}/../replicated", optimizer=opt, every=1, reduce_ranks=True) as hooks:
+            for step in range(STEPS):
+                x, y = (t.chunk(2)[replica] for t in _batch(step))
+                runs.step(x) if stage == 0 else runs.step(target=y)
+                opt.step()
+                opt.zero_grad()
+                hooks.step()
+    said = [str(w.message) for w in caught if str(w.message).startswith("tblog_hooks")]
+    Path(root, f"../replicated_{rank}.said").write_text(repr(said))
+
+
+def test_reduce_ranks_writes_pipeline_stages_over_data_parallel_replicas_as_one_process(tmp_path: Path) -> None:
+    """Two stages times two replicas: every scalar of every stage's modules (the replicas' calls
+    pooled) and ``param_grad/global_norm`` as one process with the whole batch; histograms (the
+    writing rank's batch share's) not compared."""
+    (tmp_path / "ranks").mkdir()
+    spawn_ranks(_replicated_stages, tmp_path / "ranks", 4, datetime.timedelta(seconds=60))
+    one = _one_process(tmp_path / "one")
+    roots = ("activation/", "gradient/", "param_grad/norm/", "param/", "param_grad/global_norm")
+    assert_same_run(read_run(tmp_path / "replicated"), one, range(STEPS), roots, histograms=False)
+    for rank in range(4):
+        said = eval((tmp_path / f"replicated_{rank}.said").read_text())
         assert len(said) == 1 and "param_grad/global_norm over every stage's parameters" in said[0], said
