@@ -12,6 +12,7 @@ import collections
 import datetime
 import functools
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -58,21 +59,36 @@ def _stages(rank: int, root: str, schedule: str, merged: bool = False) -> None:
         stage = pipelining.PipelineStage(part, rank, len(STAGES), torch.device("cpu"))
         runs = getattr(pipelining, schedule)(stage, MICROBATCHES, loss_fn=nn.functional.mse_loss)
     opt = torch.optim.SGD(part.parameters(), lr=0.1)
+    writer = None if merged else SummaryWriter(f"{root}/../{schedule}_{rank}")
+    options = {"reduce_ranks": True, "log_dir": f"{root}/../{schedule}_{rank}"} if merged else {"writer": writer}
+    logger = functools.partial(HookLogger, part, optimizer=opt, every=1, inputs=True, **options)
+    _train(runs, opt, logger, Path(root, f"../{schedule}_{rank}.said"), first=rank == 0)
+    if writer is not None:
+        writer.close()
+
+
+def _train(
+    runs: object,
+    opt: torch.optim.Optimizer,
+    logger: Callable[[], HookLogger],
+    said: Path,
+    *,
+    first: bool,
+    half: int = -1,
+) -> None:
+    """``STEPS`` steps of the schedule ``runs`` (``first``: this rank's stage takes the inputs,
+    else the targets; ``half``: of each batch, that half alone), logged by ``logger()``; the
+    warnings it gives written to ``said``."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        writer = None if merged else SummaryWriter(f"{root}/../{schedule}_{rank}")
-        options = {"reduce_ranks": True, "log_dir": f"{root}/../{schedule}_{rank}"} if merged else {"writer": writer}
-        with HookLogger(part, optimizer=opt, every=1, inputs=True, **options) as hooks:  # type: ignore[arg-type]
+        with logger() as hooks:
             for step in range(STEPS):
-                x, y = _batch(step)
-                runs.step(x) if rank == 0 else runs.step(target=y)
+                x, y = (t if half < 0 else t.chunk(2)[half] for t in _batch(step))
+                runs.step(x) if first else runs.step(target=y)  # type: ignore[attr-defined]
                 opt.step()
                 opt.zero_grad()
                 hooks.step()
-        if writer is not None:
-            writer.close()
-    said = [str(w.message) for w in caught if str(w.message).startswith("tblog_hooks")]
-    Path(root, f"../{schedule}_{rank}.said").write_text(repr(said))
+    said.write_text(repr([str(w.message) for w in caught if str(w.message).startswith("tblog_hooks")]))
 
 
 def _of(run: Run, modules: tuple[str, ...]) -> Run:
@@ -103,7 +119,7 @@ def test_each_pipeline_stage_logs_its_modules_as_one_process(tmp_path: Path, sch
     (tmp_path / "ranks").mkdir()
     spawn_ranks(functools.partial(_stages, schedule=schedule), tmp_path / "ranks", 2, datetime.timedelta(seconds=60))
     one = _one_process(tmp_path / "one")
-    held = STAGES
+    held: tuple[tuple[str, ...], ...] = STAGES
     if schedule == "ScheduleInterleaved1F1B":
         held = tuple((*a, *b) for a, b in zip(STAGES_INTERLEAVED, STAGES_INTERLEAVED[2:]))
     for rank, modules in enumerate(held):
@@ -143,17 +159,10 @@ def _replicated_stages(rank: int, root: str) -> None:
     piped = pipelining.PipelineStage(wrapped, stage, 2, torch.device("cpu"), group=pipes[replica])
     runs = pipelining.Schedule1F1B(piped, MICROBATCHES, loss_fn=nn.functional.mse_loss)
     opt = torch.optim.SGD(part.parameters(), lr=0.1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with HookLogger(wrapped, log_dir=f"{root}/../replicated", optimizer=opt, every=1, reduce_ranks=True) as hooks:
-            for step in range(STEPS):
-                x, y = (t.chunk(2)[replica] for t in _batch(step))
-                runs.step(x) if stage == 0 else runs.step(target=y)
-                opt.step()
-                opt.zero_grad()
-                hooks.step()
-    said = [str(w.message) for w in caught if str(w.message).startswith("tblog_hooks")]
-    Path(root, f"../replicated_{rank}.said").write_text(repr(said))
+    logger = functools.partial(
+        HookLogger, wrapped, log_dir=f"{root}/../replicated", optimizer=opt, every=1, reduce_ranks=True
+    )
+    _train(runs, opt, logger, Path(root, f"../replicated_{rank}.said"), first=stage == 0, half=replica)
 
 
 def test_reduce_ranks_writes_pipeline_stages_over_data_parallel_replicas_as_one_process(tmp_path: Path) -> None:
