@@ -177,3 +177,38 @@ def test_reduce_ranks_writes_pipeline_stages_over_data_parallel_replicas_as_one_
     for rank in range(4):
         said = eval((tmp_path / f"replicated_{rank}.said").read_text())
         assert len(said) == 1 and "param_grad/global_norm over every stage's parameters" in said[0], said
+
+
+def _alike_stages(rank: int, root: str) -> None:
+    """Two stages (``ScheduleGPipe``: each stage's calls in the same order) alike in their
+    modules' names and shapes (each a Sequential numbered from 0), ``reduce_ranks=True``."""
+    torch.manual_seed(rank)
+    part = nn.Sequential(nn.Linear(8, 8), nn.Tanh()).double()
+    stage = pipelining.PipelineStage(part, rank, 2, torch.device("cpu"))
+    runs = pipelining.ScheduleGPipe(stage, MICROBATCHES, loss_fn=nn.functional.mse_loss)
+    opt = torch.optim.SGD(part.parameters(), lr=0.1)
+    logger = functools.partial(HookLogger, part, log_dir=f"{root}/../alike", optimizer=opt, every=1, reduce_ranks=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with logger() as hooks:
+            for step in range(STEPS):
+                x, _ = _batch(step)
+                runs.step(x) if rank == 0 else runs.step(target=torch.zeros(8, 8, dtype=torch.float64))
+                opt.step()
+                opt.zero_grad()
+                hooks.step()
+    said = [str(w.message) for w in caught if str(w.message).startswith("tblog_hooks")]
+    Path(root, f"../alike_{rank}.said").write_text(repr(said))
+
+
+def test_stages_with_alike_module_names_are_not_pooled_as_replicas(tmp_path: Path) -> None:
+    """Stages whose modules have the same names and shapes are not pooled as the calls of one
+    module (the replicas of one stage would be): every rank says the ranks' steps cannot be
+    combined, and nothing of theirs is written."""
+    (tmp_path / "ranks").mkdir()
+    spawn_ranks(_alike_stages, tmp_path / "ranks", 2, datetime.timedelta(seconds=60))
+    for rank in range(2):
+        said = eval((tmp_path / f"alike_{rank}.said").read_text())
+        assert any(s.startswith("tblog_hooks: combining step 0 over ranks failed") for s in said), said
+    written = read_run(tmp_path / "alike") if (tmp_path / "alike").exists() else None
+    assert written is None or not any(t.startswith(("activation/", "gradient/")) for t in written.scalars)

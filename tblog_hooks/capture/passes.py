@@ -75,8 +75,9 @@ class PassFilter:
         #: gradients by (its microbatch count; 1 without one): the output gradients, of each
         #: microbatch's loss, are divided by it too, as one process's of the whole batch's mean.
         self.microbatches = 1
-        #: Whether a pipeline schedule was seen (said once).
-        self.pipelined = False
+        #: The indices of the pipeline stages this rank runs, once a schedule was seen (said
+        #: once); empty: none seen.
+        self.stages: tuple[int, ...] = ()
 
     def classify(self, name: str, training: bool, in_backward: bool) -> Counted:
         """What to record of a call of module ``name`` (``in_backward``: it runs inside backward)."""
@@ -104,11 +105,11 @@ class PassFilter:
         found = pipeline_pass()
         if found is None:
             return False
-        inference, self.microbatches = found
-        if not self.pipelined:
-            self.pipelined = True
+        self.microbatches = found.microbatches
+        if not self.stages:
             warnings.warn(self._said, RuntimeWarning, stacklevel=4)
-        return inference
+        self.stages = found.stages
+        return found.inference
 
     def reset(self) -> None:
         self._unmatched.clear()

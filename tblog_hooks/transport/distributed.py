@@ -57,6 +57,8 @@ from ..topology.parallel import TensorParallel
 from ..topology.sharding import Pending, Split
 
 Item = TypeVar("Item")
+#: A pipeline stage's packed step (its layout) and the indices of the stages it is of.
+Stage = tuple[StepLayout, tuple[int, ...]]
 Packed = tuple[Tensor, StepLayout]
 Pack = Callable[[list[Record], list[Sample]], Packed | None]
 Resolve = Callable[[list[Pending], list[Tensor]], tuple[list[Record], list[Sample]]]
@@ -172,17 +174,17 @@ class Ranks:
         pack: Pack,
         resolve: Resolve,
         *,
-        pipelined: bool = False,
+        stages: tuple[int, ...] = (),
     ) -> Packed | None:
         """The end of a logged step, on every rank together. ``drained``: what this rank recorded
         (``None``: it stopped logging); ``packed``: that packed, unless gradients placed
         ``Partial`` must first be reduced over ranks (``resolve`` makes their records) or split
         samples joined by their other pieces, in which case ``pack`` packs them here;
-        ``pipelined``: this rank's model ran as a stage of a pipeline schedule (its step is told
-        of whole, so that the writing rank can add it to its own stage's). Returns the
+        ``stages``: the pipeline stages this rank's model ran as (its step is told of whole, so
+        that the writing rank can add it to its own stage's). Returns the
         step combined over ranks; raises ``RuntimeError`` on every rank alike when it cannot be."""
         records, samples, waiting = ([], [], []) if drained is None else drained
-        stage = packed[1] if pipelined and packed is not None and self.reduce else None
+        stage = (packed[1], stages) if stages and packed is not None and self.reduce else None
         told = self.agree(None if drained is None else records, samples, waiting, stage)
         if packed is not None or drained is None or not self.packs_together(drained):
             return None if packed is None else self.combine(*packed, told)
@@ -231,10 +233,12 @@ class Ranks:
         records: list[Record] | None,
         samples: list[Sample],
         waiting: list[Pending],
-        stage: StepLayout | None = None,
+        stage: Stage | None = None,
     ) -> list[Told]:
         """Exchange what each rank recorded (``records`` ``None``: this rank stopped logging;
-        ``stage``: its packed step's layout, where its model ran as a pipeline stage). Raises
+        ``stage``: its packed step's layout and its stages' indices, where its model ran as
+        stages of a pipeline schedule: ranks of other stages differ even where their modules'
+        names and shapes are alike, and are not taken for replicas of one stage). Raises
         ``RuntimeError`` on every rank alike if a rank stopped or the ranks recorded different
         calls, other than as the stages of a pipeline (:func:`_stages`): the collectives that
         follow would not match."""
@@ -379,9 +383,7 @@ class Ranks:
             offset += held.size
         return torch.cat(stacked), dataclasses.replace(layout, entries=entries, size=offset, rows=rows)
 
-    def _told(
-        self, records: list[Record], samples: list[Sample], waiting: list[Pending], stage: StepLayout | None
-    ) -> Told:
+    def _told(self, records: list[Record], samples: list[Sample], waiting: list[Pending], stage: Stage | None) -> Told:
         """This rank's description: what must match across ranks (the gathered and combined
         records' kinds, modules, lengths and splits, hashed), and its element counts; with
         ``stage`` (see :meth:`agree`) and no split record, that stage's step whole."""
@@ -395,13 +397,14 @@ class Ranks:
                 [(r.kind.name, r.name, _key(r.split)) for r in combined],
                 [(h.kind, h.name, _key(h.split)) for h in split_samples],
                 [(p.key, tuple(p.terms.shape), p.alike) for p in waiting],
+                None if stage is None else stage[1],
             )
         ).encode()
         fingerprint = hashlib.blake2b(described, digest_size=16).hexdigest()
         sampled = [(h.sample.numel(), h.numel) for h in split_samples]
         parts = [_part(r.split) for r in gathered]
         counted = [_counts(r.split, self.lead) for r in gathered]
-        held = None if stage is None or any(e.split is not None for e in stage.entries) else _held(stage)
+        held = None if stage is None or any(e.split is not None for e in stage[0].entries) else _held(stage[0])
         return Told(fingerprint, [r.numel for r in gathered], parts, sampled, counted, held)
 
 
