@@ -12,7 +12,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import google_crc32c
 import torch
@@ -431,10 +431,19 @@ def flex_attention_file() -> str | None:
 _PIPELINE_INFERENCE = frozenset({"_forward_metadata_inference", "_shape_inference"})
 
 
-def pipeline_pass() -> tuple[bool, int] | None:
+class PipelinePass(NamedTuple):
+    """How the calling code runs under a ``torch.distributed.pipelining`` schedule."""
+
+    inference: bool  # in a stage's shape inference (``_PIPELINE_INFERENCE``)
+    microbatches: int  # what the schedule divides the stage's gradients by
+    stages: tuple[int, ...]  # the indices of the stages this rank runs
+
+
+def pipeline_pass() -> PipelinePass | None:
     """Where the calling code runs under a ``torch.distributed.pipelining`` schedule: whether in a
-    stage's shape inference (``_PIPELINE_INFERENCE``), and what the schedule divides the stage's
-    gradients by (its microbatch count, ``scale_grads=True``, its default; else 1); ``None``
+    stage's shape inference (``_PIPELINE_INFERENCE``), what the schedule divides the stage's
+    gradients by (its microbatch count, ``scale_grads=True``, its default; else 1), and which of
+    the pipeline's stages it runs on this rank; ``None``
     outside a schedule, and in code ``torch.compile`` traces (frames are no part of a graph: a walk
     of them would break it). Read off the calling frames (the schedule holds the stage, not the
     module the logger was given, and says nothing to its hooks); a few frame hops a call, logged
@@ -450,6 +459,8 @@ def pipeline_pass() -> tuple[bool, int] | None:
         schedule = frame.f_locals.get("self") if name in ("step", "_step_microbatches") else None
         if isinstance(schedule, _PipelineSchedule):
             scale = getattr(schedule, "scale_grads", True)
-            return inference, int(getattr(schedule, "_n_microbatches", 1)) if scale else 1
+            held = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+            stages = tuple(sorted(int(getattr(stage, "stage_index", -1)) for stage in held))
+            return PipelinePass(inference, int(getattr(schedule, "_n_microbatches", 1)) if scale else 1, stages)
         frame = frame.f_back  # type: ignore[assignment]
     return None

@@ -250,7 +250,8 @@ class HookLogger:
             # (a warning each) instead of aborting or hanging in mismatched collectives.
             mine = None if self._state.off else drained or ([], [], [])
             try:
-                packed = self._ranks.finish(mine, packed, self._recording.pack, self._recording.resolve)
+                stages = self._recording.activations.passes.stages
+                packed = self._ranks.finish(mine, packed, self._recording.pack, self._recording.resolve, stages=stages)
             except Exception as error:  # different calls on different ranks, a broken process group
                 packed = None
                 self._ranks.stop()

@@ -43,9 +43,11 @@ class ActivationRecorder:
         parallel: TensorParallel,
         numerics: Written | None = None,
         logits: frozenset[str] = frozenset(),
+        merged: bool = False,
     ) -> None:
         """``numerics``: with ``numerics=``, the formats written, told each logged forward's autocast
-        state; ``logits``: the modules whose output logits' log-partition is recorded."""
+        state; ``logits``: the modules whose output logits' log-partition is recorded; ``merged``:
+        the ranks' steps are combined (``PassFilter``)."""
         self.buffer, self.gradients, self.parallel = buffer, gradients, parallel
         self.numerics = numerics
         recipe = buffer.recipe
@@ -56,7 +58,7 @@ class ActivationRecorder:
         self._casts = (recipe.numerics[Source.FP8_INPUT], recipe.numerics[Source.FP8_WEIGHT]) if fp8 else None
         self.activations, self.inputs, self.feature_maps = activations, inputs, feature_maps
         self.logits, self._log_partition = logits, recipe[Source.LOGITS]
-        self.passes = PassFilter(eval_passes=eval_passes)
+        self.passes = PassFilter(eval_passes=eval_passes, merged=merged)
         #: Per watched module, the dim of its outputs that holds its units (``reductions.units_dim``).
         self.units: dict[str, int] = {}
         self.forward_order: list[str] = []  # watched modules in the order their forward hooks first fired

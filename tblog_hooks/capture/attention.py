@@ -101,7 +101,9 @@ class AttentionRecorder:
         *,
         eval_passes: bool,
         parallel: TensorParallel,
+        merged: bool = False,
     ) -> None:
+        """``merged``: the ranks' steps are combined (``PassFilter``)."""
         self.buffer, self.eval_passes, self.parallel = buffer, eval_passes, parallel
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         for name, _, module in named_modules(model):
@@ -111,7 +113,7 @@ class AttentionRecorder:
             self._covered = frozenset(select_modules(model, selectors, "attention"))  # type: ignore[arg-type]
         self._mode = _Capture(self)
         self._flex = _FlexCalls(self)
-        self._passes = PassFilter(eval_passes=eval_passes)
+        self._passes = PassFilter(eval_passes=eval_passes, merged=merged)
         self._depth = 0  # nested calls of the model inside the forward pass that entered the mode
         self._compiled = self._compile_warned = False
 

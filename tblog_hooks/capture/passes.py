@@ -32,13 +32,22 @@ import torch
 
 from .._compat import pipeline_pass
 
-#: Said once by a logger whose model runs as a stage of a pipeline schedule.
+#: Said once by a logger whose model runs as a stage of a pipeline schedule, without reduce_ranks=True.
 PIPELINED = (
     "tblog_hooks: the model runs as a stage of a torch.distributed.pipelining schedule, so this logger sees its "
     "stage's modules only: what it writes is theirs, as one process with the whole batch has them (the microbatches "
     "pooled, the stage's shape inference left out), but param_grad/global_norm and step/grad_norm are of this "
     "stage's parameters alone; the other stages' modules are written by their ranks' loggers given a writer= of "
-    "their own (rank 0 writes by default)"
+    "their own (rank 0 writes by default), or all by rank 0's with reduce_ranks=True"
+)
+#: Said instead with reduce_ranks=True, where the writing rank combines the stages' steps
+#: (``distributed.Ranks._merged``); the per-step series of ``spikes=`` are not combined.
+PIPELINED_MERGED = (
+    "tblog_hooks: the model runs as a stage of a torch.distributed.pipelining schedule; with reduce_ranks=True the "
+    "writing rank writes every stage's modules as one process with the whole model and batch has them (the "
+    "microbatches pooled, the stages' shape inference left out, param_grad/global_norm over every stage's "
+    "parameters), where the stages' ranks watch modules of different names; step/grad_norm (spikes=) is of this "
+    "stage's parameters alone"
 )
 
 
@@ -56,14 +65,19 @@ _TRAINING = Counted(True, True)
 class PassFilter:
     """Classifies forward calls of one logged step; :meth:`reset` at the end of the step."""
 
-    def __init__(self, *, eval_passes: bool) -> None:
+    def __init__(self, *, eval_passes: bool, merged: bool = False) -> None:
+        """``merged``: the ranks' steps are combined (``reduce_ranks=True`` over several ranks), a
+        pipeline stage's with the writing rank's (which the warning a schedule gets says)."""
         self.eval_passes = eval_passes
+        self._said = PIPELINED_MERGED if merged else PIPELINED
         self._unmatched: Counter[str] = Counter()  # training-mode no_grad calls, per module
         #: What the pipeline schedule the latest training pass ran under divides the stage's
         #: gradients by (its microbatch count; 1 without one): the output gradients, of each
         #: microbatch's loss, are divided by it too, as one process's of the whole batch's mean.
         self.microbatches = 1
-        self._pipelined = False  # whether a pipeline schedule was seen (said once)
+        #: The indices of the pipeline stages this rank runs, once a schedule was seen (said
+        #: once); empty: none seen.
+        self.stages: tuple[int, ...] = ()
 
     def classify(self, name: str, training: bool, in_backward: bool) -> Counted:
         """What to record of a call of module ``name`` (``in_backward``: it runs inside backward)."""
@@ -91,11 +105,11 @@ class PassFilter:
         found = pipeline_pass()
         if found is None:
             return False
-        inference, self.microbatches = found
-        if not self._pipelined:
-            self._pipelined = True
-            warnings.warn(PIPELINED, RuntimeWarning, stacklevel=4)
-        return inference
+        self.microbatches = found.microbatches
+        if not self.stages:
+            warnings.warn(self._said, RuntimeWarning, stacklevel=4)
+        self.stages = found.stages
+        return found.inference
 
     def reset(self) -> None:
         self._unmatched.clear()

@@ -23,6 +23,7 @@ from ..stats.reductions import units_dim
 from ..stats.tags import SCALE_TAG, SKIPPED_TAG
 from ..topology.parallel import TensorParallel
 from ..topology.sharding import Pending
+from ..transport.distributed import rank_and_world
 from .activations import ActivationRecorder
 from .attention import AttentionRecorder
 from .hooks import ForwardHook, ForwardPreHook, KeepTraced, ParamGradHook, PlacementHook
@@ -62,12 +63,14 @@ class Recording:
             OutputGradientRecorder(self.buffer, histograms=histograms is not None) if config.gradients else None
         )
         self.parallel = parallel
+        merged = config.reduce_ranks and rank_and_world()[1] > 1
         self.activations = ActivationRecorder(
             self.buffer,
             self.gradients,
             activations=config.activations,
             inputs=config.inputs,
             eval_passes=config.eval_passes,
+            merged=merged,
             feature_maps=feature_maps,
             logits=logits,
             parallel=self.parallel,
@@ -76,7 +79,12 @@ class Recording:
         self.parameters = ParameterRecorder(self.buffer, numerics=numerics)
         self.attention = (
             AttentionRecorder(
-                self.buffer, model, config.attention, eval_passes=config.eval_passes, parallel=self.parallel
+                self.buffer,
+                model,
+                config.attention,
+                eval_passes=config.eval_passes,
+                parallel=self.parallel,
+                merged=merged,
             )
             if not is_off(config.attention)
             else None

@@ -30,9 +30,8 @@ def summarize(step: int, values: np.ndarray, layout: StepLayout) -> StepSummary:
         tag(e.kind.name, e.name): np.round(e.read(values)["pixels"].reshape(e.shape) * 255).astype(np.uint8)
         for e in layout.of(recipe[Source.IMAGE])
     }
-    histograms = {}
-    for entry in layout.of(recipe[Source.BINNED]):
-        histograms = decode_histograms(layout.rows, entry.read(values)["rows"].reshape(entry.shape))
+    binned = [e.read(values)["rows"].reshape(e.shape) for e in layout.of(recipe[Source.BINNED])]
+    histograms = decode_histograms(layout.rows, np.concatenate(binned)) if binned else {}
     sources = {k: s.value for s in LOSS_SCALED for k in recipe.scaled_by(s)}
     summary = StepSummary(step, scalars, histograms, images, heads)
     summary.scaled = {key: sources[k] for key, (k, m, _) in meaning.items() if m.scaled and k in sources}

@@ -107,7 +107,9 @@ class StepLayout:
     recipe: Recipe
     entries: list[Entry] = field(default_factory=list)
     size: int = 0
-    rows: list[RowInfo] = field(default_factory=list)  # the histogram rows of the BINNED entry
+    #: The histogram rows of the BINNED entries, in their order (one entry a rank's step: several
+    #: where the steps of pipeline stages are combined, ``distributed.Ranks._merged``).
+    rows: list[RowInfo] = field(default_factory=list)
 
     def of(self, *kinds: Kind) -> list[Entry]:
         return [e for e in self.entries if e.kind in kinds]
