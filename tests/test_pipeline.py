@@ -202,3 +202,55 @@ def test_stages_with_alike_module_names_are_not_pooled_as_replicas(tmp_path: Pat
         assert any(s.startswith("tblog_hooks: combining step 0 over ranks failed") for s in said), said
     written = read_run(tmp_path / "alike") if (tmp_path / "alike").exists() else None
     assert written is None or not any(t.startswith(("activation/", "gradient/")) for t in written.scalars)
+
+
+def _titan_tokens(step: int) -> torch.Tensor:
+    import titan
+
+    return torch.randint(titan.VOCAB, (MICROBATCHES, titan.SEQ + 1), generator=torch.Generator().manual_seed(step))
+
+
+def _titan_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _titan_stages(rank: int, root: str) -> None:
+    """torchtitan's own pipeline: its Llama 3 split into two stages by ``pipeline_llm``, each
+    stage under FSDP2 as torchtitan applies it, ``reduce_ranks=True``."""
+    import titan
+
+    # (torchtitan's schedules add the microbatches' gradients up, scale_grads=False: each
+    # microbatch's loss is its share of the batch's mean, as torchtitan's trainer scales it)
+    schedule, stage = titan.pipelined(
+        2, MICROBATCHES, lambda logits, targets: _titan_loss(logits, targets) / MICROBATCHES
+    )
+    opt = torch.optim.SGD(stage.parameters(), lr=0.5)
+    with HookLogger(stage, log_dir=f"{root}/../titan", optimizer=opt, every=1, reduce_ranks=True) as hooks:
+        for step in range(STEPS):
+            tokens = _titan_tokens(step)
+            schedule.step(tokens[:, :-1]) if rank == 0 else schedule.step(target=tokens[:, 1:])
+            opt.step()
+            opt.zero_grad()
+            hooks.step()
+
+
+def test_torchtitan_pipeline_writes_every_stage_as_one_process(tmp_path: Path) -> None:
+    """torchtitan 0.3.0's ``pipeline_llm`` (two stages, ``1F1B``, FSDP2 over a data-parallel mesh
+    of one rank in each): rank 0 writes both stages' modules, their histograms and
+    ``param_grad/global_norm`` as one process with the whole model and batch."""
+    import titan
+
+    (tmp_path / "ranks").mkdir()
+    spawn_ranks(_titan_stages, tmp_path / "ranks", 2, datetime.timedelta(seconds=120))
+    model = titan.one_process()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with HookLogger(model, log_dir=str(tmp_path / "one"), optimizer=opt, every=1) as hooks:
+        for step in range(STEPS):
+            tokens = _titan_tokens(step)
+            _titan_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step()
+    one, run = read_run(tmp_path / "one"), read_run(tmp_path / "titan")
+    assert {"activation/std/tok_embeddings", "activation/std/lm_head"} <= set(run.scalars)  # (each stage's)
+    assert_same_run(run, one, range(STEPS), ("activation/", "gradient/", "param_grad/", "param/"))

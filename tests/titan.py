@@ -130,7 +130,6 @@ def parallel(
     backend; ``moe``: :func:`moe_config`'s model, by ``parallelize_qwen3``); and its ``ParallelDims``.
     ``before`` is given the model as built, before it is sharded."""
     import torchtitan.distributed.parallel_dims as parallel_dims
-    from torch.distributed.tensor import DTensor, distribute_tensor
     from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
@@ -159,6 +158,14 @@ def parallel(
         ac_config=None,
         dump_folder="/tmp",
     )
+    _load(model, moe=moe)
+    return model, dims
+
+
+def _load(model: nn.Module, *, moe: bool = False) -> None:
+    """``model`` (sharded, on the meta device) made on the CPU with :func:`one_process`'s weights."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     model.to_empty(device="cpu")
     full = dict(one_process(moe=moe).named_parameters())
     with torch.no_grad():
@@ -169,7 +176,48 @@ def parallel(
                 param.to_local().copy_(distribute_tensor(whole, param.device_mesh, param.placements).to_local())
             else:
                 param.copy_(whole)
-    return model, dims
+
+
+def pipelined(
+    world: int, batch: int, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> tuple[Any, nn.Module]:
+    """The model split into ``world`` pipeline stages by torchtitan's ``pipeline_llm`` (one a rank,
+    its default ``1F1B`` schedule over microbatches of one sequence of a ``batch``), each stage
+    sharded by ``parallelize_llama`` (FSDP2 over a data-parallel mesh of one rank), with
+    :func:`one_process`'s weights; the schedule and this rank's stage. ``loss``: of a microbatch,
+    its share of the batch's (torchtitan's schedules add the microbatches' gradients up)."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    from torchtitan.models.llama3 import parallelize_llama
+
+    parallel_dims.device_type = "cpu"
+    options = ParallelismConfig(pipeline_parallel_degree=world, spmd_backend="partial_dtensor")
+    dist_utils.set_spmd_backend("partial_dtensor")
+    dims = ParallelDims.from_config(options, world)
+    dims.build_mesh()
+    cfg = config()
+    with torch.device("meta"), float64():
+        model = cfg.build()
+    TORCH_DTYPE_MAP.setdefault("float64", torch.float64)
+    training = TrainingConfig(mixed_precision_param="float64", mixed_precision_reduce="float64", local_batch_size=batch)
+    schedule, (stage,), _, _ = pipeline_llm(
+        model,
+        parallel_dims=dims,
+        training=training,
+        parallelism=options,
+        compile_config=CompileConfig(enable=False),
+        ac_config=None,
+        dump_folder="/tmp",
+        device=torch.device("cpu"),
+        model_config=cfg,
+        parallelize_fn=parallelize_llama,
+        loss_fn=lambda logits, targets: (loss(logits, targets), None),
+    )
+    _load(stage)
+    return schedule, stage
 
 
 @contextlib.contextmanager

@@ -100,12 +100,15 @@ def is_dtensor(t: object) -> TypeGuard[DTensor]:
 
 def placed(mesh: DeviceMesh, placements: tuple[Placement, ...], ndim: int) -> Split | None:
     """The :class:`Split` of a tensor of ``ndim`` dims placed so on ``mesh`` (``None``: every rank
-    holds all of it). Raises ``ValueError`` for a ``Partial`` placement: its values are terms of
-    a sum over ranks, of which no piece's statistics tell the whole."""
-    if any(p.is_partial() for p in placements):
+    holds all of it). A mesh dim of one rank splits nothing: its one piece, or its one term, is
+    the whole (FSDP2 over a data-parallel mesh of one, as torchtitan applies it to every model).
+    Raises ``ValueError`` for a ``Partial`` placement over ranks: its values are terms of a sum
+    over them, of which no piece's statistics tell the whole."""
+    spread = [mesh.size(d) > 1 for d in range(len(placements))]
+    if any(p.is_partial() and over for p, over in zip(placements, spread)):
         raise ValueError(f"a tensor placed {placements} holds partial values; only a collective could make them whole")
     # Every placement but these two shards (Shard, and the _StridedShard of FSDP2 over tensor parallelism).
-    dims = tuple(d for d, p in enumerate(placements) if not p.is_replicate())
+    dims = tuple(d for d, p in enumerate(placements) if not p.is_replicate() and spread[d])
     if not dims:
         return None
     axes = tuple(placements[d].dim % max(ndim, 1) for d in dims)  # type: ignore[attr-defined]
