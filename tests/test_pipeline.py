@@ -61,7 +61,7 @@ def _stages(rank: int, root: str, schedule: str, merged: bool = False) -> None:
     opt = torch.optim.SGD(part.parameters(), lr=0.1)
     writer = None if merged else SummaryWriter(f"{root}/../{schedule}_{rank}")
     options = {"reduce_ranks": True, "log_dir": f"{root}/../{schedule}_{rank}"} if merged else {"writer": writer}
-    logger = functools.partial(HookLogger, part, optimizer=opt, every=1, inputs=True, **options)
+    logger = functools.partial(HookLogger, part, optimizer=opt, every=1, inputs=True, spikes=True, **options)
     _train(runs, opt, logger, Path(root, f"../{schedule}_{rank}.said"), first=rank == 0)
     if writer is not None:
         writer.close()
@@ -104,7 +104,7 @@ def _one_process(root: Path) -> Run:
     """The whole model trained on the whole batches in one process, logged as the stages are."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with HookLogger(model, log_dir=str(root), optimizer=opt, every=1, inputs=True) as hooks:
+    with HookLogger(model, log_dir=str(root), optimizer=opt, every=1, inputs=True, spikes=True) as hooks:
         for step in range(STEPS):
             x, y = _batch(step)
             nn.functional.mse_loss(model(x), y).backward()
@@ -123,7 +123,9 @@ def test_each_pipeline_stage_logs_its_modules_as_one_process(tmp_path: Path, sch
     if schedule == "ScheduleInterleaved1F1B":
         held = tuple((*a, *b) for a, b in zip(STAGES_INTERLEAVED, STAGES_INTERLEAVED[2:]))
     for rank, modules in enumerate(held):
-        assert_same_run(_of(read_run(tmp_path / f"{schedule}_{rank}"), modules), _of(one, modules), range(STEPS), ROOTS)
+        run = read_run(tmp_path / f"{schedule}_{rank}")
+        assert_same_run(_of(run, modules), _of(one, modules), range(STEPS), ROOTS)
+        assert _samples(run) == (_samples(one) if rank == 0 and schedule != "ScheduleInterleaved1F1B" else {})
         said = eval((tmp_path / f"{schedule}_{rank}.said").read_text())
         assert len(said) == 1 and "param_grad/global_norm and step/grad_norm are of this stage's" in said[0], said
 
@@ -141,9 +143,17 @@ def test_reduce_ranks_writes_every_pipeline_stage_as_one_process(tmp_path: Path,
     modules = {t.rsplit("/", 1)[-1].split(".")[0] for t in merged.scalars if t.startswith(ROOTS)}
     assert modules & set(STAGES[0]) and modules & set(STAGES[1]), modules  # (both stages' watched modules)
     assert not (tmp_path / f"{schedule}_1").exists()
+    assert _samples(merged) == (_samples(one) if schedule != "ScheduleInterleaved1F1B" else {})
     for rank in range(2):
         said = eval((tmp_path / f"{schedule}_{rank}.said").read_text())
         assert len(said) == 1 and "param_grad/global_norm over every stage's parameters" in said[0], said
+
+
+def _samples(run: Run) -> dict[int, float]:
+    """``step/samples`` by step: the first stage's microbatches, once (the later stages run the
+    same samples; the shape inference none). An interleaved schedule calls its stages' chunks,
+    not the module the logger was given: nothing is counted, nothing written."""
+    return run.scalars.get("step/samples", {})
 
 
 def _replicated_stages(rank: int, root: str) -> None:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from .._compat import context_parallel_mesh, grad_scale, in_backward, step_closure
+from .._compat import context_parallel_mesh, grad_scale, in_backward, pipeline_pass, step_closure
 from ..errors import HookLoggerError
 from ..stats.reductions import loggable, stacked_norms
 from ..topology.sharding import is_dtensor, is_partial, local
@@ -385,7 +385,9 @@ class Samples(_Hook):
     each call's first tensor argument (shape metadata, nothing read from the device); of a
     ``DTensor`` (torchtitan's ``full_dtensor`` batch, split over the data-parallel ranks), this
     rank's piece's, as a plain batch is this rank's. Under context parallelism the ranks of its
-    mesh each hold a shard of the sequence of the same samples: counted on its first rank only."""
+    mesh each hold a shard of the sequence of the same samples: counted on its first rank only.
+    Under a pipeline schedule the microbatches are counted by the first stage (the later stages
+    run the same samples), its shape inference not at all."""
 
     __slots__ = ("count",)
 
@@ -394,6 +396,9 @@ class Samples(_Hook):
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not (module.training and torch.is_grad_enabled()) or in_backward():
+            return
+        piped = pipeline_pass()
+        if piped is not None and (piped.inference or 0 not in piped.stages):
             return
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
         sequence = context_parallel_mesh()
