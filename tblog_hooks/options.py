@@ -70,7 +70,8 @@ class WatchOptions:
     histograms: bool | int | Histograms | None = True
     #: Also record forward passes in eval mode or under ``torch.no_grad()``.
     eval_passes: bool = False
-    #: Under ``torch.distributed``, pool activation, input and output-gradient statistics over all ranks.
+    #: Under ``torch.distributed``, pool activation, input and output-gradient statistics over all
+    #: ranks; under a pipeline schedule, write every stage's modules from the writing rank.
     reduce_ranks: bool = False
     #: Also log ``input/{stat}/{module}``, the statistics of each watched module's inputs.
     inputs: bool = False
