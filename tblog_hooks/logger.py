@@ -230,8 +230,7 @@ class HookLogger:
 
     def _end_logged_step(self, *, written: bool = True) -> None:
         """``written``: write what the step recorded (else drop it; the ranks still meet)."""
-        late = self._ranks.sharded_late(self._recording.parallel)
-        if late is not None:
+        if (late := self._ranks.sharded_late(self._recording.parallel)) is not None:
             self._switch_off(f"logged step {self._step}", late)
         drained = packed = None
         try:
@@ -250,8 +249,8 @@ class HookLogger:
             # (a warning each) instead of aborting or hanging in mismatched collectives.
             mine = None if self._state.off else drained or ([], [], [])
             try:
-                stages = self._recording.activations.passes.stages
-                packed = self._ranks.finish(mine, packed, self._recording.pack, self._recording.resolve, stages=stages)
+                rec = self._recording
+                packed = self._ranks.finish(mine, packed, rec.pack, rec.resolve, stages=rec.activations.passes.stages)
             except Exception as error:  # different calls on different ranks, a broken process group
                 packed = None
                 self._ranks.stop()

@@ -30,7 +30,7 @@ logged step as usual; then, on all ranks together, at the end of each logged ste
   one ``all_gather`` of every rank's packed values (padded to the largest) gives the writer the
   other stages' records, added to its own as records of modules it does not hold: their
   statistics, parameter gradients and histograms as their stage's first rank has them, the
-  per-call values of each of a stage's ranks (``Ranks._merged``). What the writer reads is then
+  per-call values of each of a stage's ranks (``stages.merged``). What the writer reads is then
   one model's, ``param_grad/global_norm`` over every stage's parameters.
 """
 
@@ -41,7 +41,7 @@ import hashlib
 import math
 import weakref
 from collections.abc import Callable, Iterable
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -50,11 +50,12 @@ from torch import Tensor, nn
 
 from .._compat import fsdp_gradient_divisor
 from ..errors import HookLoggerError
-from ..stats.binning import RowInfo, Sample
+from ..stats.binning import Sample
 from ..stats.packing import Entry, Record, StepLayout
-from ..stats.recipe import Source
 from ..topology.parallel import TensorParallel
 from ..topology.sharding import Pending, Split
+from . import stages as pipeline
+from .told import Told
 
 Item = TypeVar("Item")
 #: A pipeline stage's packed step (its layout) and the indices of the stages it is of.
@@ -100,29 +101,6 @@ def gradient_divisor(given: nn.Module, model: nn.Module) -> Callable[[], float]:
         return 1.0 if module is None else fsdp_gradient_divisor(module) or 1.0
 
     return divisor
-
-
-class Held(NamedTuple):
-    """One pipeline stage's packed step as the writing rank of another stage reads it: what its
-    rank's records are of, and where each one's values lie in its packed array (see :meth:`Ranks._merged`)."""
-
-    names: frozenset[str]  # the modules and parameters its records are of
-    #: Per entry: its kind's place in the recipe's (``Recipe.all``, alike on every rank), name,
-    #: element count, spans (in its own packed array) and shape.
-    entries: list[tuple[int, str, int, tuple[tuple[int, int], ...], tuple[int, ...]]]
-    rows: list[RowInfo]  # its histogram rows (``StepLayout.rows``)
-    size: int  # of its packed array
-
-
-class Told(NamedTuple):
-    """What one rank told the others about its logged step (see :meth:`Ranks.agree`)."""
-
-    fingerprint: str
-    numels: list[int]  # per record that is gathered: the elements it describes
-    parts: list[int | None]  # per record that is gathered: its place among pieces split along the units
-    sampled: list[tuple[int, int]]  # per split histogram sample: its length, the elements it stands for
-    counted: list[bool]  # per record that is gathered: whether its values count with reduce_ranks (see _counts)
-    held: Held | None = None  # under a pipeline schedule, with no split records: its stage's step
 
 
 class Ranks:
@@ -240,7 +218,7 @@ class Ranks:
         stages of a pipeline schedule: ranks of other stages differ even where their modules'
         names and shapes are alike, and are not taken for replicas of one stage). Raises
         ``RuntimeError`` on every rank alike if a rank stopped or the ranks recorded different
-        calls, other than as the stages of a pipeline (:func:`_stages`): the collectives that
+        calls, other than as the stages of a pipeline (``stages.combinable``): the collectives that
         follow would not match."""
         mine = None if records is None else self._told(records, samples, waiting, stage)
         told: list[Told | None] = [None] * self.world
@@ -248,7 +226,7 @@ class Ranks:
         stopped = [rank for rank, theirs in enumerate(told) if theirs is None]
         if stopped:
             raise RuntimeError(f"rank(s) {stopped} stopped logging (the warning on that rank says why)")
-        if len({theirs.fingerprint for theirs in told if theirs is not None}) > 1 and not _stages(told):  # type: ignore[arg-type]
+        if len({theirs.fingerprint for theirs in told if theirs is not None}) > 1 and not pipeline.combinable(told):  # type: ignore[arg-type]
             counts = [len(theirs.numels) for theirs in told if theirs is not None]
             raise RuntimeError(
                 "the ranks recorded different calls of the watched modules or different pieces of split tensors "
@@ -295,7 +273,7 @@ class Ranks:
                 dist.all_reduce(squares, group=group)
             packed = packed.index_copy(0, index, squares.sqrt())
         if self.reduce and len({theirs.fingerprint for theirs in told}) > 1:  # (stages, see agree)
-            return self._merged(packed, layout, told)
+            return pipeline.merged(packed, layout, told, self.rank)
         if self.reduce:  # (told of: every per-call record, then the pieces)
             first = sum(e.kind.per_call for e in layout.entries)
             packed, layout = self._everyone(packed, layout, told)
@@ -348,41 +326,6 @@ class Ranks:
         others = [t for rank, t in enumerate(gathered) if rank != self.rank]
         return torch.cat([packed, *others]), dataclasses.replace(layout, entries=entries, size=offset)
 
-    def _merged(self, packed: Tensor, layout: StepLayout, told: list[Told]) -> tuple[Tensor, StepLayout]:
-        """The steps of every pipeline stage as one model's (one ``all_gather`` of each rank's
-        packed array, padded to the largest): of each stage, the first of its ranks' records
-        (modules this rank does not hold: their statistics, parameter gradients and histograms
-        as that rank has them, for the writer to read as its own, ``param_grad/global_norm``
-        over them all), and the per-call records of its every rank (pooled, as :meth:`_everyone`
-        pools a stage's data-parallel replicas)."""
-        largest = max(theirs.held.size for theirs in told)  # type: ignore[union-attr]  # (none is None, see _stages)
-        mine = torch.cat([packed, packed.new_zeros(largest - packed.numel())])
-        gathered = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(gathered, mine)
-        own = told[self.rank]
-        counted = {id(e) for e, counts in zip([e for e in layout.entries if e.kind.per_call], own.counted) if counts}
-        entries = [e for e in layout.entries if not e.kind.per_call or id(e) in counted]
-        rows, stacked, offset = list(layout.rows), [packed], layout.size
-        first = {theirs.fingerprint: rank for rank, theirs in reversed(list(enumerate(told)))}
-        kinds = layout.recipe.all
-        for rank, theirs in enumerate(told):
-            held: Held = theirs.held  # type: ignore[assignment]
-            if rank == self.rank:
-                continue
-            whole = theirs.fingerprint != own.fingerprint and first[theirs.fingerprint] == rank
-            copies = [
-                Entry(kinds[k], name, numel, tuple((offset + a, n) for a, n in spans), shape)
-                for k, name, numel, spans, shape in held.entries
-            ]
-            calls = [e for e in copies if e.kind.per_call]
-            entries += [e for e, counts in zip(calls, theirs.counted) if counts]
-            if whole:  # (the loss scale, amp/*, is the writing rank's)
-                entries += [e for e in copies if not e.kind.per_call and e.kind is not layout.recipe[Source.SCALAR]]
-                rows += held.rows
-            stacked.append(gathered[rank][: held.size])
-            offset += held.size
-        return torch.cat(stacked), dataclasses.replace(layout, entries=entries, size=offset, rows=rows)
-
     def _told(self, records: list[Record], samples: list[Sample], waiting: list[Pending], stage: Stage | None) -> Told:
         """This rank's description: what must match across ranks (the gathered and combined
         records' kinds, modules, lengths and splits, hashed), and its element counts; with
@@ -404,29 +347,8 @@ class Ranks:
         sampled = [(h.sample.numel(), h.numel) for h in split_samples]
         parts = [_part(r.split) for r in gathered]
         counted = [_counts(r.split, self.lead) for r in gathered]
-        held = None if stage is None or any(e.split is not None for e in stage[0].entries) else _held(stage[0])
+        held = None if stage is None or any(e.split is not None for e in stage[0].entries) else pipeline.held(stage[0])
         return Told(fingerprint, [r.numel for r in gathered], parts, sampled, counted, held)
-
-
-def _held(layout: StepLayout) -> Held:
-    """A pipeline stage's packed step described for the other stages' ranks (see :class:`Held`)."""
-    kinds = {id(kind): k for k, kind in enumerate(layout.recipe.all)}
-    plain = (layout.recipe[Source.BINNED], layout.recipe[Source.SCALAR])
-    names = frozenset(e.name for e in layout.entries if e.kind not in plain)
-    entries = [(kinds[id(e.kind)], e.name, e.numel, e.spans, e.shape) for e in layout.entries]
-    return Held(names, entries, list(layout.rows), layout.size)
-
-
-def _stages(told: list[Told]) -> bool:
-    """Whether ranks that recorded different calls are the stages of a pipeline schedule whose
-    steps can be combined as one model's: every rank's step told of whole (:class:`Held`), and
-    the ranks of different fingerprints (stages; those of one stage: its data-parallel replicas)
-    recording modules and parameters of different names, so that none of a stage is pooled
-    with another stage's."""
-    if any(theirs.held is None for theirs in told):
-        return False
-    stages = {theirs.fingerprint: theirs.held.names for theirs in told}  # type: ignore[union-attr]
-    return sum(map(len, stages.values())) == len(frozenset().union(*stages.values()))
 
 
 def _counts(split: Split | None, lead: bool) -> bool:
