@@ -75,15 +75,16 @@ def _train(
     *,
     first: bool,
     half: int = -1,
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] = _batch,
 ) -> None:
-    """``STEPS`` steps of the schedule ``runs`` (``first``: this rank's stage takes the inputs,
-    else the targets; ``half``: of each batch, that half alone), logged by ``logger()``; the
-    warnings it gives written to ``said``."""
+    """``STEPS`` steps of the schedule ``runs`` on ``batch(step)``'s inputs and targets
+    (``first``: this rank's stage takes the inputs, else the targets; ``half``: of each batch,
+    that half alone), logged by ``logger()``; the warnings it gives written to ``said``."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with logger() as hooks:
             for step in range(STEPS):
-                x, y = (t if half < 0 else t.chunk(2)[half] for t in _batch(step))
+                x, y = (t if half < 0 else t.chunk(2)[half] for t in batch(step))
                 runs.step(x) if first else runs.step(target=y)  # type: ignore[attr-defined]
                 opt.step()
                 opt.zero_grad()
@@ -214,10 +215,12 @@ def test_stages_with_alike_module_names_are_not_pooled_as_replicas(tmp_path: Pat
     assert written is None or not any(t.startswith(("activation/", "gradient/")) for t in written.scalars)
 
 
-def _titan_tokens(step: int) -> torch.Tensor:
+def _titan_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of token sequences and their next tokens, as input and target."""
     import titan
 
-    return torch.randint(titan.VOCAB, (MICROBATCHES, titan.SEQ + 1), generator=torch.Generator().manual_seed(step))
+    tokens = torch.randint(titan.VOCAB, (MICROBATCHES, titan.SEQ + 1), generator=torch.Generator().manual_seed(step))
+    return tokens[:, :-1], tokens[:, 1:]
 
 
 def _titan_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -235,13 +238,8 @@ def _titan_stages(rank: int, root: str) -> None:
         2, MICROBATCHES, lambda logits, targets: _titan_loss(logits, targets) / MICROBATCHES
     )
     opt = torch.optim.SGD(stage.parameters(), lr=0.5)
-    with HookLogger(stage, log_dir=f"{root}/../titan", optimizer=opt, every=1, reduce_ranks=True) as hooks:
-        for step in range(STEPS):
-            tokens = _titan_tokens(step)
-            schedule.step(tokens[:, :-1]) if rank == 0 else schedule.step(target=tokens[:, 1:])
-            opt.step()
-            opt.zero_grad()
-            hooks.step()
+    logger = functools.partial(HookLogger, stage, log_dir=f"{root}/../titan", optimizer=opt, every=1, reduce_ranks=True)
+    _train(schedule, opt, logger, Path(root, f"../titan_{rank}.said"), first=rank == 0, batch=_titan_batch)
 
 
 def test_torchtitan_pipeline_writes_every_stage_as_one_process(tmp_path: Path) -> None:
@@ -256,8 +254,8 @@ def test_torchtitan_pipeline_writes_every_stage_as_one_process(tmp_path: Path) -
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     with HookLogger(model, log_dir=str(tmp_path / "one"), optimizer=opt, every=1) as hooks:
         for step in range(STEPS):
-            tokens = _titan_tokens(step)
-            _titan_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+            tokens, targets = _titan_batch(step)
+            _titan_loss(model(tokens), targets).backward()
             opt.step()
             opt.zero_grad()
             hooks.step()

@@ -41,7 +41,7 @@ PIPELINED = (
     "their own (rank 0 writes by default), or all by rank 0's with reduce_ranks=True"
 )
 #: Said instead with reduce_ranks=True, where the writing rank combines the stages' steps
-#: (``distributed.Ranks._merged``); the per-step series of ``spikes=`` are not combined.
+#: (``transport.stages.merged``); the per-step series of ``spikes=`` are not combined.
 PIPELINED_MERGED = (
     "tblog_hooks: the model runs as a stage of a torch.distributed.pipelining schedule; with reduce_ranks=True the "
     "writing rank writes every stage's modules as one process with the whole model and batch has them (the "

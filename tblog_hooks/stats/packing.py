@@ -108,7 +108,7 @@ class StepLayout:
     entries: list[Entry] = field(default_factory=list)
     size: int = 0
     #: The histogram rows of the BINNED entries, in their order (one entry a rank's step: several
-    #: where the steps of pipeline stages are combined, ``distributed.Ranks._merged``).
+    #: where the steps of pipeline stages are combined, ``transport.stages.merged``).
     rows: list[RowInfo] = field(default_factory=list)
 
     def of(self, *kinds: Kind) -> list[Entry]:
