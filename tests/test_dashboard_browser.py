@@ -342,6 +342,36 @@ def test_the_compared_run_is_on_the_same_step_axis_with_its_findings(page) -> No
     _open(page, "net")
 
 
+def test_heatmaps_read_while_tensorboard_reloads_are_drawn(page) -> None:
+    # TensorBoard's auto-reload may list the runs anew while the heatmaps are read: the runs listed
+    # then are new objects of the same runs, and what was being drawn is drawn all the same.
+    _open(page, "gan [G]")
+    frame(page).locator("#compare").select_option(label="—")
+    frame(page).locator("#compare-card").wait_for(state="hidden", timeout=READY_MS)
+    relisted = "page.listModels(page.models.map((m) => ({ ...m })))"  # what a reload finding nothing new lists
+    health(
+        page,
+        "(async () => { page.toolbar.statSelect.value = 'activation/std';"
+        " page.toolbar.compareSelect.value = String(page.models.findIndex((m) => m.name === 'net'));"
+        f" const drawing = page.drawHeatmap(); {relisted}; await drawing; }})()",
+    )
+    assert health(page, "[page.heatmap.stat, page.compare.stat, page.compare.doc.modules.includes('dead')]") == [
+        "activation/std",
+        "activation/std",
+        True,
+    ]
+    assert frame(page).locator("#compare-card").is_visible()
+    # The run compared with itself is no comparison, reloaded or not.
+    health(
+        page,
+        "(async () => { page.toolbar.compareSelect.value = page.toolbar.runSelect.value;"
+        f" const drawing = page.drawHeatmap(); {relisted}; await drawing; }})()",
+    )
+    assert not frame(page).locator("#compare-card").is_visible()
+    frame(page).locator("#stat").select_option("gradient/norm")
+    _open(page, "net")
+
+
 def test_a_finding_about_the_whole_model_marks_its_step(page) -> None:
     _open(page, "net")
     row = frame(page).locator('#findings tr[data-module=""]', has_text="loss_spike")

@@ -19,6 +19,10 @@ import { TableCard } from './tables.js';
 import { Toolbar, followHint } from './toolbar.js';
 import { hideTooltip, tooltip } from './tooltip.js';
 
+// Whether two runs' descriptions are of one run: TensorBoard's reloads (its auto-reload among them, at
+// any moment) list the runs anew, so a run is known by its name, not by the object describing it.
+const sameRun = (a, b) => a?.name === b?.name;
+
 export class Page {
   // `root`: the element the page fills; `host`: TensorBoard's page around it (host.js).
   constructor(root, host) {
@@ -94,7 +98,7 @@ export class Page {
   // Open the run (or prefix) named `name`, as choosing it in the Run list does.
   async openNamed(name) {
     const model = this.models.find((m) => m.name === name);
-    if (model && model !== this.model) await this.open(model);
+    if (model && !sameRun(model, this.model)) await this.open(model);
   }
 
   // Fill the Run and Compare lists from `models`, keeping what they show (or showing `compare`).
@@ -174,7 +178,7 @@ export class Page {
     const stat = this.wantedStat ?? this.toolbar.statSelect.value;
     this.wantedStat = undefined;
     const selection = this.selection;
-    const other = model !== this.model && !restore;
+    const other = !sameRun(model, this.model) && !restore;
     this.model = model;
     this.toolbar.showModel(this.models, model, stat);
     this.overviewCard.mark(model.name);
@@ -239,11 +243,11 @@ export class Page {
     const stat = this.toolbar.statSelect.value;
     if (!stat) { this.mapCard.title.textContent = 'No per-module statistics in this run'; return; }
     const other = this.compareModel();
-    const compared = other && other !== model && other.stats.includes(stat);
+    const compared = other && !sameRun(other, model) && other.stats.includes(stat);
     const [doc, otherDoc] = await Promise.all([
       fetchJson('heatmap', this.query({ tag: stat })),
       compared ? fetchJson('heatmap', { run: other.run, prefix: other.prefix, tag: stat }) : null]);
-    if (this.model !== model || this.toolbar.statSelect.value !== stat || this.compareModel() !== other) return;
+    if (this.model !== model || this.toolbar.statSelect.value !== stat || !sameRun(this.compareModel(), other)) return;
     this.doc = doc;
     this.mapCard.downloads.replaceChildren(downloads('heatmap', this.query({ tag: stat })));
     const pattern = this.toolbar.filter.value.trim();
@@ -261,7 +265,7 @@ export class Page {
     this.heatmap.set(shown, stat, this.analysis ? this.analysis.findings : [], { scale, range: this.range });
     if (this.selection) this.heatmap.select(this.selection.module, this.selection.step, !keep);
     if (this.analysis) this.showSampling();
-    await this.compareCard.show(this, other !== model ? other : null, stat, shown, otherShown, scale);
+    await this.compareCard.show(this, sameRun(other, model) ? null : other, stat, shown, otherShown, scale);
   }
 
   // The findings at the steps of the range (all without one), the one selected marked.
