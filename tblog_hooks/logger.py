@@ -56,10 +56,9 @@ class _State(enum.Enum):
 class HookLogger:
     """Log activation, gradient and parameter statistics of ``model`` to TensorBoard.
 
-    Call :meth:`step` once per optimizer step; steps ``0, every, 2*every, ...`` are logged
-    with that index as TensorBoard's ``global_step``. Use it as a context manager, or call
-    :meth:`close`, to write what is pending and remove every hook; a logger dropped without
-    :meth:`close` removes its hooks when it is garbage-collected.
+    Call :meth:`step` once per optimizer step; steps ``0, every, 2*every, ...`` are logged with that index as
+    TensorBoard's ``global_step``. Use it as a context manager, or call :meth:`close`, to write what is pending
+    and remove every hook; a logger dropped without :meth:`close` removes its hooks when it is garbage-collected.
 
     Args:
         model: the ``nn.Module`` to watch (a ``DistributedDataParallel`` wrapper is unwrapped to
@@ -90,9 +89,8 @@ class HookLogger:
         selected, mapped, logits = _select(model, config)
         self._every = config.every
         self._step = config.start_step
-        # Logged steps that recorded something so far: the histogram schedule counts these, so that
-        # the first logged step a loop trains in has histograms (a framework callback's first logged
-        # step, step 0, ends before its first optimizer step).
+        # Logged steps that recorded something: the histogram schedule counts these, so the first one a loop
+        # trains in has histograms (a framework callback's first logged step, 0, ends before it steps).
         self._recorded_steps = 0
         self._module_names = tuple(selected)
         self._watched = Watched(model, selected)
@@ -109,7 +107,6 @@ class HookLogger:
         self._writer, owns_writer = _open_writer(config, self._ranks.rank)
         self._destination = None if self._writer is None else Destination(self._writer, config.prefix)
         restore = None if self._writer is None else fast_checksum(self._writer, frame)
-        # Hooks, tensor hooks and an owned writer go when the logger is closed or collected.
         self._detach = weakref.finalize(self, _detach, self._recording, self._destination, owns_writer, restore)
         divisor = gradient_divisor(wrapper, model)
         self._outbox = _outbox(self._destination, self._diagnostics, self._recording, divisor)
@@ -140,6 +137,12 @@ class HookLogger:
         return self._step
 
     @property
+    def recording(self) -> bool:
+        """Whether the hooks record the current step (every ``every``-th; with ``spikes=`` those after a spike):
+        ``torch.compiler.set_stance("force_eager" if hooks.recording else "default")`` runs it eagerly."""
+        return self._state is _State.RECORDING
+
+    @property
     def writer(self) -> SummaryWriter | None:
         """Where this process writes; ``None`` on a rank other than 0 given no ``writer=``."""
         return self._writer
@@ -156,11 +159,10 @@ class HookLogger:
         return [] if health is None else list(health.started)
 
     def summary(self) -> dict[str, float]:
-        """Numbers for a progress bar (``tqdm.set_postfix(**hooks.summary())``) from the latest
-        *written* step: ``grad_norm`` (global parameter-gradient norm), ``min_layer_grad``
-        (smallest output-gradient norm of a watched module), ``findings`` (how many hold now).
-        On the CPU a logged step is written by its ``step()``; on CUDA once its copy to the
-        host has completed, at a later ``step()`` or ``close()``."""
+        """Numbers for a progress bar (``tqdm.set_postfix(**hooks.summary())``) from the latest *written* step:
+        ``grad_norm`` (global parameter-gradient norm), ``min_layer_grad`` (smallest output-gradient norm of a
+        watched module), ``findings`` (how many hold now). On the CPU a logged step is written by its ``step()``;
+        on CUDA once its copy to the host has completed, at a later ``step()`` or ``close()``."""
         return self._diagnostics.summary()
 
     def step(self, loss: Tensor | float | None = None) -> None:
@@ -175,8 +177,7 @@ class HookLogger:
         if self._state is _State.CLOSED:
             raise HookLoggerError("step() called after close(); create a new HookLogger to log again")
         if self._state is _State.RECORDING and self._amp is None:
-            # Not in close(): a step begun but not trained is no evidence. Not under an enabled
-            # scaler: a step it skips calls no optimizer at all.
+            # Not in close(): a step begun, not trained is no evidence; nor under a scaler (its skipped steps)
             self._recording.check_stepped(self._step)
         full = self._spikes.step(self._step, loss)  # whether the next step is logged in full
         if self._state.in_step:
@@ -244,9 +245,8 @@ class HookLogger:
             self._switch_off(f"packing step {self._step}", error)
         self._recorded_steps += drained is not None and any(drained)
         if self._ranks.needed:
-            # Every rank takes part, even one that recorded nothing or stopped logging; if the
-            # ranks' records cannot be combined, or a collective fails, every rank stops logging
-            # (a warning each) instead of aborting or hanging in mismatched collectives.
+            # Every rank takes part, even one that recorded nothing or stopped logging; records that cannot be
+            # combined, or a failed collective, stop every rank's logging (no abort, no hang; a warning each).
             mine = None if self._state.off else drained or ([], [], [])
             try:
                 rec = self._recording
@@ -406,38 +406,26 @@ def _tensor_parallel(model: nn.Module, selected: dict[str, nn.Module]) -> Tensor
     ``selected`` checked against it."""
     parallel = TensorParallel(model)
     parallel.look_up()
-    _check_compiled_parts(model, selected, tensor_parallel=parallel.tensor_parallel)
+    _check_compiled_parts(model, selected)
     return parallel
 
 
-def _check_compiled_parts(model: nn.Module, selected: dict[str, nn.Module], *, tensor_parallel: bool) -> None:
+def _check_compiled_parts(model: nn.Module, selected: dict[str, nn.Module]) -> None:
     """Refuse watched modules inside a compiled submodule (``torch.compile`` per block) whose
-    compiled code already ran (it ignores hooks added since, so their tags would be missing), or
-    in a tensor-parallel model (compiled hooks record plain tensors as whole, pieces or not)."""
+    compiled code already ran: it ignores hooks added since, so their tags would be missing."""
     for name, _, part in named_modules(model):
-        if part is model or not is_compiled(part):
-            continue
-        ran = compiled_code_ran(part)
-        if not (ran or tensor_parallel):
+        if part is model or not is_compiled(part) or not compiled_code_ran(part):
             continue
         inside = {id(m) for m in part.modules()}
         watched = [n for n, m in selected.items() if id(m) in inside]
-        if not watched:
-            continue
-        listed = ", ".join(map(repr, watched[:3])) + (", ..." if len(watched) > 3 else "")
-        if ran:
+        if watched:
+            listed = ", ".join(map(repr, watched[:3])) + (", ..." if len(watched) > 3 else "")
             raise HookLoggerError(
                 f"{name!r} is compiled ({type(part).__name__}) and its compiled code already ran, so hooks added now "
                 f"to the watched modules inside it ({listed}) would be ignored by that code: create the HookLogger "
                 "before the first forward of the compiled modules (compiling them before is fine), or leave them "
                 "out of modules="
             )
-        raise HookLoggerError(
-            f"{name!r} is compiled ({type(part).__name__}) in a tensor-parallel model: hooks traced into its compiled "
-            f"code cannot tell one rank's piece of a tensor from the whole, so the watched modules inside it "
-            f"({listed}) would be logged over this rank's pieces; watch modules outside the compiled parts, or "
-            "leave them uncompiled for a run that watches them"
-        )
 
 
 def _detach(

@@ -769,8 +769,7 @@ def test_compiled_model_whose_logged_steps_run_eagerly_logs_the_eager_values(tmp
     with HookLogger(model, log_dir=tmp_path / "compiled", every=2, attention=True, histograms=False) as hooks:
         compiled = torch.compile(model, backend="aot_eager")
         for _ in range(3):
-            logged = hooks.global_step % hooks.every == 0
-            with torch.compiler.set_stance("force_eager" if logged else "default"):
+            with torch.compiler.set_stance("force_eager" if hooks.recording else "default"):
                 loss = compiled(x).square().mean()
             loss.backward()
             hooks.step()

@@ -38,9 +38,19 @@ def _module_norms(model: nn.Module, modules: list[str]) -> dict[str, float]:
     return out
 
 
-def _spike_run(log_dir: Path, *, at: int, scale: float, param: str, steps: int = 120, every: int = 50) -> tuple:
+def _spike_run(
+    log_dir: Path,
+    *,
+    at: int,
+    scale: float,
+    param: str,
+    steps: int = 120,
+    every: int = 50,
+    recording: list[int] | None = None,
+) -> tuple:
     """An MLP trained with AdamW, ``param``'s gradient scaled by ``scale`` at step ``at``; the true
-    global and per-module norms of every step, and the losses."""
+    global and per-module norms of every step, and the losses (and into ``recording`` the steps
+    ``hooks.recording`` was true for before their forward)."""
     model = mlp(16, 32, 32, 32, 4, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     truth: dict[int, float] = {}
@@ -48,6 +58,8 @@ def _spike_run(log_dir: Path, *, at: int, scale: float, param: str, steps: int =
     losses: dict[int, float] = {}
     with HookLogger(model, log_dir=log_dir, every=every, optimizer=opt, spikes=True) as hooks:
         for step in range(steps):
+            if hooks.recording and recording is not None:
+                recording.append(step)
             loss = nn.functional.cross_entropy(model(_teacher()[0]), _teacher()[1])
             loss.backward()
             if step == at:
@@ -64,7 +76,8 @@ def _spike_run(log_dir: Path, *, at: int, scale: float, param: str, steps: int =
 
 
 def test_injected_gradient_spike_is_found_at_its_step_in_its_module_and_logged_around(tmp_path) -> None:
-    findings, truth, modules, losses = _spike_run(tmp_path, at=77, scale=100.0, param="4.weight")
+    recording: list[int] = []
+    findings, truth, modules, losses = _spike_run(tmp_path, at=77, scale=100.0, param="4.weight", recording=recording)
     spikes = [f for f in findings if f.kind in SPIKE_KINDS]
     assert [(f.kind, f.step, f.module) for f in spikes] == [("gradient_spike", 77, "4")]
     assert "then" in spikes[0].message and "0 (" in spikes[0].message  # the runners-up are named
@@ -78,7 +91,7 @@ def test_injected_gradient_spike_is_found_at_its_step_in_its_module_and_logged_a
         assert grad_norm[step] == pytest.approx(norm, rel=1e-4), step
         assert loss[step] == pytest.approx(losses[step], rel=1e-6)
     # The three steps after the spike are logged in full (every histogram), besides 0, 50, 100.
-    assert sorted(run.scalars["param_grad/global_norm"]) == [0, 50, 78, 79, 80, 100]
+    assert sorted(run.scalars["param_grad/global_norm"]) == recording == [0, 50, 78, 79, 80, 100]
     assert 78 in run.histograms["activation/0"] and 78 in run.histograms["param/0.weight"]
     assert run.scalars["health/gradient_spike"] == {0: 0.0, 50: 0.0, 78: 1.0, 79: 0.0, 80: 0.0, 100: 0.0}
     # The per-module norms of the 64 steps up to the spike and of the three after it.

@@ -9,16 +9,18 @@ tags named as the model's modules, without the wrapper's attribute)."""
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_same_run, read_run, spawn_ranks
+from conftest import Run, assert_same_run, read_run, spawn_ranks
 from models import Llama, parallelize_llama
 from torch import nn
 
-from tblog_hooks import Histograms, HookLogger, HookLoggerError
+from tblog_hooks import Histograms, HookLogger
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -82,13 +84,6 @@ def _tensor_parallel(rank: int, root: str) -> None:
     lp = parallelize_llama(Llama(), mesh, loss_parallel=True)
     _train(lp, f"{root}/loss_parallel", EVERYTHING, [0], loss_parallel=True)
     _train(_parallel_embedding(mesh), f"{root}/embedding", ["0", "1"], [0], reduce_ranks=True)
-    compiled = parallelize_llama(Llama(), mesh)
-    for key, block in compiled.layers.items():  # (torchtitan compiles each block)
-        compiled.layers[key] = torch.compile(block, backend="eager")
-    with pytest.raises(HookLoggerError, match=r"'layers\.0' is compiled .* in a tensor-parallel model"):
-        HookLogger(compiled, log_dir=f"{root}/compiled", modules=BLOCKS)
-    outside = ["tok_embeddings", "head"]
-    HookLogger(compiled, log_dir=f"{root}/compiled", modules=outside, parameters=False).close()
 
 
 def _compiled_after(rank: int, root: str) -> None:
@@ -116,10 +111,11 @@ def _compiled_after(rank: int, root: str) -> None:
 
 
 def test_a_tensor_parallel_model_compiled_after_the_logger_is_said_never_logged_as_pieces(tmp_path: Path) -> None:
-    """Compiled after the logger (whole model, ``fullgraph`` either way), a tensor-parallel model's
-    hooks run in compiled code, where one rank's pieces look whole: every watched module is said
-    once, on each rank, and none of its activation or gradient statistics is written; the
-    parameters are one process's (they are read outside compiled code), and training goes on."""
+    """Compiled after the logger (whole model, ``fullgraph`` either way), its logged steps run
+    compiled: a tensor-parallel model's hooks run in compiled code, where one rank's pieces look
+    whole. Every watched module is said once, on each rank, naming the recipe that logs it (below),
+    and none of its activation or gradient statistics is written; the parameters are one process's
+    (they are read outside compiled code), and training goes on."""
     spawn_ranks(_compiled_after, tmp_path, 2)
     one_dir = tmp_path / "one"
     model = Llama()
@@ -137,10 +133,95 @@ def test_a_tensor_parallel_model_compiled_after_the_logger_is_said_never_logged_
         assert_same_run(run, one, range(STEPS), ("param_grad/", "param/"))
         for rank in range(2):
             said = eval((tmp_path / f"compiled_{fullgraph}_{rank}.said").read_text())
-            compiled = [w for w in said if "traced into code torch.compile compiled in a tensor-parallel model" in w]
+            compiled = [w for w in said if "in code torch.compile compiled, in a tensor-parallel model" in w]
+            assert all("set_stance('force_eager' if hooks.recording else 'default')" in w for w in compiled), said
             assert compiled and len(compiled) == len(set(compiled)), said
             named = {w.split("'")[1] for w in compiled}
             assert named >= {"tok_embeddings", "layers.0.attention.wq", "layers.1.attention.wv"}, said
+
+
+EAGERLY_LOGGED = 4  # steps, every second one logged: the others run compiled
+
+
+def _train_compiled(
+    model: nn.Module, log_dir: str, compile: Callable[[nn.Module], nn.Module] | None = None, *, eagerly: bool = True
+) -> None:
+    """The model (``compile``d after the logger was made, or of compiled blocks) run compiled,
+    but for the logged steps' forward, run eagerly with ``eagerly`` (``hooks.recording``): the
+    recipe of docs/sharded.md."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with HookLogger(model, log_dir=log_dir, optimizer=opt, every=2, inputs=True) as hooks:
+        run = model if compile is None else compile(model)
+        for step in range(EAGERLY_LOGGED):
+            tokens, targets = _tokens(0, step)
+            with torch.compiler.set_stance("force_eager" if eagerly and hooks.recording else "default"):
+                loss = _loss(run(tokens), targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step()
+
+
+def _compiled_logged_eagerly(rank: int, root: str) -> None:
+    """A tensor-parallel Llama compiled whole after the logger (``fullgraph`` either way), and
+    each of its blocks compiled before it as torchtitan compiles them (and so, its logged steps
+    run compiled); each rank's warnings, graph breaks and graphs kept."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    for run in ("whole", "whole_fullgraph", "per_block", "per_block_logged_compiled"):
+        model = parallelize_llama(Llama(), mesh)
+        compile = functools.partial(torch.compile, backend="eager", fullgraph=run != "whole")
+        if run.startswith("per_block"):
+            for key, block in model.layers.items():
+                model.layers[key] = compile(block)
+        torch._dynamo.reset()  # (each run compiles its own graphs)
+        counters.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            eagerly = run != "per_block_logged_compiled"
+            _train_compiled(model, f"{root}/{run}", compile if run.startswith("whole") else None, eagerly=eagerly)
+        said = [str(w.message) for w in caught if str(w.message).startswith("tblog_hooks")]
+        breaks = dict(counters["graph_break"])
+        Path(root, f"{run}_{rank}.said").write_text(repr((said, breaks, counters["stats"]["unique_graphs"])))
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch.compiler.set_stance: torch 2.6 and later")
+def test_a_compiled_tensor_parallel_model_whose_logged_steps_run_eagerly_logs_what_one_process_logs(
+    tmp_path: Path,
+) -> None:
+    """Compiled whole after the logger (``fullgraph`` either way) or block by block before it,
+    a tensor-parallel model whose logged steps run eagerly (``set_stance("force_eager")`` while
+    ``hooks.recording``) logs every module as one process does, nothing said; the other steps
+    run compiled, without a graph break. Its logged steps compiled, the modules inside the
+    compiled blocks are said once each, naming the recipe, and left out; the others are logged."""
+    spawn_ranks(_compiled_logged_eagerly, tmp_path, 2)
+    _train_compiled(Llama(), str(tmp_path / "one"))
+    one = read_run(tmp_path / "one")
+    inside = {"activation/std/layers.0.attention.wq", "activation/std/layers.1.feed_forward.w2"}
+    assert inside <= set(one.scalars)
+    for run in ("whole", "whole_fullgraph", "per_block"):
+        assert_same_run(read_run(tmp_path / run), one, range(EAGERLY_LOGGED), ACTIVATIONS + PARAMETERS)
+        for rank in range(2):
+            said, breaks, graphs = eval((tmp_path / f"{run}_{rank}.said").read_text())
+            assert said == [] and breaks == {} and graphs > 0, (run, rank, said, breaks, graphs)
+    run = read_run(tmp_path / "per_block_logged_compiled")
+    assert_same_run(run, _without_blocks(one), range(EAGERLY_LOGGED), ACTIVATIONS + PARAMETERS)
+    assert {"activation/std/tok_embeddings", "activation/std/head.output"} <= set(run.scalars)
+    for rank in range(2):
+        said, _, _ = eval((tmp_path / f"per_block_logged_compiled_{rank}.said").read_text())
+        assert all("set_stance('force_eager' if hooks.recording else 'default')" in w for w in said), said
+        named = [w.split("'")[1] for w in said]
+        assert len(named) == len(set(named)) and {"layers.0.attention.wq", "layers.1.feed_forward.w2"} <= set(named)
+
+
+def _without_blocks(run: Run) -> Run:
+    """``run`` without the activation, input and output-gradient tags of the modules inside the blocks."""
+    kept = {tag: not (tag.startswith(ACTIVATIONS) and "/layers." in tag) for tag in [*run.scalars, *run.histograms]}
+    return Run({t: v for t, v in run.scalars.items() if kept[t]}, {t: v for t, v in run.histograms.items() if kept[t]})
 
 
 def _embedding() -> nn.Sequential:

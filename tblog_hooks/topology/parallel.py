@@ -34,11 +34,12 @@ if TYPE_CHECKING:
 
 #: Where a watched module of a tensor-parallel model runs in code ``torch.compile`` compiled.
 COMPILED = (
-    "its hooks are traced into code torch.compile compiled in a tensor-parallel model, where they see this rank's "
-    "pieces as plain tensors that say nothing of how they are split over the ranks, so their statistics would be "
-    "one rank's piece taken for the whole; its activation, input and output-gradient statistics are left out "
-    "(parameter statistics are logged); watch modules outside the compiled code, or compile the model only in "
-    "runs that do not watch them"
+    "a logged step ran it in code torch.compile compiled, in a tensor-parallel model: its hooks traced there see "
+    "this rank's pieces as plain tensors that say nothing of how they are split over the ranks, so their statistics "
+    "would be one rank's piece taken for the whole; its activation, input and output-gradient statistics are left "
+    "out (parameter statistics are logged). Run the logged steps' forward eagerly, the other steps compiled: "
+    "with torch.compiler.set_stance('force_eager' if hooks.recording else 'default') around it (torch 2.6 and "
+    "later; docs: sharded.md#compiled-tensor-parallelism)"
 )
 #: Where a tensor-parallel style's output placements are not known here.
 UNKNOWN_STYLE = (
