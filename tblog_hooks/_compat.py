@@ -34,8 +34,10 @@ TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
 
 def in_backward() -> bool:
     """Whether the caller runs inside a backward pass (a checkpoint recompute). No public API
-    tells; ``torch._C._current_graph_task_id`` is -1 outside backward."""
-    return bool(torch._C._current_graph_task_id() != -1)
+    tells; ``torch._C._current_graph_task_id`` is -1 outside backward. Code being compiled is
+    a forward (a compiled recompute runs in the backward graph, without hooks); dynamo cannot
+    trace that call."""
+    return not torch.compiler.is_compiling() and bool(torch._C._current_graph_task_id() != -1)
 
 
 def at_end_of_backward(callback: Callable[[], None]) -> bool:

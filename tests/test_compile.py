@@ -302,3 +302,37 @@ def test_histogram_cadence_keeps_two_graphs(tmp_path: Path) -> None:
     assert set(compiled.histograms["activation/inp"]) == set(compiled.histograms["gradient_log10/out"]) == {0, 4}
     assert "gradient/out" not in compiled.histograms  # not among the default kinds
     assert set(compiled.scalars["gradient/norm/out"]) == {0, 2, 4}
+
+
+def _spiking(log_dir: Path, fullgraph: bool | None) -> Run:
+    """5 steps of 2 micro-batches with ``spikes=True`` (every step's norm, loss and samples), the
+    model compiled whole (``fullgraph``; ``None``: eager)."""
+    torch.manual_seed(0)
+    model, data = _Net(), torch.randn(5, 2, 8, 6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with HookLogger(model, log_dir=log_dir, every=2, optimizer=opt, spikes=True) as hooks:
+        run = model if fullgraph is None else torch.compile(model, backend="aot_eager", fullgraph=fullgraph)
+        for batches in data:
+            losses = [run(x).square().mean() for x in batches]
+            for loss in losses:
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step(loss=sum(losses) / 2)
+    return read_run(log_dir)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_a_compiled_model_writes_every_steps_spike_series_as_eager(tmp_path: Path, fullgraph: bool) -> None:
+    """``spikes=True``: the model's pre-hook that counts a step's samples is traced into the
+    compiled forward, where it asks no question dynamo cannot trace (whether it runs in backward:
+    training stopped with ``fullgraph=True``); every step's series as eager mode's, no graph break."""
+    eager = _spiking(tmp_path / "eager", None)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = _spiking(tmp_path / "compiled", fullgraph)
+    assert not counters["graph_break"]
+    series = {"step/grad_norm", "step/loss", "step/samples"}
+    assert series <= set(eager.scalars) and eager.scalars["step/samples"] == {s: 16.0 for s in range(5)}
+    for tag in series:
+        assert compiled.scalars[tag] == pytest.approx(eager.scalars[tag], rel=1e-5), tag
