@@ -187,3 +187,43 @@ def test_a_compiled_model_with_numerics_makes_no_graph_break_on_either_path(tmp_
     for fmt in ("fp16", "bf16", "e4m3", "e5m2"):
         assert set(scalars[f"activation/underflow_{fmt}/2"]) == {0, 1}, fmt
         assert set(scalars[f"gradient/underflow_{fmt}/2"]) == {0, 1}, fmt
+
+
+class _Transposed(nn.Module):
+    """Returns a view whose strides are not contiguous (as ``nn.MultiheadAttention`` with
+    ``batch_first=True`` returns its output)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.transpose(0, 1)
+
+
+def _transposing(log_dir: Path, *, fullgraph: bool | None) -> Run:
+    """Two logged steps of a model with a non-contiguous activation, compiled whole with
+    ``fullgraph`` (``None``: eager)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), _Transposed(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with HookLogger(model, log_dir=log_dir, every=1, modules="*", optimizer=opt, numerics=FORMATS) as hooks:
+        run = model if fullgraph is None else torch.compile(model, backend="aot_eager", fullgraph=fullgraph)
+        for x in torch.randn(2, 4, 5, 6):
+            run(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            hooks.step()
+    return read_run(log_dir)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_a_compiled_non_contiguous_activation_gets_its_numerics_as_eager(tmp_path: Path, fullgraph: bool) -> None:
+    """A non-contiguous output's numerics in compiled code: no ``out=`` into a buffer of its
+    strides, which dynamo refuses (with ``fullgraph=True`` that stopped training at the first
+    logged forward); what eager mode writes, no graph break."""
+    eager = _transposing(tmp_path / "eager", fullgraph=None)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = _transposing(tmp_path / "compiled", fullgraph=fullgraph)
+    assert counters["graph_break"] == {}
+    tags = [t for t in eager.scalars if t.startswith("activation/") and t.endswith("/1")]
+    assert {"activation/underflow_fp16/1", "activation/underflow_e5m2/1"} <= set(tags)
+    for tag in tags:
+        assert compiled.scalars[tag] == pytest.approx(eager.scalars[tag], rel=1e-5), tag

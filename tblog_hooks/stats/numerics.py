@@ -149,8 +149,8 @@ def measure(x: Tensor, units: int, *, channels: bool, given: Mapping[str, Tensor
     if own:
         below.nonzero("nonzero", a)
     for fmt in FORMATS.values():
-        if fmt.scaled:
-            torch.mul(a, scale * fmt.max, out=square)  # (the powers' buffer, free again)
+        if fmt.scaled:  # (into the powers' buffer, free again; dynamo writes into a contiguous one only)
+            square = torch.mul(a, scale * fmt.max, out=square) if square.is_contiguous() else a * (scale * fmt.max)
         below.counts(square if fmt.scaled else a, fmt)
     out.update(below.totals(first=int(own)))
     return out
