@@ -351,6 +351,15 @@ def titan_sharding(module: nn.Module) -> tuple[object | None, object | None, obj
     return (None if isinstance(output, tuple) else output), handed.get(first), given.get(first)
 
 
+def titan_state_shardings(module: nn.Module) -> list[object]:
+    """The layouts torchtitan's ``Module.parallelize`` gave the parameters of ``module`` (0.3.0:
+    its ``ShardingConfig``'s ``state_shardings``); none for a module it did not parallelize."""
+    config = getattr(module, "_sharding_config", None)
+    if config is None or not getattr(module, "_parallelized", False):
+        return []
+    return list((config.state_shardings or {}).values())
+
+
 def titan_local_map_output(module: nn.Module) -> object | None:
     """The layout of what the forward of ``module`` returns from inside its local-tensor region,
     where torchtitan's ``Module.parallelize`` runs that forward as one (0.3.0: a

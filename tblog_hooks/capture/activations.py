@@ -4,11 +4,13 @@ feature maps, and the order in which the modules first run."""
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from .._compat import tree_flatten, version
+from ..stats.binning import Sample
 from ..stats.feature_maps import feature_grid
 from ..stats.kinds import Computed
 from ..stats.numerics import Written
@@ -16,10 +18,13 @@ from ..stats.packing import Record
 from ..stats.recipe import Source
 from ..stats.reductions import loggable
 from ..topology.parallel import TensorParallel, along_units
-from ..topology.sharding import Split
+from ..topology.sharding import Pending, Split, TermsOf, terms
 from .output_gradients import OutputGradientRecorder
-from .passes import PassFilter
+from .passes import Counted, PassFilter
 from .step import Mode, Part, StepBuffer
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 #: Why ``logits=`` measures nothing of an output split over ranks.
 VOCABULARY_SPLIT = (
@@ -71,6 +76,7 @@ class ActivationRecorder:
         # Whether this step's forward calls included one in training mode, or in eval mode with
         # gradients enabled (a model left in eval mode while it trains).
         self._trained = self._evaluated = False
+        self._pending: list[Pending] = []  # this step's outputs that are terms of a sum over ranks, one per call
 
     def on_output(self, name: str, module: nn.Module, args: object, output: object) -> object | None:
         """Forward hook body: statistics of the output now, its gradient watched for later (of
@@ -99,6 +105,9 @@ class ActivationRecorder:
             tensors = loggable_leaves(output)
             if not tensors:
                 return None
+            summed_over = self.parallel.output_terms(module)
+            if summed_over is not None:
+                return self._terms(mode, name, output, tensors, summed_over, counted)
             pieces = self._pieces(module, tensors, units)
             if self.numerics is not None and not mode.compiled:  # (outputs recorded or not)
                 self.numerics.see(pieces[0][0].device.type)
@@ -118,6 +127,32 @@ class ActivationRecorder:
         except Exception as error:  # the logger must never stop training
             self.buffer.fail(name, error)
         return None
+
+    def _terms(
+        self, mode: Mode, name: str, output: object, tensors: list[Tensor], mesh: DeviceMesh, counted: Counted
+    ) -> object | None:
+        """Outputs that are this rank's terms of a sum over ``mesh`` (torchtitan's inner routed
+        experts, ``TensorParallel.output_terms``): copied, and recorded once reduced over the
+        ranks at the end of the step (:meth:`resolve`). Their gradient is the whole sum's, on
+        every rank."""
+        if self.activations and counted.activations:
+            self._pending += [terms(name, t.detach(), mesh, TermsOf.OUTPUT) for t in tensors]
+        if counted.gradients and self.gradients is not None:
+            return self.gradients.watch(mode, name, output, tensors, [None] * len(tensors))
+        return None
+
+    def take_terms(self) -> list[Pending]:
+        """This step's outputs still to be reduced over ranks (:meth:`_terms`); none held after."""
+        waiting, self._pending = self._pending, []
+        return waiting
+
+    def resolve(self, waiting: list[Pending], reduced: list[Tensor]) -> tuple[list[Record], list[Sample]]:
+        """Records and histogram samples of outputs that were terms of a sum, from those terms
+        ``reduced`` over ranks (``Ranks.finish``)."""
+        with torch.no_grad():
+            for p, t in zip(waiting, reduced):
+                self.buffer.eager.record(self._output, p.key, t, self.units.get(p.key, -1))
+        return self.buffer.drain()
 
     def _fp8_casts(self, mode: Mode, name: str, module: nn.Linear, args: object) -> None:
         """What fp8 training casts of a Linear at this call: its input and its weight (whole
@@ -170,13 +205,15 @@ class ActivationRecorder:
         enabled (and none was recorded for it, without ``eval_passes=True``)."""
         return self._evaluated and not self._trained and not self.passes.eval_passes
 
-    def mark(self) -> frozenset[str]:
-        """The feature maps taken so far this step, for :meth:`rewind`."""
-        return frozenset(self._mapped)
+    def mark(self) -> tuple[frozenset[str], int]:
+        """The feature maps taken so far this step, and how many outputs are held as terms, for :meth:`rewind`."""
+        return frozenset(self._mapped), len(self._pending)
 
-    def rewind(self, mark: frozenset[str]) -> None:
-        """The records made after ``mark`` were dropped: the feature maps they held are to be taken again."""
-        self._mapped = set(mark)
+    def rewind(self, mark: tuple[frozenset[str], int]) -> None:
+        """The records made after ``mark`` were dropped: the feature maps they held are to be
+        taken again, the terms held since dropped too."""
+        self._mapped = set(mark[0])
+        del self._pending[mark[1] :]
 
     def end_step(self) -> None:
         """A logged step ended: forget its passes, its feature maps and the last output."""

@@ -19,7 +19,7 @@ from ..stats.packing import Record
 from ..stats.recipe import Source
 from ..stats.reductions import loggable
 from ..stats.tags import Root
-from ..topology.sharding import Pending, Split, is_dtensor, local, pending, terms
+from ..topology.sharding import Pending, Split, TermsOf, is_dtensor, local, pending, terms
 from . import probes
 from .step import Mode, StepBuffer
 from .watched import Handles
@@ -85,9 +85,8 @@ class OutputGradientRecorder:
             if not loggable(grad):
                 return
             with torch.no_grad():
-                waiting = (
-                    terms(name, grad, summed_over) if summed_over is not None else pending(name, grad, output=True)
-                )
+                of = TermsOf.OUTPUT_GRADIENT
+                waiting = terms(name, grad, summed_over, of) if summed_over is not None else pending(name, grad, of)
                 if waiting is not None:
                     self._pending.append(waiting)
                     return

@@ -33,7 +33,7 @@ from ..stats.packing import Record
 from ..stats.recipe import Source
 from ..stats.reductions import FLOAT_DTYPES, loggable, norms, sparse_values
 from ..stats.tags import Root
-from ..topology.sharding import Pending, Split, local, pending
+from ..topology.sharding import Pending, Split, TermsOf, local, pending
 from .step import Part, StepBuffer
 from .watched import Watched
 
@@ -262,7 +262,7 @@ class ParameterRecorder:
             return (*sparse_values(grad), None)
         if not loggable(grad):
             return None
-        waiting = pending(key, grad)  # type: ignore[arg-type]  # loggable: a tensor
+        waiting = pending(key, grad, TermsOf.PARAMETER_GRADIENT)  # type: ignore[arg-type]  # loggable: a tensor
         if waiting is not None:  # read once reduced over ranks, at the end of the step
             if scale is not None:
                 waiting.terms.div_(scale.to(waiting.terms.device).reshape(()))

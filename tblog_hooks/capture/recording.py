@@ -22,7 +22,7 @@ from ..stats.recipe import Source
 from ..stats.reductions import units_dim
 from ..stats.tags import SCALE_TAG, SKIPPED_TAG
 from ..topology.parallel import TensorParallel
-from ..topology.sharding import Pending
+from ..topology.sharding import Pending, TermsOf
 from ..transport.distributed import rank_and_world
 from .activations import ActivationRecorder
 from .attention import AttentionRecorder
@@ -214,7 +214,7 @@ class Recording:
         ranks (``sharding.Pending``), ready for the current stream (``transport/streams.py``);
         the recorders are reset. ``dropped``: none (a step that is not written)."""
         records, samples = self.buffer.drain()
-        outputs = [] if self.gradients is None else self.gradients.end_step(records)
+        outputs = self.activations.take_terms() + ([] if self.gradients is None else self.gradients.end_step(records))
         graded, rows, waiting = self.parameters.end_step()
         if dropped:
             return [], [], []
@@ -235,12 +235,12 @@ class Recording:
             _warn_uncalled(silent)
 
     def resolve(self, waiting: list[Pending], reduced: list[Tensor]) -> tuple[list[Record], list[Sample]]:
-        """Records and histogram samples of the gradients placed ``Partial``, from their terms
-        ``reduced`` over ranks (``Ranks.finish``): parameters' and outputs' by their recorders."""
-        records: list[Record] = []
-        samples: list[Sample] = []
-        for output, recorder in ((False, self.parameters), (True, self.gradients)):
-            mine = [(p, t) for p, t in zip(waiting, reduced) if p.output is output]
+        """Records and histogram samples of the tensors placed ``Partial``, from their terms ``reduced`` over
+        ranks (``Ranks.finish``), by their recorders: parameters' and outputs' gradients, outputs."""
+        records, samples = list[Record](), list[Sample]()
+        recorders = {TermsOf.PARAMETER_GRADIENT: self.parameters, TermsOf.OUTPUT_GRADIENT: self.gradients}
+        for of, recorder in {**recorders, TermsOf.OUTPUT: self.activations}.items():
+            mine = [(p, t) for p, t in zip(waiting, reduced) if p.of is of]
             if mine and recorder is not None:
                 more, rows = recorder.resolve([p for p, _ in mine], [t for _, t in mine])
                 records, samples = records + more, samples + rows
@@ -338,7 +338,7 @@ def _uncalled(
     module used functionally or called through ``self.forward(...)`` runs no hook. An ``out_proj``
     whose attention recorded is not one (``Watched.computed_by_parent``)."""
     kind = buffer.recipe[Source.PARAM_GRAD]
-    read = {r.name for r in graded if r.kind is kind} | {p.key for p in waiting}
+    read = {r.name for r in graded if r.kind is kind} | {p.key for p in waiting if p.of is TermsOf.PARAMETER_GRADIENT}
     if not read:
         return []
     recorded = called | {r.name for r in records if r.kind.per_call}

@@ -69,7 +69,8 @@ class TensorParallel:
         self._styles: dict[int, tuple[DeviceMesh, tuple[Placement, ...] | None]] = {}  # id(module) -> its style
         self._prepared: dict[int, tuple[DeviceMesh, Placement]] = {}  # id(module) -> its prepared input
         self._titan: dict[int, titan.Layouts] = {}  # id(module) -> its torchtitan sharding layouts
-        self._partial: dict[int, str] = {}  # id(module) -> the local-tensor region of partial sums it runs in
+        self._partial: dict[int, titan.Region] = {}  # id(module) -> the local-tensor region of partial sums it runs in
+        self._summed_over: DeviceMesh | None = None  # the mesh the terms in those regions are summed over
         self._heads: dict[int, Split] = {}  # id(module) -> how the heads of the attention it calls are split
         #: How the data the latest boundaries left is placed, and its local shape (the latest
         #: first); an error where that cannot be told; ``None``: whole (no boundary yet in this forward).
@@ -87,7 +88,7 @@ class TensorParallel:
         self._styles = {id(m): style for m in modules if (style := parallel_output(m)) is not None}
         self._prepared = {id(m): prepared for m in modules if (prepared := prepared_input(m)) is not None}
         self._partial = {} if model is None else titan.partial_regions(model)
-        parallelized = None if model is None else titan.parallelized_mesh(model)
+        parallelized = self._summed_over = None if model is None else titan.parallelized_mesh(model)
         self._heads = {}
         for m in modules if parallelized is not None else []:
             if (heads := titan.local_heads(m, parallelized)) is not None:  # type: ignore[arg-type]
@@ -182,6 +183,14 @@ class TensorParallel:
                 out.append((t, self._placed_as_flow(t)))
         return out
 
+    def output_terms(self, module: nn.Module) -> DeviceMesh | None:
+        """The mesh over which the outputs of ``module`` are this rank's terms of a sum, from inputs
+        every rank holds whole (torchtitan's inner routed experts, ``titan.Region.summed``); ``None``
+        for any other module, and in compiled code, which :meth:`outputs` refuses."""
+        region = self._partial.get(id(module))
+        summed = region is not None and region.summed and not torch.compiler.is_compiling()
+        return self._summed_over if summed else None
+
     def gradient_terms(self, module: nn.Module) -> DeviceMesh | None:
         """The mesh over which ``module``'s output gradient will be a partial sum that no hook
         sees as such (a plain tensor ``Replicate`` under ``spmd_types``: each rank holds a term);
@@ -195,6 +204,8 @@ class TensorParallel:
         of a sum over ranks (its statistics are left out whole: its inputs too)."""
         if torch.compiler.is_compiling():
             return self._compiled(tensors)
+        if self.output_terms(module) is not None:  # (its inputs are the region's, handed whole)
+            return [(t, None) for t in tensors]
         self._check_region(module)
         return [local(t) if is_dtensor(t) else (t, self._placed_as_flow(t)) for t in tensors]
 
@@ -207,10 +218,11 @@ class TensorParallel:
 
     def _check_region(self, module: nn.Module) -> None:
         """Raises ``ValueError`` for a module inside a torchtitan local-tensor region whose
-        result is ``Partial`` (``titan.PARTIAL_REGION``)."""
+        result is ``Partial`` (``titan.PARTIAL_REGION``; its terms of that sum are
+        :meth:`output_terms`, whose callers take them apart)."""
         region = self._partial.get(id(module))
         if region is not None:
-            raise ValueError(titan.PARTIAL_REGION.format(region=region))
+            raise ValueError(titan.PARTIAL_REGION.format(region=region.name))
 
     def heads(self, module: nn.Module) -> Split | None:
         """How the attention heads of ``module`` are split over ranks: by its children whose

@@ -10,6 +10,7 @@ piece with its ``Split``; at the end of a logged step ``Ranks`` combines the pie
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -115,17 +116,25 @@ def placed(mesh: DeviceMesh, placements: tuple[Placement, ...], ndim: int) -> Sp
     return Split(mesh, dims, axes[0] if len(set(axes)) == 1 else None, axes)
 
 
+class TermsOf(enum.Enum):
+    """What a :class:`Pending` tensor is, and so which recorder records it once whole."""
+
+    PARAMETER_GRADIENT = "param_grad"
+    OUTPUT_GRADIENT = "gradient"
+    OUTPUT = "activation"
+
+
 class Pending(NamedTuple):
-    """A gradient placed ``Partial`` on some mesh dims: its local terms, copied, summed (or
-    reduced as the placement says) over those dims' ranks at the end of the step, when every
-    rank takes part (``Ranks.finish``); no hook enters a collective. ``output``: of a module's
-    output (``gradient/*``), else of a parameter (``param_grad/*``)."""
+    """A tensor placed ``Partial`` on some mesh dims (a gradient; the output of torchtitan's routed
+    experts): its local terms, copied, summed (or reduced as the placement says) over those dims'
+    ranks at the end of the step, when every rank takes part (``Ranks.finish``); no hook enters
+    a collective."""
 
     key: str
     terms: Tensor
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
-    output: bool = False
+    of: TermsOf = TermsOf.PARAMETER_GRADIENT
 
     @property
     def alike(self) -> tuple[object, ...]:
@@ -145,17 +154,18 @@ def is_partial(t: object) -> TypeGuard[DTensor]:
     return is_dtensor(t) and any(p.is_partial() for p in t.placements)
 
 
-def pending(key: str, t: Tensor, *, output: bool = False) -> Pending | None:
+def pending(key: str, t: Tensor, of: TermsOf) -> Pending | None:
     """A ``Pending`` copy of ``t`` if it is placed ``Partial`` (:func:`is_partial`), else ``None``."""
     if not is_partial(t):
         return None
-    return Pending(key, t.to_local().detach().clone(), t.device_mesh, tuple(t.placements), output)
+    return Pending(key, t.to_local().detach().clone(), t.device_mesh, tuple(t.placements), of)
 
 
-def terms(key: str, t: Tensor, mesh: DeviceMesh) -> Pending:
+def terms(key: str, t: Tensor, mesh: DeviceMesh, of: TermsOf) -> Pending:
     """A ``Pending`` copy of a plain tensor that holds this rank's term of a sum over ``mesh``
-    (torchtitan's ``spmd_types`` backend: the gradient of an output ``Replicate`` there)."""
-    return Pending(key, t.detach().clone(), mesh, (dtensor_api().Partial(),), True)
+    (torchtitan's ``spmd_types`` backend: the gradient of an output ``Replicate`` there; its
+    routed experts' output under tensor parallelism)."""
+    return Pending(key, t.detach().clone(), mesh, (dtensor_api().Partial(),), of)
 
 
 def local(t: Tensor) -> tuple[Tensor, Split | None]:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
-from .._compat import titan_backend, titan_local_map_output, titan_sharding
+from .._compat import titan_backend, titan_local_map_output, titan_sharding, titan_state_shardings
 from .sharding import Split, is_dtensor, placed
 
 if TYPE_CHECKING:
@@ -27,26 +27,43 @@ UNKNOWN_LAYOUT = (
 )
 
 PARTIAL_REGION = (
-    "it runs inside the local-tensor region of {region!r}, whose result is Partial over the tensor-parallel ranks "
-    "(torchtitan's routed experts: each rank computes its share of the expert hidden units), so its output on each "
-    "rank is a term of a sum over the ranks, which no piece's statistics tell; its statistics are not recorded "
-    "(those of {region!r}, whose output is reduced, are)"
+    "it runs inside the local-tensor region of {region!r}, whose result is Partial over the tensor-parallel ranks, "
+    "and neither takes that region's whole input nor holds parameters split over those ranks, so how its output "
+    "on each rank adds up to the whole is said nowhere; its statistics are not recorded (those of {region!r}, "
+    "whose output is reduced, are)"
 )
 
 
-def partial_regions(model: nn.Module) -> dict[int, str]:
+class Region(NamedTuple):
+    """Where a module runs inside a local-tensor region whose result is ``Partial`` over the
+    tensor-parallel axis (torchtitan's routed experts without expert parallelism)."""
+
+    #: The region's module name.
+    name: str
+    #: Whether the module returns this rank's term of a sum over the tensor-parallel ranks, from
+    #: inputs every rank holds whole: it holds parameters split over those ranks (each rank its
+    #: share of the experts' hidden units) and the region is handed its input ``Replicate``.
+    summed: bool
+
+
+def partial_regions(model: nn.Module) -> dict[int, Region]:
     """The modules of a tensor-parallel model torchtitan parallelized (:func:`parallelized_mesh`)
     that run inside a local-tensor region whose result is ``Partial`` over the tensor-parallel
-    axis, by ``id``, each with the region's name: what they return is a partial sum."""
+    axis, by ``id``: what they return is a partial sum."""
     if parallelized_mesh(model) is None:
         return {}
     import spmd_types  # (installed with torchtitan)
 
-    inside: dict[int, str] = {}
+    inside: dict[int, Region] = {}
     for name, module in model.named_modules():
         layout = titan_local_map_output(module)
         if layout is not None and not isinstance(layout, tuple) and _types(layout).get(TP) is spmd_types.P:
-            inside.update({id(m): name for m in module.modules() if m is not module})
+            found = layouts(module)
+            whole = found is not None and found.handed is not None and found.handed.is_replicate()
+            for m in module.modules():
+                if m is not module:
+                    split = any(isinstance(_types(s).get(TP), spmd_types.Shard) for s in titan_state_shardings(m))
+                    inside[id(m)] = Region(name, whole and split)
     return inside
 
 
