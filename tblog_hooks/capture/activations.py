@@ -136,7 +136,7 @@ class ActivationRecorder:
         ranks at the end of the step (:meth:`resolve`). Their gradient is the whole sum's, on
         every rank."""
         if self.activations and counted.activations:
-            self._pending += [terms(name, t.detach(), mesh, TermsOf.OUTPUT) for t in tensors]
+            self._pending += [terms(name, t, mesh, TermsOf.OUTPUT) for t in tensors]
         if counted.gradients and self.gradients is not None:
             return self.gradients.watch(mode, name, output, tensors, [None] * len(tensors))
         return None
