@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from contextlib import nullcontext
 
 import torch
@@ -81,6 +82,13 @@ def main() -> None:
                 progress.set_postfix(loss=f"{loss.item() * args.accumulate:.3f}")
     if distributed:
         dist.destroy_process_group()
+        # DDP keeps the gloo process group and its worker threads alive into interpreter teardown,
+        # where a worker dropping its last collective's tensors must take the GIL of a finalizing
+        # interpreter, which aborts the process (SIGABRT, "terminate called without an active
+        # exception"; pytorch/pytorch#179291): training is done and written, so leave without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
