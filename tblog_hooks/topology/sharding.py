@@ -119,9 +119,9 @@ def placed(mesh: DeviceMesh, placements: tuple[Placement, ...], ndim: int) -> Sp
 class TermsOf(enum.Enum):
     """What a :class:`Pending` tensor is, and so which recorder records it once whole."""
 
-    PARAMETER_GRADIENT = "param_grad"
-    OUTPUT_GRADIENT = "gradient"
-    OUTPUT = "activation"
+    PARAMETER_GRADIENT = enum.auto()
+    OUTPUT_GRADIENT = enum.auto()
+    OUTPUT = enum.auto()
 
 
 class Pending(NamedTuple):
@@ -134,7 +134,7 @@ class Pending(NamedTuple):
     terms: Tensor
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
-    of: TermsOf = TermsOf.PARAMETER_GRADIENT
+    of: TermsOf
 
     @property
     def alike(self) -> tuple[object, ...]:
